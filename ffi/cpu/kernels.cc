@@ -1,0 +1,249 @@
+#include "cpu/kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <complex>
+#include <cstring>
+#include <type_traits>
+
+namespace jaxcomm::cpu {
+
+namespace ffi = xla::ffi;
+
+const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kProd: return "prod";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+  }
+  return "?";
+}
+
+namespace {
+
+// bfloat16 <-> float, round to nearest even, NaN kept quiet.
+struct BF16 {
+  uint16_t bits;
+};
+inline float Load(BF16 v) {
+  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline BF16 StoreBF16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BF16{static_cast<uint16_t>((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return BF16{static_cast<uint16_t>(u >> 16)};
+}
+
+template <typename T>
+struct Acc {
+  using type = T;
+  static type Load(T v) { return v; }
+  static T Store(type v) { return v; }
+};
+template <>
+struct Acc<BF16> {
+  using type = float;
+  static float Load(BF16 v) { return jaxcomm::cpu::Load(v); }
+  static BF16 Store(float v) { return StoreBF16(v); }
+};
+template <>
+struct Acc<_Float16> {
+  using type = float;
+  static float Load(_Float16 v) { return static_cast<float>(v); }
+  static _Float16 Store(float v) { return static_cast<_Float16>(v); }
+};
+
+template <typename A>
+constexpr bool kIsFloating = std::is_floating_point_v<A>;
+
+template <typename A>
+struct SumOp {
+  static A Apply(A a, A b) { return a + b; }
+};
+template <typename A>
+struct ProdOp {
+  static A Apply(A a, A b) { return a * b; }
+};
+// min/max propagate NaN, as XLA's do.
+template <typename A>
+struct MinOp {
+  static A Apply(A a, A b) {
+    if constexpr (kIsFloating<A>) {
+      if (std::isnan(b)) return b;
+    }
+    return b < a ? b : a;
+  }
+};
+template <typename A>
+struct MaxOp {
+  static A Apply(A a, A b) {
+    if constexpr (kIsFloating<A>) {
+      if (std::isnan(b)) return b;
+    }
+    return a < b ? b : a;
+  }
+};
+
+template <typename T, template <typename> class Op>
+void ReduceTyped(const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
+                 size_t begin, size_t end) {
+  using A = typename Acc<T>::type;
+  constexpr size_t kBlock = 2048;  // accumulator stays in L1
+  A acc[kBlock];
+  const size_t n_in = inputs.size();
+  for (size_t b = begin; b < end; b += kBlock) {
+    const size_t n = std::min(kBlock, end - b);
+    const T* s0 = static_cast<const T*>(inputs[0]) + b;
+    for (size_t i = 0; i < n; ++i) acc[i] = Acc<T>::Load(s0[i]);
+    for (size_t j = 1; j < n_in; ++j) {
+      const T* s = static_cast<const T*>(inputs[j]) + b;
+      for (size_t i = 0; i < n; ++i) acc[i] = Op<A>::Apply(acc[i], Acc<T>::Load(s[i]));
+    }
+    for (void* out : outputs) {
+      T* d = static_cast<T*>(out) + b;
+      if constexpr (std::is_same_v<A, T>) {
+        std::memcpy(d, acc, n * sizeof(T));
+      } else {
+        for (size_t i = 0; i < n; ++i) d[i] = Acc<T>::Store(acc[i]);
+      }
+    }
+  }
+}
+
+template <typename T>
+bool DispatchOp(ReduceOp op, const std::vector<const void*>& in, const std::vector<void*>& out,
+                size_t begin, size_t end, bool run) {
+  constexpr bool ordered = !std::is_same_v<T, std::complex<float>> &&
+                           !std::is_same_v<T, std::complex<double>>;
+  switch (op) {
+    case ReduceOp::kSum:
+      if (run) ReduceTyped<T, SumOp>(in, out, begin, end);
+      return true;
+    case ReduceOp::kProd:
+      if (run) ReduceTyped<T, ProdOp>(in, out, begin, end);
+      return true;
+    case ReduceOp::kMin:
+      if constexpr (ordered) {
+        if (run) ReduceTyped<T, MinOp>(in, out, begin, end);
+        return true;
+      }
+      return false;
+    case ReduceOp::kMax:
+      if constexpr (ordered) {
+        if (run) ReduceTyped<T, MaxOp>(in, out, begin, end);
+        return true;
+      }
+      return false;
+  }
+  return false;
+}
+
+bool Dispatch(ffi::DataType dtype, ReduceOp op, const std::vector<const void*>& in,
+              const std::vector<void*>& out, size_t begin, size_t end, bool run) {
+  switch (dtype) {
+    case ffi::DataType::PRED:  // min/max/prod of 0/1 bytes: and/or
+      return op != ReduceOp::kSum && DispatchOp<uint8_t>(op, in, out, begin, end, run);
+    case ffi::DataType::S8: return DispatchOp<int8_t>(op, in, out, begin, end, run);
+    case ffi::DataType::S16: return DispatchOp<int16_t>(op, in, out, begin, end, run);
+    case ffi::DataType::S32: return DispatchOp<int32_t>(op, in, out, begin, end, run);
+    case ffi::DataType::S64: return DispatchOp<int64_t>(op, in, out, begin, end, run);
+    case ffi::DataType::U8: return DispatchOp<uint8_t>(op, in, out, begin, end, run);
+    case ffi::DataType::U16: return DispatchOp<uint16_t>(op, in, out, begin, end, run);
+    case ffi::DataType::U32: return DispatchOp<uint32_t>(op, in, out, begin, end, run);
+    case ffi::DataType::U64: return DispatchOp<uint64_t>(op, in, out, begin, end, run);
+    case ffi::DataType::F16: return DispatchOp<_Float16>(op, in, out, begin, end, run);
+    case ffi::DataType::BF16: return DispatchOp<BF16>(op, in, out, begin, end, run);
+    case ffi::DataType::F32: return DispatchOp<float>(op, in, out, begin, end, run);
+    case ffi::DataType::F64: return DispatchOp<double>(op, in, out, begin, end, run);
+    case ffi::DataType::C64: return DispatchOp<std::complex<float>>(op, in, out, begin, end, run);
+    case ffi::DataType::C128: return DispatchOp<std::complex<double>>(op, in, out, begin, end, run);
+    default: return false;
+  }
+}
+
+}  // namespace
+
+bool ReduceSupported(ffi::DataType dtype, ReduceOp op) {
+  static const std::vector<const void*> kNoIn;
+  static const std::vector<void*> kNoOut;
+  return Dispatch(dtype, op, kNoIn, kNoOut, 0, 0, /*run=*/false);
+}
+
+std::string Reduce(ffi::DataType dtype, ReduceOp op, const std::vector<const void*>& inputs,
+                   const std::vector<void*>& outputs, size_t begin, size_t end) {
+  if (begin >= end || inputs.empty()) return "";
+  if (!Dispatch(dtype, op, inputs, outputs, begin, end, /*run=*/true)) {
+    return std::string("reduction '") + ReduceOpName(op) + "' is not supported for this dtype";
+  }
+  return "";
+}
+
+std::vector<int64_t> RowMajorStrides(const std::vector<int64_t>& dims, int64_t item_bytes) {
+  std::vector<int64_t> strides(dims.size());
+  int64_t s = item_bytes;
+  for (size_t i = dims.size(); i-- > 0;) {
+    strides[i] = s;
+    s *= dims[i];
+  }
+  return strides;
+}
+
+void BlockCopy::Compile() {
+  std::vector<int64_t> shape2, src2, dst2;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == 1) continue;
+    if (!shape2.empty() && src2.back() == shape[i] * src_strides[i] &&
+        dst2.back() == shape[i] * dst_strides[i]) {
+      shape2.back() *= shape[i];
+      src2.back() = src_strides[i];
+      dst2.back() = dst_strides[i];
+    } else {
+      shape2.push_back(shape[i]);
+      src2.push_back(src_strides[i]);
+      dst2.push_back(dst_strides[i]);
+    }
+  }
+  shape = std::move(shape2);
+  src_strides = std::move(src2);
+  dst_strides = std::move(dst2);
+}
+
+void BlockCopy::Run(const char* src, char* dst) const {
+  const size_t nd = shape.size();
+  if (nd == 0) {
+    std::memcpy(dst, src, item_bytes);
+    return;
+  }
+  for (int64_t d : shape) {
+    if (d == 0) return;
+  }
+  // The innermost dimension is contiguous on both sides after Compile (row-major operands).
+  const bool inner_contiguous = src_strides[nd - 1] == item_bytes && dst_strides[nd - 1] == item_bytes;
+  const size_t loop_dims = inner_contiguous ? nd - 1 : nd;
+  const size_t chunk = inner_contiguous ? static_cast<size_t>(shape[nd - 1] * item_bytes) : item_bytes;
+  std::vector<int64_t> idx(loop_dims, 0);
+  while (true) {
+    int64_t so = 0, dof = 0;
+    for (size_t i = 0; i < loop_dims; ++i) {
+      so += idx[i] * src_strides[i];
+      dof += idx[i] * dst_strides[i];
+    }
+    std::memcpy(dst + dof, src + so, chunk);
+    size_t k = loop_dims;
+    while (k > 0) {
+      --k;
+      if (++idx[k] < shape[k]) break;
+      idx[k] = 0;
+      if (k == 0) return;
+    }
+    if (loop_dims == 0) return;
+  }
+}
+
+}  // namespace jaxcomm::cpu

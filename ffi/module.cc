@@ -1,0 +1,58 @@
+// The extension module: hands XLA FFI handler capsules and the state type to Python,
+// which registers them (jaxcomm/_src/runtime.py). No XLA symbol is linked in: handlers
+// reach XLA only through the FFI C API table passed at call time.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "core/registry.h"
+#include "core/rendezvous.h"
+#include "cpu/handlers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+const XLA_FFI_TypeInfo kInstructionStateInfo =
+    xla::ffi::MakeTypeInfo<jaxcomm::InstructionState>();
+
+}  // namespace
+
+NB_MODULE(_jaxcomm, m) {
+  m.doc() = "jaxcomm native runtime: XLA FFI handlers for the host backend";
+
+  m.def("cpu_targets", [] {
+    nb::dict targets;
+    auto stages = [](XLA_FFI_Handler* execute) {
+      nb::dict d;
+      d["instantiate"] = Capsule(jaxcomm::cpu::kInstantiate);
+      d["execute"] = Capsule(execute);
+      return d;
+    };
+    targets["all_reduce"] = stages(jaxcomm::cpu::kAllReduce);
+    targets["all_gather"] = stages(jaxcomm::cpu::kAllGather);
+    targets["reduce_scatter"] = stages(jaxcomm::cpu::kReduceScatter);
+    targets["all_to_all"] = stages(jaxcomm::cpu::kAllToAll);
+    targets["ppermute"] = stages(jaxcomm::cpu::kPermute);
+    targets["broadcast"] = stages(jaxcomm::cpu::kBroadcast);
+    return targets;
+  }, "Maps op name -> {stage: handler capsule} for platform 'cpu'.");
+
+  m.def("state_type", [] {
+    nb::dict d;
+    d["type_id"] = nb::capsule(reinterpret_cast<void*>(&jaxcomm::InstructionState::id));
+    d["type_info"] = nb::capsule(reinterpret_cast<void*>(
+        const_cast<XLA_FFI_TypeInfo*>(&kInstructionStateInfo)));
+    return d;
+  }, "The FFI type registration of the per-instruction rendezvous state.");
+
+  m.def("rounds_in_flight_total", [] {
+    auto& r = jaxcomm::Registry::Get();
+    return nb::make_tuple(r.rounds_completed.load(), r.rounds_failed.load());
+  }, "(completed, failed) collective rounds since start.");
+}

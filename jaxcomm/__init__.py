@@ -1,0 +1,23 @@
+"""jaxcomm: collectives and MoE expert-parallel dispatch/combine for JAX.
+
+The ops run inside ``jax.shard_map`` (under ``jax.jit``) over mesh axes, with the
+semantics of their ``jax.lax`` namesakes; on CPU they are jaxcomm's own XLA FFI
+handlers. See README.md for the API table and configuration.
+"""
+
+from jaxcomm._src.ops.alltoall import all_to_all
+from jaxcomm._src.ops.broadcast import broadcast
+from jaxcomm._src.ops.gather import all_gather
+from jaxcomm._src.ops.permute import ppermute
+from jaxcomm._src.ops.reduce import all_reduce, reduce_scatter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "ppermute",
+    "reduce_scatter",
+]

@@ -1,0 +1,40 @@
+"""jaxcomm's configuration: keyword arguments first, then ``JAXCOMM_*`` variables.
+
+=====================  =========  ===========================================================
+variable               default    meaning
+=====================  =========  ===========================================================
+JAXCOMM_TIMEOUT_S      300        deadline of every wait inside a collective, in seconds
+JAXCOMM_BACKEND        auto       ``auto``: jaxcomm's handlers where the platform has them,
+                                  else jax.lax; ``jaxcomm``: always (error where none);
+                                  ``xla``: always lower to the jax.lax equivalent
+=====================  =========  ===========================================================
+
+Values are read when a program is traced, so they apply to programs traced afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+
+_BACKENDS = ("auto", "jaxcomm", "xla")
+
+
+def timeout_ms(timeout_s: float | None = None) -> int:
+    """The collective deadline in milliseconds: the argument, else JAXCOMM_TIMEOUT_S."""
+    if timeout_s is None:
+        raw = os.environ.get("JAXCOMM_TIMEOUT_S", "300")
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"JAXCOMM_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
+    if not timeout_s > 0:
+        raise ValueError(f"the collective timeout must be positive, got {timeout_s} s")
+    return max(1, int(round(timeout_s * 1000)))
+
+
+def backend() -> str:
+    """JAXCOMM_BACKEND, validated."""
+    value = os.environ.get("JAXCOMM_BACKEND", "auto").strip().lower() or "auto"
+    if value not in _BACKENDS:
+        raise ValueError(f"JAXCOMM_BACKEND must be one of {_BACKENDS}, got {value!r}")
+    return value

@@ -1,0 +1,45 @@
+"""Mesh axis names -> group size and replica groups (pure Python, no I/O)."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+from jaxcomm._src import compat
+
+AxisName = Hashable | tuple[Hashable, ...]
+
+
+def normalize_axes(op: str, axis_name: AxisName) -> tuple:
+    """``axis_name`` as a non-empty tuple of names bound by the enclosing shard_map.
+
+    Raises NameError naming the op and the axes in scope when a name is unknown.
+    """
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not axes:
+        raise ValueError(f"jaxcomm.{op}: axis_name must name at least one mesh axis")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"jaxcomm.{op}: axis_name {axes} repeats an axis")
+    for name in axes:
+        if isinstance(name, int):
+            raise TypeError(f"jaxcomm.{op}: axis_name must be mesh axis names, got the integer {name}")
+        if not compat.axis_exists(name):
+            raise NameError(
+                f"jaxcomm.{op}: unknown axis name {name!r}. jaxcomm collectives run inside "
+                f"jax.shard_map (or a vmap with axis_name), over the axes it binds.")
+    return axes
+
+
+def group_size(axes: tuple) -> int:
+    """Number of ranks in each group of a collective over ``axes``."""
+    size = 1
+    for name in axes:
+        size *= compat.axis_size(name)
+    return size
+
+
+def describe(axes: tuple) -> str:
+    return repr(axes[0]) if len(axes) == 1 else repr(axes)
+
+
+def replica_groups(axis_context: Any, axes: tuple) -> tuple[tuple[int, ...], ...]:
+    return compat.replica_groups(axis_context, axes)

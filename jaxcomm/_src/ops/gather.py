@@ -1,0 +1,70 @@
+"""all_gather: every rank receives every rank's block. Handler: ffi/cpu/handlers.cc (AllGather)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import ad
+
+from jaxcomm._src import groups, primitive
+from jaxcomm._src.ops import common
+
+
+def _gather_shape(shape: tuple, size: int, *, axis: int, **_: Any) -> tuple:
+    out = list(shape)
+    out[axis] *= size
+    return tuple(out)
+
+
+# The primitive always gathers "tiled" along an existing dimension; the untiled form
+# inserts a size-1 dimension first, which has the same memory layout.
+all_gather_p = primitive.define(primitive.CollectiveSpec(
+    name="all_gather",
+    out_shape=_gather_shape,
+    invariant_result=False,
+    ffi_attrs=lambda axis, **_: {"axis_index": axis},
+    shift_axes=lambda p: {**p, "axis": p["axis"] + 1},
+))
+
+
+def _all_gather_transpose(ct: Any, x: Any, *, axis: int, **params: Any):
+    from jaxcomm._src.ops.reduce import reduce_scatter_p  # the two transpose into each other
+    if type(ct) is ad.Zero:
+        return [ad.Zero(x.aval)]
+    return [reduce_scatter_p.bind(ct, op="sum", scatter_dimension=axis, **params)]
+
+
+ad.deflinear2(all_gather_p, _all_gather_transpose)
+
+
+def all_gather(x: jax.Array, axis_name: Any, *, axis: int = 0, tiled: bool = False,
+               timeout_s: float | None = None) -> jax.Array:
+    """Gathers ``x`` from every rank of the group: ``jax.lax.all_gather``.
+
+    Args:
+      x: array of any shape and dtype (scalars only with ``tiled=False``).
+      axis_name: mesh axis name or tuple of names.
+      axis: where the group dimension goes (``tiled=False``: a new dimension of size R
+        inserted at ``axis``; ``tiled=True``: dimension ``axis`` grows R-fold).
+
+    Example::
+
+        # x: f32[2] on each of 4 ranks -> f32[4, 2] (tiled=False) or f32[8] (tiled=True)
+        jaxcomm.all_gather(x, "x")
+    """
+    x = jnp.asarray(x)
+    if tiled:
+        if x.ndim == 0:
+            raise ValueError("jaxcomm.all_gather: tiled=True needs an operand with a dimension")
+        dim = common.canonical_axis("all_gather", "axis", axis, x.ndim)
+    else:
+        dim = common.canonical_axis("all_gather", "axis", axis, x.ndim + 1)
+    if common.use_xla("all_gather"):
+        groups.normalize_axes("all_gather", axis_name)
+        return jax.lax.all_gather(x, axis_name, axis=dim, tiled=tiled)
+    x, params = common.prepare("all_gather", x, axis_name, timeout_s)
+    if not tiled:
+        x = jnp.expand_dims(x, dim)
+    return all_gather_p.bind(x, axis=dim, **params)

@@ -1,0 +1,209 @@
+"""all_reduce and reduce_scatter: the ops that combine values across the group.
+
+Python primitives here; C++ handlers in ffi/cpu/handlers.cc (AllReduce, ReduceScatter);
+the kernels in ffi/cpu/kernels.cc.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import ad
+
+from jaxcomm._src import compat, groups, primitive
+from jaxcomm._src.ops import common
+from jaxcomm._src.ops.gather import all_gather_p
+
+REDUCE_OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
+ALL_REDUCE_OPS = (*REDUCE_OPS, "mean")
+
+
+def _check_op(name: str, op: str, dtype: np.dtype, allowed: tuple[str, ...]) -> None:
+    if op not in allowed:
+        raise ValueError(f"jaxcomm.{name}: unknown op {op!r}; expected one of {allowed}")
+    if op in ("min", "max") and jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(f"jaxcomm.{name}: op={op!r} is not defined for complex dtype {dtype}")
+    if not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
+        raise TypeError(f"jaxcomm.{name}: dtype {dtype} is not supported")
+
+
+# ------------------------------------------------------------------------------ all_reduce
+
+all_reduce_p = primitive.define(primitive.CollectiveSpec(
+    name="all_reduce",
+    out_shape=lambda shape, size, **_: shape,
+    invariant_result=True,
+    ffi_attrs=lambda op, **_: {"reduce_op": REDUCE_OPS[op]},
+    aliases=True,
+))
+
+
+def _all_reduce_jvp(primals: Any, tangents: Any, *, op: str, **params: Any):
+    (x,), (t,) = primals, tangents
+    y = all_reduce_p.bind(x, op=op, **params)
+    if type(t) is ad.Zero:
+        return y, ad.Zero.from_primal_value(y)
+    if op == "sum":
+        return y, all_reduce_p.bind(t, op="sum", **params)
+    if op in ("max", "min"):
+        # The subgradient that splits the tangent evenly among the ranks that hold the
+        # extremum (ties share it), like jnp.max's.
+        hit = (x == y).astype(t.dtype)
+        num = all_reduce_p.bind(t * hit, op="sum", **params)
+        den = all_reduce_p.bind(hit, op="sum", **params)
+        return y, num / den
+    if op == "prod":
+        # d(prod_k x_k) = sum_j t_j * prod_{k != j} x_k, exact also where some x_k == 0.
+        gathered = all_gather_p.bind(x[None], **params, axis=0)
+        me = jax.lax.axis_index(params["axes"])
+        others = jnp.where((jnp.arange(gathered.shape[0]) == me).reshape((-1,) + (1,) * x.ndim),
+                           jnp.ones_like(gathered), gathered)
+        return y, all_reduce_p.bind(t * jnp.prod(others, axis=0), op="sum", **params)
+    raise AssertionError(op)
+
+
+def _all_reduce_transpose(ct: Any, x: Any, *, op: str, **params: Any):
+    if op != "sum":
+        raise NotImplementedError(f"jaxcomm.all_reduce(op={op!r}) is not linear; only 'sum' transposes")
+    if type(ct) is ad.Zero:
+        return [ad.Zero(x.aval)]
+    if params["vma_checked"]:
+        # psum with check_vma is variant -> invariant; its transpose is the varying cast.
+        return [compat.pvary(ct, params["axes"])]
+    return [all_reduce_p.bind(ct, op="sum", **params)]
+
+
+ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
+ad.primitive_transposes[all_reduce_p] = _all_reduce_transpose
+
+
+def all_reduce(x: jax.Array, axis_name: Any, *, op: str = "sum",
+               timeout_s: float | None = None) -> jax.Array:
+    """Reduces ``x`` over the group: ``jax.lax.psum``/``pmax``/``pmin``/``pmean`` (and prod).
+
+    Args:
+      x: array of any shape; numeric or bool dtype (bool sums to int32, as in psum).
+      axis_name: mesh axis name or tuple of names of the enclosing ``shard_map``.
+      op: ``"sum" | "prod" | "min" | "max" | "mean"``.
+      timeout_s: deadline for the ranks to meet (default ``JAXCOMM_TIMEOUT_S``, 300 s).
+
+    Returns:
+      An array of ``x``'s shape, equal on every member of the group (``mean`` of an
+      integer input is float, as ``x / n`` is). Gradients: ``sum``/``mean`` as jax.lax;
+      ``max``/``min`` split the tangent evenly among tied extrema; ``prod`` is exact.
+
+    Example::
+
+        mesh = jax.make_mesh((8,), ("x",))
+        f = jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x"), mesh=mesh,
+                          in_specs=P("x"), out_specs=P())
+        jax.jit(f)(jnp.arange(8.0))   # -> [28.]
+    """
+    x = jnp.asarray(x)
+    _check_op("all_reduce", op, x.dtype, ALL_REDUCE_OPS)
+    if x.dtype == np.bool_ and op in ("sum", "mean"):
+        x = x.astype(np.int32)
+    if common.use_xla("all_reduce"):
+        return _lax_all_reduce(x, axis_name, op)
+    x, params = common.prepare("all_reduce", x, axis_name, timeout_s)
+    y = all_reduce_p.bind(x, op="sum" if op == "mean" else op, **params)
+    if op == "mean":
+        y = y / groups.group_size(params["axes"])
+    return y
+
+
+def _lax_all_reduce(x: jax.Array, axis_name: Any, op: str) -> jax.Array:
+    if op == "prod":
+        return jnp.prod(jax.lax.all_gather(x, axis_name), axis=0)
+    return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin,
+            "mean": jax.lax.pmean}[op](x, axis_name)
+
+
+# -------------------------------------------------------------------------- reduce_scatter
+
+def _reduce_scatter_shape(shape: tuple, size: int, *, scatter_dimension: int, **_: Any) -> tuple:
+    out = list(shape)
+    out[scatter_dimension] //= size
+    return tuple(out)
+
+
+reduce_scatter_p = primitive.define(primitive.CollectiveSpec(
+    name="reduce_scatter",
+    out_shape=_reduce_scatter_shape,
+    invariant_result=False,
+    ffi_attrs=lambda op, scatter_dimension, **_: {"reduce_op": REDUCE_OPS[op],
+                                                   "scatter_dimension": scatter_dimension},
+    shift_axes=lambda p: {**p, "scatter_dimension": p["scatter_dimension"] + 1},
+))
+
+
+def _reduce_scatter_jvp(primals: Any, tangents: Any, *, op: str, **params: Any):
+    (x,), (t,) = primals, tangents
+    y = reduce_scatter_p.bind(x, op=op, **params)
+    if type(t) is ad.Zero:
+        return y, ad.Zero.from_primal_value(y)
+    if op != "sum":
+        raise NotImplementedError(
+            f"jaxcomm.reduce_scatter(op={op!r}) has no gradient rule; only op='sum' is differentiable")
+    return y, reduce_scatter_p.bind(t, op="sum", **params)
+
+
+def _reduce_scatter_transpose(ct: Any, x: Any, *, op: str, scatter_dimension: int, **params: Any):
+    assert op == "sum"
+    if type(ct) is ad.Zero:
+        return [ad.Zero(x.aval)]
+    return [all_gather_p.bind(ct, axis=scatter_dimension, **params)]
+
+
+ad.primitive_jvps[reduce_scatter_p] = _reduce_scatter_jvp
+ad.primitive_transposes[reduce_scatter_p] = _reduce_scatter_transpose
+
+
+def reduce_scatter(x: jax.Array, axis_name: Any, *, scatter_dimension: int = 0, op: str = "sum",
+                   tiled: bool = False, timeout_s: float | None = None) -> jax.Array:
+    """Reduces ``x`` over the group and leaves rank ``i`` the ``i``-th block: ``lax.psum_scatter``.
+
+    Args:
+      x: array with ``x.shape[scatter_dimension]`` equal to the group size R
+        (``tiled=False``) or divisible by it (``tiled=True``).
+      axis_name: mesh axis name or tuple of names.
+      scatter_dimension: the dimension split into R blocks.
+      op: ``"sum" | "prod" | "min" | "max"`` (only ``"sum"`` is differentiable).
+      tiled: keep the dimension (size divided by R) instead of removing it.
+
+    Example::
+
+        # x: f32[8, 3] on each of 8 ranks of axis "x" -> f32[3] on each rank
+        jaxcomm.reduce_scatter(x, "x")
+    """
+    x = jnp.asarray(x)
+    _check_op("reduce_scatter", op, x.dtype, tuple(REDUCE_OPS))
+    if x.ndim == 0:
+        raise ValueError("jaxcomm.reduce_scatter: the operand must have at least one dimension")
+    dim = common.canonical_axis("reduce_scatter", "scatter_dimension", scatter_dimension, x.ndim)
+    if x.dtype == np.bool_ and op == "sum":
+        x = x.astype(np.int32)
+    axes = groups.normalize_axes("reduce_scatter", axis_name)
+    size = groups.group_size(axes)
+    n = x.shape[dim]
+    if tiled and n % size:
+        raise ValueError(f"jaxcomm.reduce_scatter: dimension {dim} of size {n} is not divisible by "
+                         f"the group size {size} of axis {groups.describe(axes)}")
+    if not tiled and n != size:
+        raise ValueError(f"jaxcomm.reduce_scatter: with tiled=False dimension {dim} must equal the "
+                         f"group size {size} of axis {groups.describe(axes)}, got {n}")
+    if common.use_xla("reduce_scatter"):
+        if op != "sum":
+            y = _lax_all_reduce(x, axis_name, op)
+            idx = jax.lax.axis_index(axis_name)
+            blk = n // size
+            y = jax.lax.dynamic_slice_in_dim(y, idx * blk, blk, dim)
+            return y if tiled else jnp.squeeze(y, dim)
+        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
+    x, params = common.prepare("reduce_scatter", x, axis_name, timeout_s)
+    y = reduce_scatter_p.bind(x, op=op, scatter_dimension=dim, **params)
+    return y if tiled else jnp.squeeze(y, dim)

@@ -1,0 +1,119 @@
+"""Shared machinery for defining a jaxcomm collective as a JAX primitive.
+
+Every op is one primitive with: an abstract eval that types the result's varying mesh
+axes as jax.lax does; a batching rule (vmap over anything but the collective's own
+axes); a lowering to its XLA FFI handler on platforms jaxcomm serves; and, in the op's
+module, a transpose rule written with other jaxcomm primitives.
+
+The op modules under ``ops/`` describe each op with a :class:`CollectiveSpec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+import jax
+from jax._src import core
+from jax._src.interpreters import batching, mlir
+from jax._src.lib.mlir.dialects import hlo
+
+from jaxcomm._src import compat, groups, runtime
+
+# Params every collective primitive carries, besides the op's own.
+COMMON_PARAMS = ("axes", "call_site", "timeout_ms", "vma_checked")
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSpec:
+    """What distinguishes one collective primitive from another.
+
+    Attributes:
+      name: the public op name, e.g. ``"all_gather"``; the FFI target is ``jaxcomm_<name>``.
+      out_shape: the result shape from the operand shape, the group size and the params.
+      invariant_result: True when the result is the same on every member of the group
+        (all_reduce, broadcast): its type drops the group's axes from the varying set.
+      ffi_attrs: the op's own handler attributes, from the params.
+      shift_axes: the params after a batch dimension is inserted in front (vmap).
+      aliases: whether the result may reuse the operand's buffer (donation).
+    """
+
+    name: str
+    out_shape: Callable[..., tuple[int, ...]]
+    invariant_result: bool
+    ffi_attrs: Callable[..., dict[str, Any]]
+    shift_axes: Callable[[dict[str, Any]], dict[str, Any]] = lambda params: params
+    aliases: bool = False
+
+
+def _outside_shard_map(name: str) -> Callable[..., Any]:
+    def impl(*args: Any, **params: Any) -> Any:
+        raise NameError(f"jaxcomm.{name} must be called inside jax.shard_map over its axis_name")
+    return impl
+
+
+def define(spec: CollectiveSpec) -> core.Primitive:
+    """Creates and registers the primitive described by ``spec``."""
+    prim = core.Primitive(f"jaxcomm_{spec.name}")
+    prim.def_impl(_outside_shard_map(spec.name))
+
+    def abstract_eval(x: core.ShapedArray, **params: Any):
+        axes = params["axes"]
+        shape = spec.out_shape(x.shape, groups.group_size(axes), **_own(params))
+        out = x.update(shape=tuple(shape), weak_type=False)
+        if params["vma_checked"]:
+            varying = compat.vma(x)
+            if spec.invariant_result:
+                varying = varying - frozenset(axes)
+            out = compat.with_vma(out, varying)
+        return out, {compat.NamedAxisEffect(a) for a in axes}
+
+    prim.def_effectful_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, _ffi_lowering(spec), platform="cpu")
+    batching.fancy_primitive_batchers[prim] = _batcher(spec, prim)
+    return prim
+
+
+def _own(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k not in COMMON_PARAMS}
+
+
+def _ffi_lowering(spec: CollectiveSpec) -> Callable[..., Any]:
+    def lowering(ctx: mlir.LoweringRuleContext, x: Any, **params: Any) -> Any:
+        runtime.ensure_registered()
+        axes = params["axes"]
+        replica_groups = groups.replica_groups(ctx.module_context.axis_context, axes)
+        partition = hlo.partition_id()
+        pid_aval = core.ShapedArray((), np.uint32)
+        lower = jax.ffi.ffi_lowering(
+            runtime.target_name(spec.name),
+            operand_output_aliases={0: 0} if spec.aliases else None,
+        )
+        ctx = ctx.replace(avals_in=[*ctx.avals_in, pid_aval])
+        return lower(
+            ctx, x, partition,
+            call_site=params["call_site"],
+            axis=groups.describe(axes),
+            timeout_ms=int(params["timeout_ms"]),
+            groups=np.asarray(replica_groups, dtype=np.int64).reshape(-1),
+            group_size=len(replica_groups[0]),
+            **spec.ffi_attrs(x_aval=ctx.avals_in[0], group_size=len(replica_groups[0]),
+                             **_own(params)),
+        )
+    return lowering
+
+
+def _batcher(spec: CollectiveSpec, prim: core.Primitive) -> Callable[..., Any]:
+    def batcher(axis_data: Any, vals_in: Any, dims_in: Any, **params: Any):
+        (x,), (d,) = vals_in, dims_in
+        if axis_data.name in params["axes"]:
+            raise NotImplementedError(
+                f"jaxcomm.{spec.name} over the vmap axis {axis_data.name!r}: jaxcomm collectives "
+                f"run over shard_map mesh axes; use the jax.lax collective for a vmap axis_name.")
+        if d is None or d is batching.not_mapped:
+            return prim.bind(x, **params), batching.not_mapped
+        x = jax.numpy.moveaxis(x, d, 0)
+        return prim.bind(x, **spec.shift_axes(params)), 0
+    return batcher

@@ -1,0 +1,38 @@
+"""Loads the native extension and registers its FFI handlers with XLA, once, on demand.
+
+Importing jaxcomm does not touch a JAX backend; registration happens the first time a
+jaxcomm op is traced (the FFI state type must be registered after the CPU backend
+exists, which tracing guarantees).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+
+from jaxcomm import _jaxcomm  # the extension built from ffi/
+
+log = logging.getLogger("jaxcomm")
+
+#: Platforms with jaxcomm handlers. Others lower to jax.lax.
+PLATFORMS = ("cpu",)
+
+
+def target_name(op: str) -> str:
+    return f"jaxcomm_{op}"
+
+
+@functools.cache
+def ensure_registered() -> None:
+    """Registers every handler and the rendezvous state type with XLA:CPU."""
+    jax.devices("cpu")  # the FFI type registry lives in the CPU client
+    jax.ffi.register_ffi_type("jaxcomm_instruction_state", _jaxcomm.state_type(), platform="cpu")
+    for op, stages in _jaxcomm.cpu_targets().items():
+        jax.ffi.register_ffi_target(target_name(op), stages, platform="cpu")
+
+
+@functools.cache
+def log_fallback_once(op: str, reason: str) -> None:
+    log.warning("jaxcomm.%s lowers to its jax.lax equivalent: %s", op, reason)
