@@ -1,19 +1,30 @@
 #include "core/registry.h"
 
-#include <mutex>
+#include <cstdlib>
+#include <string>
 
 namespace jaxcomm {
 
-Registry& Registry::Get() {
-  // Leaked on purpose: XLA may still complete futures from its threads during interpreter
-  // shutdown, after static destructors would have run.
-  static Registry* registry = new Registry();
-  return *registry;
+namespace {
+constexpr int64_t kDefaultSpinUs = 50;
 }
 
-Watchdog& Registry::watchdog() {
-  std::call_once(watchdog_once_, [this] { watchdog_ = std::make_unique<Watchdog>(); });
-  return *watchdog_;
+Registry::Registry() {
+  int64_t spin = kDefaultSpinUs;
+  if (const char* env = std::getenv("JAXCOMM_SPIN_US")) {
+    try {
+      spin = std::stoll(env);
+    } catch (...) {
+      spin = kDefaultSpinUs;  // a malformed value must not break the program; Python validates
+    }
+  }
+  spin_us_.store(spin < 0 ? 0 : spin);
+}
+
+Registry& Registry::Get() {
+  // Leaked on purpose: XLA threads may still run handlers during interpreter shutdown.
+  static Registry* registry = new Registry();
+  return *registry;
 }
 
 }  // namespace jaxcomm

@@ -1,13 +1,10 @@
-// The one process-wide object jaxcomm keeps: services every communicator shares.
-// Everything else lives in per-instruction state owned by XLA's executables.
+// The one process-wide object jaxcomm keeps: settings and counters every communicator
+// shares. Everything else lives in per-instruction state owned by XLA's executables.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
-#include <memory>
-#include <mutex>
-
-#include "core/watchdog.h"
 
 namespace jaxcomm {
 
@@ -15,16 +12,17 @@ class Registry {
  public:
   static Registry& Get();
 
-  Watchdog& watchdog();
+  // How long a rank spins (yielding) before it sleeps while waiting for its peers.
+  std::chrono::microseconds spin() const { return std::chrono::microseconds(spin_us_.load(std::memory_order_relaxed)); }
+  void set_spin(std::chrono::microseconds us) { spin_us_.store(us.count(), std::memory_order_relaxed); }
 
-  // Counters for tests and stats: rounds completed and failed since start.
+  // Rounds completed and failed since start (tests, stats).
   std::atomic<int64_t> rounds_completed{0};
   std::atomic<int64_t> rounds_failed{0};
 
  private:
-  Registry() = default;
-  std::once_flag watchdog_once_;
-  std::unique_ptr<Watchdog> watchdog_;  // started on first use, not at import
+  Registry();
+  std::atomic<int64_t> spin_us_;
 };
 
 }  // namespace jaxcomm

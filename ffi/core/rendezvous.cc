@@ -1,7 +1,10 @@
 #include "core/rendezvous.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <sstream>
+#include <thread>
 
 #include "core/registry.h"
 
@@ -9,36 +12,78 @@ namespace jaxcomm {
 
 ffi::TypeId InstructionState::id = {};
 
+// One execution of one instruction by one group.
+struct Round {
+  enum Phase : int { kGathering = 0, kWorking = 1, kDone = 2, kFailed = 3 };
+
+  Round(int size, Clock::time_point d) : peers(size), arrived_flag(size, 0), partitions(size, -1), deadline(d) {}
+
+  // Written under the table's lock until the last rank arrives, read-only afterwards.
+  std::vector<Peer> peers;
+  std::vector<char> arrived_flag;
+  std::vector<int64_t> partitions;
+  int arrived = 0;
+  int parts = 1;
+  int64_t execution = 0;
+  int64_t group_index = 0;
+  std::shared_ptr<const std::vector<int64_t>> group;
+  const Clock::time_point deadline;
+
+  std::atomic<int> phase{kGathering};
+  std::atomic<int> parts_left{0};
+  std::mutex mu;  // guards `error` and the sleep/wake handshake
+  std::condition_variable cv;
+  std::string error;
+};
+
 namespace {
 
 constexpr size_t kMaxTombstones = 4096;
 
-// Below this many bytes of traffic one thread finishes sooner than a hand-off would.
+// Below this many bytes of traffic one thread finishes sooner than waking the others.
 constexpr size_t kSplitBytes = 512 * 1024;
 
-std::string RankPrefix(const Round& round, int rank) {
-  CallContext ctx;
-  ctx.op = round.op;
-  ctx.axis = round.axis;
-  ctx.call_site = round.call_site;
+void Wake(Round& round) {
+  std::lock_guard<std::mutex> lock(round.mu);
+  round.cv.notify_all();
+}
+
+// Waits until `done(phase)`; spins a little first (yielding, so that on an oversubscribed
+// machine the ranks we wait for get the core), then sleeps. False on deadline.
+template <typename Pred>
+bool WaitFor(Round& round, Pred done) {
+  const auto spin = Registry::Get().spin();
+  if (spin.count() > 0) {
+    const auto spin_until = Clock::now() + spin;
+    while (!done(round.phase.load(std::memory_order_acquire))) {
+      if (Clock::now() >= spin_until) break;
+      sched_yield();
+    }
+  }
+  if (done(round.phase.load(std::memory_order_acquire))) return true;
+  std::unique_lock<std::mutex> lock(round.mu);
+  return round.cv.wait_until(lock, round.deadline,
+                             [&] { return done(round.phase.load(std::memory_order_acquire)); });
+}
+
+bool Settled(int phase) { return phase == Round::kDone || phase == Round::kFailed; }
+
+std::string Prefix(const Round& round, const CallContext& base) {
+  CallContext ctx = base;
   ctx.group = round.group.get();
   ctx.group_index = round.group_index;
-  ctx.rank = rank;
-  ctx.partition = round.partitions[rank];
   ctx.execution = round.execution;
   return ctx.Describe();
 }
 
-void Complete(Round& round, const std::string& error) {
-  for (size_t r = 0; r < round.promises.size(); ++r) {
-    if (!round.promises[r]) continue;
-    if (error.empty()) {
-      round.promises[r]->SetAvailable();
-    } else {
-      round.promises[r]->SetError(ffi::Error::Internal(
-          RankPrefix(round, static_cast<int>(r)) + ": " + error));
-    }
+ffi::Error Result(const Round& round, const CallContext& ctx, ffi::ErrorCode code) {
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(const_cast<Round&>(round).mu);
+    error = round.error;
   }
+  if (error.empty()) return ffi::Error::Success();
+  return ffi::Error(code, Prefix(round, ctx) + ": " + error);
 }
 
 }  // namespace
@@ -70,135 +115,112 @@ void RoundTable::Tombstone(const Key& key) {
   }
 }
 
-ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const WorkFn> work,
-                               ffi::ThreadPool* pool) {
+void RoundTable::FailLocked(Round& round, const Key& key) {
+  const auto& group = *round.group;
+  std::vector<int> missing;
+  for (size_t r = 0; r < round.arrived_flag.size(); ++r) {
+    if (!round.arrived_flag[r]) missing.push_back(static_cast<int>(r));
+  }
+  std::ostringstream msg;
+  msg << "timed out (JAXCOMM_TIMEOUT_S / timeout_s) waiting for ranks [";
+  for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << missing[i];
+  msg << "] (partitions [";
+  for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << group[missing[i]];
+  msg << "]), which never arrived at this call; " << round.arrived << " of " << group.size()
+      << " ranks did. Ranks that skip a collective (e.g. under a lax.cond whose predicate "
+         "differs by rank) or run different programs cause this.";
+  {
+    std::lock_guard<std::mutex> lock(round.mu);
+    round.error = msg.str();
+  }
+  round.phase.store(Round::kFailed, std::memory_order_release);
+  rounds_.erase(key);
+  Tombstone(key);
+  Registry::Get().rounds_failed.fetch_add(1, std::memory_order_relaxed);
+}
+
+ffi::Error RoundTable::Run(CollectiveCall call, const WorkFn& work) {
   const int64_t g = call.ctx.group_index;
   const int rank = call.ctx.rank;
   const int size = static_cast<int>(groups_[g]->size());
   const Key key{call.run_id, g};
 
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  std::shared_ptr<Round> ready;
-  std::string refused;
+  std::shared_ptr<Round> round;
+  bool last = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (failed_.count(key)) {
-      refused = "the other ranks of this call already gave up on it (timed out); this rank "
-                "arrived too late";
-    } else {
-      std::shared_ptr<Round>& round = rounds_[key];
-      if (!round) {
-        round = std::make_shared<Round>(size);
-        round->execution = ++executions_[g];
-        round->group = groups_[g];
-        round->group_index = g;
-        round->op = std::string(call.ctx.op);
-        round->axis = std::string(call.ctx.axis);
-        round->call_site = std::string(call.ctx.call_site);
-        std::weak_ptr<RoundTable> weak_table = weak_from_this();
-        std::weak_ptr<Round> weak_round = round;
-        auto timeout = call.timeout;
-        round->watchdog_id = Registry::Get().watchdog().Schedule(
-            Clock::now() + timeout, [weak_table, key, weak_round, timeout] {
-              if (auto table = weak_table.lock()) table->Expire(key, weak_round, timeout);
-            });
-      }
-      if (round->promises[rank]) {
-        refused = "rank arrived twice at one call (internal error: instruction state shared "
-                  "by two programs?)";
-      } else {
-        round->peers[rank] = call.mine;
-        round->promises[rank].emplace(std::move(promise));
-        round->partitions[rank] = call.ctx.partition;
-        if (++round->arrived == size) {
-          ready = round;
-          rounds_.erase(key);
-        }
-      }
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                        call.ctx.Describe() +
+                            ": the other ranks of this call already gave up on it (timed out); "
+                            "this rank arrived too late");
+    }
+    std::shared_ptr<Round>& slot = rounds_[key];
+    if (!slot) {
+      slot = std::make_shared<Round>(size, Clock::now() + call.timeout);
+      slot->execution = ++executions_[g];
+      slot->group = groups_[g];
+      slot->group_index = g;
+      slot->parts = call.work_bytes >= kSplitBytes ? size : 1;
+    }
+    round = slot;
+    if (round->arrived_flag[rank]) {
+      return ffi::Error::Internal(call.ctx.Describe() +
+                                  ": rank arrived twice at one call (instruction state shared?)");
+    }
+    round->peers[rank] = call.mine;
+    round->arrived_flag[rank] = 1;
+    round->partitions[rank] = call.ctx.partition;
+    if (++round->arrived == size) {
+      last = true;
+      rounds_.erase(key);
     }
   }
-  if (!refused.empty()) {
-    CallContext ctx = call.ctx;
-    promise.SetError(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                                ctx.Describe() + ": " + refused));
-    return future;
-  }
-  if (ready) {
-    Registry::Get().watchdog().Cancel(ready->watchdog_id);
-    ExecuteRound(std::move(ready), std::move(work), call.work_bytes, pool);
-  }
-  return future;
-}
 
-void RoundTable::Expire(const Key& key, const std::weak_ptr<Round>& expected,
-                        std::chrono::milliseconds timeout) {
-  std::shared_ptr<Round> round;
-  {
+  if (last) {
+    if (round->parts == 1) {
+      std::string err = work(round->peers, 0, 1);
+      if (!err.empty()) {
+        std::lock_guard<std::mutex> lock(round->mu);
+        round->error = std::move(err);
+      }
+      round->phase.store(Round::kDone, std::memory_order_release);
+      Wake(*round);
+      Registry::Get().rounds_completed.fetch_add(1, std::memory_order_relaxed);
+      return Result(*round, call.ctx, ffi::ErrorCode::kInternal);
+    }
+    round->parts_left.store(round->parts, std::memory_order_relaxed);
+    round->phase.store(Round::kWorking, std::memory_order_release);
+    Wake(*round);
+  } else if (!WaitFor(*round, [](int p) { return p != Round::kGathering; })) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = rounds_.find(key);
-    if (it == rounds_.end() || it->second != expected.lock()) return;  // completed meanwhile
-    round = std::move(it->second);
-    rounds_.erase(it);
-    Tombstone(key);
+    // Arrivals happen under this lock: if the group is still incomplete, it never will be.
+    if (round->phase.load() == Round::kGathering && round->arrived < size) FailLocked(*round, key);
   }
-  const auto& group = *round->group;
-  std::vector<int> missing;
-  for (size_t r = 0; r < round->promises.size(); ++r) {
-    if (!round->promises[r]) missing.push_back(static_cast<int>(r));
-  }
-  std::ostringstream msg;
-  msg << "timed out after " << timeout.count() / 1000.0 << " s (JAXCOMM_TIMEOUT_S) waiting for ranks [";
-  for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << missing[i];
-  msg << "] (partitions [";
-  for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << group[missing[i]];
-  msg << "]), which never arrived at this call; " << round->arrived << " of " << group.size()
-      << " ranks did. Ranks that skip a collective (e.g. under a lax.cond whose predicate "
-         "differs by rank) or run different programs cause this.";
-  const std::string error = msg.str();
-  for (size_t r = 0; r < round->promises.size(); ++r) {
-    if (!round->promises[r]) continue;
-    round->promises[r]->SetError(ffi::Error(
-        ffi::ErrorCode::kDeadlineExceeded,
-        RankPrefix(*round, static_cast<int>(r)) + ": " + error));
-  }
-}
 
-void ExecuteRound(std::shared_ptr<Round> round, std::shared_ptr<const WorkFn> work,
-                  size_t work_bytes, ffi::ThreadPool* pool) {
-  const int size = static_cast<int>(round->peers.size());
-  int parts = 1;
-  if (pool != nullptr && work_bytes >= kSplitBytes) {
-    int64_t threads = pool->num_threads();
-    parts = static_cast<int>(std::min<int64_t>(size, std::max<int64_t>(threads, 1)));
-  }
-  auto finish = [](Round& r, const std::string& err) { Complete(r, err); };
-  if (parts <= 1) {
-    std::string err = (*work)(round->peers, 0, 1);
-    finish(*round, err);
-    return;
-  }
-  round->parts_left.store(parts, std::memory_order_relaxed);
-  auto run_part = [](const std::shared_ptr<Round>& r, const std::shared_ptr<const WorkFn>& w,
-                     int part, int n, decltype(finish) done) {
-    std::string err = (*w)(r->peers, part, n);
-    if (!err.empty()) {
-      std::lock_guard<std::mutex> lock(r->error_mu);
-      if (r->error.empty()) r->error = err;
-    }
-    if (r->parts_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      std::string e;
-      {
-        std::lock_guard<std::mutex> lock(r->error_mu);
-        e = r->error;
+  if (round->phase.load(std::memory_order_acquire) == Round::kWorking) {
+    if (rank < round->parts) {
+      std::string err = work(round->peers, rank, round->parts);
+      if (!err.empty()) {
+        std::lock_guard<std::mutex> lock(round->mu);
+        if (round->error.empty()) round->error = std::move(err);
       }
-      done(*r, e);
+      if (round->parts_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        round->phase.store(Round::kDone, std::memory_order_release);
+        Wake(*round);
+        Registry::Get().rounds_completed.fetch_add(1, std::memory_order_relaxed);
+      }
     }
-  };
-  for (int p = 1; p < parts; ++p) {
-    pool->Schedule([round, work, p, parts, run_part, finish] { run_part(round, work, p, parts, finish); });
   }
-  run_part(round, work, 0, parts, finish);
+  if (!WaitFor(*round, Settled)) {
+    // All ranks arrived but some never finished their share: nothing can be trusted.
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                      Prefix(*round, call.ctx) + ": peers did not finish their share of the data "
+                                                 "movement before the deadline");
+  }
+  return Result(*round, call.ctx,
+                round->phase.load() == Round::kFailed ? ffi::ErrorCode::kDeadlineExceeded
+                                                      : ffi::ErrorCode::kInternal);
 }
 
 }  // namespace jaxcomm

@@ -10,6 +10,7 @@
 
 #include "core/rendezvous.h"
 #include "cpu/kernels.h"
+#include "cpu/launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cpu {
@@ -17,103 +18,23 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// Attributes every jaxcomm custom call carries (set by jaxcomm/_src/lowering.py).
-struct Common {
-  InstructionState* state;
-  ffi::RunId run;
-  ffi::ThreadPool* pool;
-  ffi::AnyBuffer x;
-  uint32_t partition;
-  ffi::AnyBuffer y;
-  std::string_view op, call_site, axis;
-  int64_t timeout_ms;
-};
-
-template <typename B>
-auto BindCommon(B&& b) {
-  return std::move(b)
-      .template Ctx<ffi::State<InstructionState>>()
-      .template Ctx<ffi::RunId>()
-      .template Ctx<ffi::ThreadPool>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::U32>>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<std::string_view>("call_site")
-      .template Attr<std::string_view>("axis")
-      .template Attr<int64_t>("timeout_ms")
-      .template Attr<ffi::Span<const int64_t>>("groups")
-      .template Attr<int64_t>("group_size");
-}
-
-std::vector<int64_t> Dims(const ffi::AnyBuffer& b) {
-  auto d = b.dimensions();
-  return std::vector<int64_t>(d.begin(), d.end());
-}
-
-int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to) {
-  int64_t p = 1;
-  for (size_t i = from; i < to && i < v.size(); ++i) p *= v[i];
-  return p;
-}
-
-ffi::Future ErrorFuture(ffi::Error error) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  promise.SetError(std::move(error));
-  return future;
-}
-
-// Validates, locates this rank, and hands the work to the rendezvous.
-ffi::Future Launch(const Common& c, size_t work_bytes, std::shared_ptr<const WorkFn> work) {
-  CollectiveCall call;
-  call.ctx.op = c.op;
-  call.ctx.call_site = c.call_site;
-  call.ctx.axis = c.axis;
-  call.ctx.partition = c.partition;
-  auto where = c.state->table->Locate(c.partition);
-  if (!where) {
-    return ErrorFuture(ffi::Error::Internal(
-        call.ctx.Describe() + ": this partition is in none of the instruction's replica groups"));
-  }
-  call.ctx.group_index = where->first;
-  call.ctx.rank = where->second;
-  call.ctx.group = &c.state->table->group(where->first);
-  call.run_id = c.run.run_id;
-  call.mine = Peer{c.x.untyped_data(), c.y.untyped_data()};
-  call.timeout = std::chrono::milliseconds(std::max<int64_t>(c.timeout_ms, 1));
-  call.work_bytes = work_bytes;
-  return c.state->table->Arrive(call, std::move(work), c.pool);
-}
-
-// Ranks of a group of `size` handled by `part` when work is split by destination rank.
-template <typename F>
-void ForEachOwnedRank(int size, int part, int num_parts, F&& f) {
-  for (int r = part; r < size; r += num_parts) f(r);
-}
-
-ffi::Future ImmediateSuccess() {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  promise.SetAvailable();
-  return future;
-}
-
 // ---------------------------------------------------------------------------- all_reduce
 
-ffi::Future AllReduce(InstructionState* st, ffi::RunId run, ffi::ThreadPool pool, ffi::AnyBuffer x,
+ffi::Error AllReduce(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
                       ffi::Buffer<ffi::U32> pid, ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                       ffi::Span<const int64_t>, int64_t group_size, int64_t reduce_op) {
-  Common c{st, run, &pool, x, *pid.typed_data(), *y, "all_reduce", call_site, axis, timeout_ms};
+  Common c{st, run, *pid.typed_data(), "all_reduce", call_site, axis, timeout_ms};
+  const Peer mine{x.untyped_data(), y->untyped_data()};
   const size_t n = x.element_count();
-  if (n == 0) return ImmediateSuccess();
+  if (n == 0) return ffi::Error::Success();
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
   if (!ReduceSupported(dtype, op)) {
-    return ErrorFuture(ffi::Error::InvalidArgument(
-        std::string("jaxcomm.all_reduce: op '") + ReduceOpName(op) + "' does not support this dtype"));
+    return ffi::Error::InvalidArgument(
+        std::string("jaxcomm.all_reduce: op '") + ReduceOpName(op) + "' does not support this dtype");
   }
-  auto work = std::make_shared<const WorkFn>(
+  const WorkFn work =
       [dtype, op, n](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         std::vector<const void*> in;
         std::vector<void*> out;
@@ -125,24 +46,25 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, ffi::ThreadPool pool
         size_t chunk = ((n + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
         size_t begin = std::min(n, chunk * part), end = std::min(n, begin + chunk);
         return Reduce(dtype, op, in, out, begin, end);
-      });
-  return Launch(c, 2 * x.size_bytes() * group_size, std::move(work));
+      };
+  return Launch(c, mine, 2 * x.size_bytes() * group_size, work);
 }
 
 // ---------------------------------------------------------------------------- all_gather
 
-ffi::Future AllGather(InstructionState* st, ffi::RunId run, ffi::ThreadPool pool, ffi::AnyBuffer x,
+ffi::Error AllGather(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
                       ffi::Buffer<ffi::U32> pid, ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                       ffi::Span<const int64_t>, int64_t group_size, int64_t gather_axis) {
-  Common c{st, run, &pool, x, *pid.typed_data(), *y, "all_gather", call_site, axis, timeout_ms};
-  if (x.element_count() == 0) return ImmediateSuccess();
+  Common c{st, run, *pid.typed_data(), "all_gather", call_site, axis, timeout_ms};
+  const Peer mine{x.untyped_data(), y->untyped_data()};
+  if (x.element_count() == 0) return ffi::Error::Success();
   const auto dims = Dims(x);
   const int64_t item = x.size_bytes() / x.element_count();
   const int64_t outer = Product(dims, 0, gather_axis);
   const size_t inner = Product(dims, gather_axis, dims.size()) * item;
   const int64_t R = group_size;
-  auto work = std::make_shared<const WorkFn>(
+  const WorkFn work =
       [outer, inner, R](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(static_cast<int>(peers.size()), part, parts, [&](int d) {
           char* out = static_cast<char*>(peers[d].out);
@@ -152,31 +74,31 @@ ffi::Future AllGather(InstructionState* st, ffi::RunId run, ffi::ThreadPool pool
           }
         });
         return "";
-      });
-  return Launch(c, 2 * y->size_bytes() * R, std::move(work));
+      };
+  return Launch(c, mine, 2 * y->size_bytes() * R, work);
 }
 
 // ------------------------------------------------------------------------ reduce_scatter
 
-ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, ffi::ThreadPool pool,
-                          ffi::AnyBuffer x, ffi::Buffer<ffi::U32> pid,
+ffi::Error ReduceScatter(InstructionState* st, ffi::RunId run,                           ffi::AnyBuffer x, ffi::Buffer<ffi::U32> pid,
                           ffi::Result<ffi::AnyBuffer> y, std::string_view call_site,
                           std::string_view axis, int64_t timeout_ms, ffi::Span<const int64_t>,
                           int64_t group_size, int64_t reduce_op, int64_t scatter_dimension) {
-  Common c{st, run, &pool, x, *pid.typed_data(), *y, "reduce_scatter", call_site, axis, timeout_ms};
-  if (x.element_count() == 0) return ImmediateSuccess();
+  Common c{st, run, *pid.typed_data(), "reduce_scatter", call_site, axis, timeout_ms};
+  const Peer mine{x.untyped_data(), y->untyped_data()};
+  if (x.element_count() == 0) return ffi::Error::Success();
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
   if (!ReduceSupported(dtype, op)) {
-    return ErrorFuture(ffi::Error::InvalidArgument(
-        std::string("jaxcomm.reduce_scatter: op '") + ReduceOpName(op) + "' does not support this dtype"));
+    return ffi::Error::InvalidArgument(
+        std::string("jaxcomm.reduce_scatter: op '") + ReduceOpName(op) + "' does not support this dtype");
   }
   const auto dims = Dims(x);
   const int64_t item = x.size_bytes() / x.element_count();
   const int64_t R = group_size;
   const int64_t outer = Product(dims, 0, scatter_dimension);
   const size_t inner = Product(dims, scatter_dimension, dims.size()) / R;  // elements
-  auto work = std::make_shared<const WorkFn>(
+  const WorkFn work =
       [dtype, op, outer, inner, item, R](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         std::string err;
         std::vector<const void*> in(R);
@@ -191,19 +113,20 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, ffi::ThreadPool 
           }
         });
         return err;
-      });
-  return Launch(c, 2 * x.size_bytes() * R, std::move(work));
+      };
+  return Launch(c, mine, 2 * x.size_bytes() * R, work);
 }
 
 // ---------------------------------------------------------------------------- all_to_all
 
-ffi::Future AllToAll(InstructionState* st, ffi::RunId run, ffi::ThreadPool pool, ffi::AnyBuffer x,
+ffi::Error AllToAll(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
                      ffi::Buffer<ffi::U32> pid, ffi::Result<ffi::AnyBuffer> y,
                      std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                      ffi::Span<const int64_t>, int64_t group_size, int64_t split_axis,
                      int64_t concat_axis) {
-  Common c{st, run, &pool, x, *pid.typed_data(), *y, "all_to_all", call_site, axis, timeout_ms};
-  if (x.element_count() == 0) return ImmediateSuccess();
+  Common c{st, run, *pid.typed_data(), "all_to_all", call_site, axis, timeout_ms};
+  const Peer mine{x.untyped_data(), y->untyped_data()};
+  if (x.element_count() == 0) return ffi::Error::Success();
   const int64_t R = group_size;
   const auto in_dims = Dims(x);
   const auto out_dims = Dims(*y);
@@ -217,7 +140,7 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, ffi::ThreadPool pool,
   const int64_t src_piece = plan.shape[split_axis] * plan.src_strides[split_axis];
   const int64_t dst_piece = (out_dims[concat_axis] / R) * plan.dst_strides[concat_axis];
   plan.Compile();
-  auto work = std::make_shared<const WorkFn>(
+  const WorkFn work =
       [plan, src_piece, dst_piece, R](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(static_cast<int>(R), part, parts, [&](int d) {
           char* out = static_cast<char*>(peers[d].out);
@@ -226,24 +149,25 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, ffi::ThreadPool pool,
           }
         });
         return "";
-      });
-  return Launch(c, 2 * x.size_bytes() * R, std::move(work));
+      };
+  return Launch(c, mine, 2 * x.size_bytes() * R, work);
 }
 
 // ------------------------------------------------------------------------------- ppermute
 
-ffi::Future Permute(InstructionState* st, ffi::RunId run, ffi::ThreadPool pool, ffi::AnyBuffer x,
+ffi::Error Permute(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
                     ffi::Buffer<ffi::U32> pid, ffi::Result<ffi::AnyBuffer> y,
                     std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                     ffi::Span<const int64_t>, int64_t group_size, ffi::Span<const int64_t> sources) {
-  Common c{st, run, &pool, x, *pid.typed_data(), *y, "ppermute", call_site, axis, timeout_ms};
-  if (x.element_count() == 0) return ImmediateSuccess();
+  Common c{st, run, *pid.typed_data(), "ppermute", call_site, axis, timeout_ms};
+  const Peer mine{x.untyped_data(), y->untyped_data()};
+  if (x.element_count() == 0) return ffi::Error::Success();
   if (static_cast<int64_t>(sources.size()) != group_size) {
-    return ErrorFuture(ffi::Error::InvalidArgument("jaxcomm.ppermute: sources has the wrong length"));
+    return ffi::Error::InvalidArgument("jaxcomm.ppermute: sources has the wrong length");
   }
   std::vector<int64_t> src(sources.begin(), sources.end());
   const size_t bytes = x.size_bytes();
-  auto work = std::make_shared<const WorkFn>(
+  const WorkFn work =
       [src, bytes](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(static_cast<int>(peers.size()), part, parts, [&](int d) {
           if (src[d] < 0) {
@@ -253,28 +177,29 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, ffi::ThreadPool pool, 
           }
         });
         return "";
-      });
-  return Launch(c, 2 * bytes * group_size, std::move(work));
+      };
+  return Launch(c, mine, 2 * bytes * group_size, work);
 }
 
 // ------------------------------------------------------------------------------ broadcast
 
-ffi::Future Broadcast(InstructionState* st, ffi::RunId run, ffi::ThreadPool pool, ffi::AnyBuffer x,
+ffi::Error Broadcast(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
                       ffi::Buffer<ffi::U32> pid, ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                       ffi::Span<const int64_t>, int64_t group_size, int64_t root) {
-  Common c{st, run, &pool, x, *pid.typed_data(), *y, "broadcast", call_site, axis, timeout_ms};
-  if (x.element_count() == 0) return ImmediateSuccess();
+  Common c{st, run, *pid.typed_data(), "broadcast", call_site, axis, timeout_ms};
+  const Peer mine{x.untyped_data(), y->untyped_data()};
+  if (x.element_count() == 0) return ffi::Error::Success();
   const size_t bytes = x.size_bytes();
-  auto work = std::make_shared<const WorkFn>(
+  const WorkFn work =
       [root, bytes](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         const void* src = peers[root].in;
         ForEachOwnedRank(static_cast<int>(peers.size()), part, parts, [&](int d) {
           if (peers[d].out != src) std::memcpy(peers[d].out, src, bytes);  // root in place
         });
         return "";
-      });
-  return Launch(c, 2 * bytes * group_size, std::move(work));
+      };
+  return Launch(c, mine, 2 * bytes * group_size, work);
 }
 
 // --------------------------------------------------------------------------- instantiate
@@ -293,7 +218,7 @@ ffi::ErrorOr<std::unique_ptr<InstructionState>> Instantiate(ffi::Dictionary attr
     groups.emplace_back(flat->begin() + i, flat->begin() + i + *size);
     for (int64_t p : groups.back()) max_id = std::max(max_id, p);
   }
-  return std::make_unique<InstructionState>(std::make_shared<RoundTable>(std::move(groups), max_id + 1));
+  return std::make_unique<InstructionState>(std::make_unique<RoundTable>(std::move(groups), max_id + 1));
 }
 
 }  // namespace
@@ -301,21 +226,21 @@ ffi::ErrorOr<std::unique_ptr<InstructionState>> Instantiate(ffi::Dictionary attr
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_Instantiate, Instantiate,
                               ffi::Ffi::BindInstantiate().Attrs<ffi::Dictionary>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_AllReduce, AllReduce,
-                              BindCommon(ffi::Ffi::Bind()).Attr<int64_t>("reduce_op"));
+                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<int64_t>("reduce_op"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_AllGather, AllGather,
-                              BindCommon(ffi::Ffi::Bind()).Attr<int64_t>("axis_index"));
+                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<int64_t>("axis_index"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_ReduceScatter, ReduceScatter,
-                              BindCommon(ffi::Ffi::Bind())
+                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); })
                                   .Attr<int64_t>("reduce_op")
                                   .Attr<int64_t>("scatter_dimension"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_AllToAll, AllToAll,
-                              BindCommon(ffi::Ffi::Bind())
+                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); })
                                   .Attr<int64_t>("split_axis")
                                   .Attr<int64_t>("concat_axis"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_Permute, Permute,
-                              BindCommon(ffi::Ffi::Bind()).Attr<ffi::Span<const int64_t>>("sources"));
+                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<ffi::Span<const int64_t>>("sources"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_Broadcast, Broadcast,
-                              BindCommon(ffi::Ffi::Bind()).Attr<int64_t>("root"));
+                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<int64_t>("root"));
 
 XLA_FFI_Handler* const kInstantiate = jaxcomm_cpu_Instantiate;
 XLA_FFI_Handler* const kAllReduce = jaxcomm_cpu_AllReduce;

@@ -1,0 +1,40 @@
+#include "cpu/launch.h"
+
+#include <algorithm>
+#include <chrono>
+
+namespace jaxcomm::cpu {
+
+std::vector<int64_t> Dims(const ffi::AnyBuffer& b) {
+  auto d = b.dimensions();
+  return std::vector<int64_t>(d.begin(), d.end());
+}
+
+int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to) {
+  int64_t p = 1;
+  for (size_t i = from; i < to && i < v.size(); ++i) p *= v[i];
+  return p;
+}
+
+ffi::Error Launch(const Common& c, Peer mine, size_t work_bytes, const WorkFn& work) {
+  CollectiveCall call;
+  call.ctx.op = c.op;
+  call.ctx.call_site = c.call_site;
+  call.ctx.axis = c.axis;
+  call.ctx.partition = c.partition;
+  auto where = c.state->table->Locate(c.partition);
+  if (!where) {
+    return ffi::Error::Internal(call.ctx.Describe() +
+                                ": this partition is in none of the instruction's replica groups");
+  }
+  call.ctx.group_index = where->first;
+  call.ctx.rank = where->second;
+  call.ctx.group = &c.state->table->group(where->first);
+  call.run_id = c.run.run_id;
+  call.mine = mine;
+  call.timeout = std::chrono::milliseconds(std::max<int64_t>(c.timeout_ms, 1));
+  call.work_bytes = work_bytes;
+  return c.state->table->Run(std::move(call), work);
+}
+
+}  // namespace jaxcomm::cpu

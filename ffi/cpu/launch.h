@@ -1,0 +1,66 @@
+// What every host handler does around its data movement: decode the attributes all
+// jaxcomm custom calls carry, locate this rank in its group, and hand the op's work to
+// the rendezvous (core/rendezvous.h). Handlers in handlers.cc (and any new op family's
+// file) use these helpers.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "core/rendezvous.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxcomm::cpu {
+
+namespace ffi = xla::ffi;
+
+// One rank's view of one call, from the attributes set by jaxcomm/_src/primitive.py.
+struct Common {
+  InstructionState* state;
+  ffi::RunId run;
+  uint32_t partition;
+  std::string_view op, call_site, axis;
+  int64_t timeout_ms;
+};
+
+// Context and attributes every jaxcomm handler binds, in this order:
+//   ctx: State<InstructionState>, RunId
+//   attrs: call_site, axis, timeout_ms, groups, group_size
+// Operands and results are bound by the caller in between (`bind_buffers`).
+template <typename B, typename F>
+auto BindCommon(B&& b, F&& bind_buffers) {
+  return std::forward<F>(bind_buffers)(std::move(b)
+                                           .template Ctx<ffi::State<InstructionState>>()
+                                           .template Ctx<ffi::RunId>())
+      .template Attr<std::string_view>("call_site")
+      .template Attr<std::string_view>("axis")
+      .template Attr<int64_t>("timeout_ms")
+      .template Attr<ffi::Span<const int64_t>>("groups")
+      .template Attr<int64_t>("group_size");
+}
+
+// The buffers of the one-operand collectives: x, the partition id, and the result.
+template <typename B>
+auto BindUnary(B&& b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::U32>>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+std::vector<int64_t> Dims(const ffi::AnyBuffer& b);
+int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to);
+
+// Locates this rank, joins the call and runs this rank's share of `work`; returns when
+// this rank's result is complete. `mine` are this rank's buffers.
+ffi::Error Launch(const Common& c, Peer mine, size_t work_bytes, const WorkFn& work);
+
+// Ranks of a group of `size` handled by `part` when work is split by destination rank.
+template <typename F>
+void ForEachOwnedRank(int size, int part, int num_parts, F&& f) {
+  for (int r = part; r < size; r += num_parts) f(r);
+}
+
+}  // namespace jaxcomm::cpu

@@ -1,0 +1,531 @@
+"""jaxcomm's collectives against their jax.lax counterparts, run in the same shard_map.
+
+Every check runs one small jit(shard_map) program that returns both jaxcomm's result and
+jax.lax's, per device; data movement must match bit for bit, reductions to within the
+rounding of the dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from conftest import per_device, rand, run_sharded
+
+N = 8  # devices of mesh8
+
+X64_DTYPES = {"float64", "int64"}
+ALL_DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int32", "int64", "uint8",
+              "uint32", "bool", "complex64"]
+NUMERIC_DTYPES = [d for d in ALL_DTYPES if d not in ("bool", "complex64")]
+
+
+@pytest.fixture(params=ALL_DTYPES)
+def dtype(request):
+    """Every dtype; float64/int64 with jax_enable_x64 on for the test (restored after)."""
+    if request.param in X64_DTYPES:
+        with jax.enable_x64(True):
+            yield request.param
+    else:
+        yield request.param
+
+
+@pytest.fixture(params=NUMERIC_DTYPES + ["complex64"])
+def reduce_dtype(request):
+    if request.param in X64_DTYPES:
+        with jax.enable_x64(True):
+            yield request.param
+    else:
+        yield request.param
+
+
+# ------------------------------------------------------------------------------- helpers
+
+def _as_comparable(a):
+    a = np.asarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        return a.astype(np.float32)
+    return a
+
+
+def assert_same(got, want):
+    """Bit-exact equality, same dtype and shape."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    np.testing.assert_array_equal(_as_comparable(got), _as_comparable(want))
+
+
+def _tolerance(dtype):
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16:
+        return 2e-2
+    if dtype == jnp.float16:
+        return 4e-3
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return 1e-5
+    return 0
+
+
+def assert_close(got, want, err_msg=""):
+    """Equal dtype and shape; values equal up to the dtype's rounding."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype, (err_msg, got.dtype, want.dtype)
+    assert got.shape == want.shape, (err_msg, got.shape, want.shape)
+    tol = _tolerance(got.dtype)
+    if tol == 0:
+        np.testing.assert_array_equal(got, want, err_msg=err_msg)
+    else:
+        np.testing.assert_allclose(_as_comparable(got), _as_comparable(want), rtol=tol,
+                                   atol=tol, err_msg=err_msg)
+
+
+def compare(mesh, ours, ref, *inputs, exact=True, check_vma=True):
+    """Runs ``ours`` and ``ref`` on every device's slice of ``inputs``; compares them."""
+    got, want = per_device(lambda *xs: (ours(*xs), ref(*xs)), mesh, *inputs,
+                           check_vma=check_vma)
+    (assert_same if exact else assert_close)(got, want)
+    return got
+
+
+def lax_all_reduce(x, axis_name, op):
+    if op == "prod":
+        return jnp.prod(jax.lax.all_gather(x, axis_name), axis=0, dtype=x.dtype)
+    if x.dtype == jnp.bool_ and op in ("sum", "mean"):
+        x = x.astype(jnp.int32)
+    return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin,
+            "mean": jax.lax.pmean}[op](x, axis_name)
+
+
+def lax_reduce_scatter(x, axis_name, dim, op, tiled):
+    if op == "sum":
+        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
+    full = lax_all_reduce(x, axis_name, op)
+    size = jax.lax.psum(1, axis_name)
+    blk = x.shape[dim] // size
+    y = jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(axis_name) * blk, blk, dim)
+    return y if tiled else jnp.squeeze(y, dim)
+
+
+def lax_broadcast(x, axis_name, root):
+    return jax.lax.all_gather(x, axis_name)[root]
+
+
+def ring(n, shift=1):
+    return [(i, (i + shift) % n) for i in range(n)]
+
+
+# --------------------------------------------------------------------------- all_reduce
+
+REDUCE_OPS = ["sum", "prod", "min", "max", "mean"]
+
+
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_all_reduce_dtypes(mesh8, reduce_dtype, op):
+    if reduce_dtype == "complex64" and op in ("min", "max"):
+        pytest.skip("min/max are not defined for complex (see test_errors.py)")
+    x = rand((N, 3, 5), reduce_dtype, seed=1)
+    if op == "prod":  # keep |product| of 8 values small enough for float16/int8 ranges
+        x = (x / 2).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+    compare(mesh8, lambda v: jaxcomm.all_reduce(v, "x", op=op),
+            lambda v: lax_all_reduce(v, "x", op), x, exact=False)
+
+
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_all_reduce_bool(mesh8, op):
+    # bool sums (and means) like psum: as int32; min/max/prod are and/or/and.
+    x = rand((N, 17), "bool", seed=2)
+    got = compare(mesh8, lambda v: jaxcomm.all_reduce(v, "x", op=op),
+                  lambda v: lax_all_reduce(v, "x", op), x, exact=False)
+    if op in ("min", "prod"):
+        assert_same(got[0], x.all(0))
+    elif op == "max":
+        assert_same(got[0], x.any(0))
+
+
+def test_all_reduce_known_values(mesh8):
+    # Independent of jax.lax: sum of ranks 0..7 is 28 on every device.
+    x = np.arange(N, dtype=np.float32)
+    got = per_device(lambda v: jaxcomm.all_reduce(v, "x"), mesh8, x)
+    assert_same(got, np.full((N,), 28.0, np.float32))
+
+
+@pytest.mark.parametrize("shape", [(), (0, 3), (3, 5, 7), (1,), (257,)],
+                         ids=lambda s: "x".join(map(str, s)) or "scalar")
+@pytest.mark.parametrize("op", ["sum", "max", "mean"])
+def test_all_reduce_shapes(mesh8, shape, op):
+    x = rand((N, *shape), "float32", seed=3)
+    compare(mesh8, lambda v: jaxcomm.all_reduce(v, "x", op=op),
+            lambda v: lax_all_reduce(v, "x", op), x, exact=False)
+
+
+def test_all_reduce_nan_propagates(mesh8):
+    x = rand((N, 4), "float32")
+    x[3, 1] = np.nan
+    x[0, 2] = np.nan
+    for op in ("max", "min", "sum"):
+        got = per_device(lambda v: jaxcomm.all_reduce(v, "x", op=op), mesh8, x)
+        assert np.isnan(got[:, 1]).all() and np.isnan(got[:, 2]).all(), op
+        assert not np.isnan(got[:, [0, 3]]).any(), op
+
+
+def test_all_reduce_invariant_result_out_specs_replicated(mesh8):
+    # all_reduce's result is typed invariant: out_specs=P() is accepted under check_vma.
+    x = rand((N, 6), "float32", seed=4)
+    got = run_sharded(lambda v: jaxcomm.all_reduce(v, "x"), mesh8, P("x"), P(), x)
+    np.testing.assert_allclose(got, x.reshape(N, 6).sum(0), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- all_gather
+
+def test_all_gather_dtypes(mesh8, dtype):
+    x = rand((N, 3, 5), dtype, seed=5)
+    compare(mesh8, lambda v: jaxcomm.all_gather(v, "x"), lambda v: jax.lax.all_gather(v, "x"), x)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 1, 4)], ids=["3x5x7", "2x1x4"])
+def test_all_gather_axes(mesh8, shape, axis, tiled):
+    x = rand((N, *shape), "float32", seed=6)
+    compare(mesh8, lambda v: jaxcomm.all_gather(v, "x", axis=axis, tiled=tiled),
+            lambda v: jax.lax.all_gather(v, "x", axis=axis, tiled=tiled), x)
+
+
+def test_all_gather_scalar(mesh8):
+    x = rand((N,), "int32", seed=7)
+    got = compare(mesh8, lambda v: jaxcomm.all_gather(v, "x"),
+                  lambda v: jax.lax.all_gather(v, "x"), x)
+    assert_same(got, np.broadcast_to(x, (N, N)))
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_all_gather_zero_size(mesh8, axis, tiled):
+    x = np.zeros((N, 0, 3), np.float32)
+    compare(mesh8, lambda v: jaxcomm.all_gather(v, "x", axis=axis, tiled=tiled),
+            lambda v: jax.lax.all_gather(v, "x", axis=axis, tiled=tiled), x)
+
+
+# ----------------------------------------------------------------------- reduce_scatter
+
+def test_reduce_scatter_dtypes(mesh8, reduce_dtype):
+    x = rand((N, N, 3), reduce_dtype, seed=8)
+    compare(mesh8, lambda v: jaxcomm.reduce_scatter(v, "x"),
+            lambda v: lax_reduce_scatter(v, "x", 0, "sum", False), x, exact=False)
+
+
+@pytest.mark.parametrize("op", ["prod", "min", "max"])
+@pytest.mark.parametrize("dt", ["float32", "int32", "uint8", "bfloat16"])
+def test_reduce_scatter_ops(mesh8, dt, op):
+    x = rand((N, 2 * N, 3), dt, seed=9)
+    if op == "prod" and jnp.issubdtype(x.dtype, jnp.inexact):
+        x = (x / 2).astype(x.dtype)
+    compare(mesh8, lambda v: jaxcomm.reduce_scatter(v, "x", op=op, tiled=True),
+            lambda v: lax_reduce_scatter(v, "x", 0, op, True), x, exact=False)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+@pytest.mark.parametrize("dim", [0, 1, 2, -1])
+def test_reduce_scatter_dims(mesh8, dim, tiled):
+    shape = [3, 5, 7]
+    shape[dim] = 2 * N if tiled else N
+    x = rand((N, *shape), "float32", seed=10)
+    compare(mesh8, lambda v: jaxcomm.reduce_scatter(v, "x", scatter_dimension=dim, tiled=tiled),
+            lambda v: lax_reduce_scatter(v, "x", dim % 3, "sum", tiled), x, exact=False)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+def test_reduce_scatter_zero_size(mesh8, tiled):
+    x = np.zeros((N, N, 0), np.float32)
+    compare(mesh8, lambda v: jaxcomm.reduce_scatter(v, "x", tiled=tiled),
+            lambda v: lax_reduce_scatter(v, "x", 0, "sum", tiled), x, exact=False)
+
+
+def test_reduce_scatter_known_values(mesh8):
+    # x on rank r: row i holds r * 10 + i; rank i receives sum_r (10 r + i) = 280 + 8 i.
+    x = (10 * np.arange(N)[:, None] + np.arange(N)[None, :]).astype(np.int32)
+    got = per_device(lambda v: jaxcomm.reduce_scatter(v, "x"), mesh8, x)
+    assert_same(got, (280 + 8 * np.arange(N)).astype(np.int32))
+
+
+# ----------------------------------------------------------------------------- all_to_all
+
+def test_all_to_all_dtypes(mesh8, dtype):
+    x = rand((N, 3, N), dtype, seed=11)
+    compare(mesh8, lambda v: jaxcomm.all_to_all(v, "x", 1, 0),
+            lambda v: jax.lax.all_to_all(v, "x", 1, 0), x)
+
+
+A2A_CASES = [
+    # (local shape, split_axis, concat_axis, tiled)
+    ((8, 3, 5), 0, 0, False),
+    ((8, 3, 5), 0, 1, False),
+    ((8, 3, 5), 0, 2, False),
+    ((3, 5, 8), 2, 0, False),
+    ((3, 8, 5), 1, 1, False),
+    ((3, 8, 5), 1, -1, False),
+    ((3, 5, 8), -1, 1, False),
+    ((16, 3, 5), 0, 0, True),
+    ((16, 3, 5), 0, 1, True),
+    ((3, 5, 16), 2, 0, True),
+    ((3, 16, 5), 1, 1, True),
+    ((3, 16, 5), 1, 2, True),
+    ((3, 1, 24), 2, 1, True),
+    ((8,), 0, 0, False),
+    ((24,), 0, 0, True),
+]
+
+
+@pytest.mark.parametrize("shape,split,concat,tiled", A2A_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-s{a}-c{b}-{'t' if t else 'u'}"
+                              for s, a, b, t in A2A_CASES])
+def test_all_to_all_axes(mesh8, shape, split, concat, tiled):
+    x = rand((N, *shape), "float32", seed=12)
+    compare(mesh8, lambda v: jaxcomm.all_to_all(v, "x", split, concat, tiled=tiled),
+            lambda v: jax.lax.all_to_all(v, "x", split, concat, tiled=tiled), x)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+def test_all_to_all_zero_size(mesh8, tiled):
+    x = np.zeros((N, N, 0), np.float32)
+    compare(mesh8, lambda v: jaxcomm.all_to_all(v, "x", 0, 1, tiled=tiled),
+            lambda v: jax.lax.all_to_all(v, "x", 0, 1, tiled=tiled), x)
+
+
+def test_all_to_all_known_values(mesh8):
+    # Rank r sends element j to rank j: rank j receives [r * 8 + j for r in ranks].
+    x = np.arange(N * N, dtype=np.int32).reshape(N, N)
+    got = per_device(lambda v: jaxcomm.all_to_all(v, "x", 0, 0, tiled=True), mesh8, x)
+    assert_same(got, x.T)
+
+
+# ------------------------------------------------------------------------------- ppermute
+
+def test_ppermute_dtypes(mesh8, dtype):
+    x = rand((N, 3, 5), dtype, seed=13)
+    compare(mesh8, lambda v: jaxcomm.ppermute(v, "x", ring(N)),
+            lambda v: jax.lax.ppermute(v, "x", ring(N)), x)
+
+
+PERMS = {
+    "ring+1": ring(N),
+    "ring-3": ring(N, -3),
+    "identity": [(i, i) for i in range(N)],
+    "reverse": [(i, N - 1 - i) for i in range(N)],
+    "partial": [(0, 1), (2, 5), (7, 0), (4, 4)],
+    "single": [(6, 2)],
+    "empty": [],
+}
+
+
+@pytest.mark.parametrize("perm", list(PERMS.values()), ids=list(PERMS))
+def test_ppermute_perms(mesh8, perm):
+    x = rand((N, 3, 5, 7), "float32", seed=14)
+    got = compare(mesh8, lambda v: jaxcomm.ppermute(v, "x", perm),
+                  lambda v: jax.lax.ppermute(v, "x", perm), x)
+    # Independent check: ranks nobody sends to receive zeros.
+    want = np.zeros_like(x)
+    for s, d in perm:
+        want[d] = x[s]
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("shape", [(), (0, 3), (3, 5, 7)],
+                         ids=lambda s: "x".join(map(str, s)) or "scalar")
+def test_ppermute_shapes(mesh8, shape):
+    perm = PERMS["partial"]
+    x = rand((N, *shape), "int32", seed=15)
+    compare(mesh8, lambda v: jaxcomm.ppermute(v, "x", perm),
+            lambda v: jax.lax.ppermute(v, "x", perm), x)
+
+
+# ------------------------------------------------------------------------------ broadcast
+
+def test_broadcast_dtypes(mesh8, dtype):
+    x = rand((N, 3, 5), dtype, seed=16)
+    got = compare(mesh8, lambda v: jaxcomm.broadcast(v, "x", root=5),
+                  lambda v: lax_broadcast(v, "x", 5), x)
+    assert_same(got, np.broadcast_to(x[5], x.shape))
+
+
+@pytest.mark.parametrize("root", [0, 5, 7])
+@pytest.mark.parametrize("shape", [(), (0, 3), (3, 5, 7)],
+                         ids=lambda s: "x".join(map(str, s)) or "scalar")
+def test_broadcast_roots_shapes(mesh8, shape, root):
+    x = rand((N, *shape), "float32", seed=17)
+    got = compare(mesh8, lambda v: jaxcomm.broadcast(v, "x", root=root),
+                  lambda v: lax_broadcast(v, "x", root), x)
+    assert_same(got, np.broadcast_to(x[root], x.shape))
+
+
+def test_broadcast_bits_preserved(mesh8):
+    # A copy, not an arithmetic reduction: -0.0, NaN payloads and infinities survive.
+    x = np.zeros((N, 4), np.float32)
+    x[2] = [-0.0, np.inf, -np.inf, 1.5]
+    x[2, 0] = np.float32(-0.0)
+    x.view(np.uint32)[2, 3] = 0x7FC00123  # a NaN with a payload
+    got = per_device(lambda v: jaxcomm.broadcast(v, "x", root=2), mesh8, x)
+    np.testing.assert_array_equal(got.view(np.uint32), np.broadcast_to(x[2], x.shape).view(np.uint32))
+
+
+def test_broadcast_invariant_result_out_specs_replicated(mesh8):
+    x = rand((N, 6), "int32", seed=18)
+    got = run_sharded(lambda v: jaxcomm.broadcast(v, "x", root=3), mesh8, P("x"), P(), x)
+    assert_same(got, x.reshape(N, 6)[3])
+
+
+# ------------------------------------------------------------ without check_vma, reruns
+
+OPS = {
+    "all_reduce": (lambda v: jaxcomm.all_reduce(v, "x"), lambda v: jax.lax.psum(v, "x"), (N, 4)),
+    "all_gather": (lambda v: jaxcomm.all_gather(v, "x", axis=1),
+                   lambda v: jax.lax.all_gather(v, "x", axis=1), (3, 4)),
+    "reduce_scatter": (lambda v: jaxcomm.reduce_scatter(v, "x", scatter_dimension=1),
+                       lambda v: jax.lax.psum_scatter(v, "x", scatter_dimension=1), (3, N)),
+    "all_to_all": (lambda v: jaxcomm.all_to_all(v, "x", 1, 0),
+                   lambda v: jax.lax.all_to_all(v, "x", 1, 0), (3, N)),
+    "ppermute": (lambda v: jaxcomm.ppermute(v, "x", ring(N, 3)),
+                 lambda v: jax.lax.ppermute(v, "x", ring(N, 3)), (3, 4)),
+    "broadcast": (lambda v: jaxcomm.broadcast(v, "x", root=6),
+                  lambda v: lax_broadcast(v, "x", 6), (3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_without_check_vma(mesh8, name):
+    ours, ref, shape = OPS[name]
+    x = rand((N, *shape), "float32", seed=19)
+    compare(mesh8, ours, ref, x, exact=False, check_vma=False)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_rerun_with_new_data(mesh8, name):
+    # One compiled program, executed three times on different data: nothing stale.
+    from jax.sharding import NamedSharding
+    ours, ref, shape = OPS[name]
+    spec = P("x")
+    g = jax.jit(jax.shard_map(lambda v: (ours(v[0])[None], ref(v[0])[None]), mesh=mesh8,
+                              in_specs=spec, out_specs=spec))
+    for seed in range(3):
+        x = jax.device_put(rand((N, *shape), "float32", seed=100 + seed), NamedSharding(mesh8, spec))
+        got, want = g(x)
+        assert_close(got, want)
+
+
+def test_all_ops_in_one_program(mesh8):
+    # Several independent collectives in one program (XLA may run them in any order).
+    x = rand((N, N, N), "float32", seed=20)
+
+    def cut(v, shape):
+        return v[:shape[0], :shape[1]]
+
+    def f(v):
+        return tuple(ours(cut(v, shape)) for ours, _, shape in OPS.values())
+
+    def g(v):
+        return tuple(ref(cut(v, shape)) for _, ref, shape in OPS.values())
+
+    got, want = per_device(lambda v: (f(v), g(v)), mesh8, x)
+    for name, a, b in zip(OPS, got, want):
+        assert_close(a, b, err_msg=name)
+
+
+# -------------------------------------------------------------------- 2x4 ("dp", "ep")
+
+AXES_2X4 = ["ep", "dp", ("dp", "ep"), ("ep", "dp")]
+AXES_IDS = ["ep", "dp", "dp,ep", "ep,dp"]
+SIZES_2X4 = {"ep": 4, "dp": 2, ("dp", "ep"): 8, ("ep", "dp"): 8}
+
+
+def _mesh_cases(axes):
+    r = SIZES_2X4[axes]
+    return {
+        "all_reduce_sum": (lambda v: jaxcomm.all_reduce(v, axes), lambda v: jax.lax.psum(v, axes),
+                           (3, 5), False),
+        "all_reduce_max": (lambda v: jaxcomm.all_reduce(v, axes, op="max"),
+                           lambda v: jax.lax.pmax(v, axes), (3, 5), False),
+        "all_gather": (lambda v: jaxcomm.all_gather(v, axes, axis=1),
+                       lambda v: jax.lax.all_gather(v, axes, axis=1), (3, 5), True),
+        "all_gather_tiled": (lambda v: jaxcomm.all_gather(v, axes, tiled=True),
+                             lambda v: jax.lax.all_gather(v, axes, tiled=True), (3, 5), True),
+        "reduce_scatter": (lambda v: jaxcomm.reduce_scatter(v, axes, scatter_dimension=1, tiled=True),
+                           lambda v: jax.lax.psum_scatter(v, axes, scatter_dimension=1, tiled=True),
+                           (3, 2 * r), False),
+        "all_to_all": (lambda v: jaxcomm.all_to_all(v, axes, 1, 0),
+                       lambda v: jax.lax.all_to_all(v, axes, 1, 0), (3, r), True),
+        "ppermute": (lambda v: jaxcomm.ppermute(v, axes, ring(r)),
+                     lambda v: jax.lax.ppermute(v, axes, ring(r)), (3, 5), True),
+        "broadcast": (lambda v: jaxcomm.broadcast(v, axes, root=1),
+                      lambda v: lax_broadcast(v, axes, 1), (3, 5), True),
+    }
+
+
+MESH_OPS = list(_mesh_cases("ep"))
+
+
+@pytest.mark.parametrize("axes", AXES_2X4, ids=AXES_IDS)
+@pytest.mark.parametrize("name", MESH_OPS)
+def test_mesh_2x4(mesh2x4, name, axes):
+    ours, ref, shape, exact = _mesh_cases(axes)[name]
+    x = rand((N, *shape), "float32", seed=21)
+    compare(mesh2x4, ours, ref, x, exact=exact)
+
+
+def test_mesh_2x4_groups_known_values(mesh2x4):
+    # Device (dp, ep) holds 10 * dp + ep. Over "ep" each dp row sums its own 4 values.
+    x = np.array([10 * d + e for d in range(2) for e in range(4)], np.int32)
+    got = per_device(lambda v: (jaxcomm.all_reduce(v, "ep"), jaxcomm.all_reduce(v, "dp"),
+                                jaxcomm.all_gather(v, ("ep", "dp"))), mesh2x4, x)
+    assert_same(got[0], np.repeat(np.array([6, 46], np.int32), 4))
+    assert_same(got[1], np.tile(np.array([10, 12, 14, 16], np.int32), 2))
+    # ("ep", "dp"): rank = ep * 2 + dp.
+    order = np.array([10 * d + e for e in range(4) for d in range(2)], np.int32)
+    assert_same(got[2], np.broadcast_to(order, (N, N)))
+
+
+# -------------------------------------------------------------------- large messages
+
+MIB = 1 << 20
+
+
+def _large_cases(elems):
+    # `elems` float32 elements per device, shaped (N, elems // N + odd tail).
+    cols = elems // N
+    return {
+        "all_reduce": (lambda v: jaxcomm.all_reduce(v, "x"), lambda v: jax.lax.psum(v, "x"),
+                       (N, cols + 3), False),
+        "all_gather": (lambda v: jaxcomm.all_gather(v, "x", axis=1, tiled=True),
+                       lambda v: jax.lax.all_gather(v, "x", axis=1, tiled=True), (N, cols + 3),
+                       True),
+        "reduce_scatter": (lambda v: jaxcomm.reduce_scatter(v, "x", scatter_dimension=1, tiled=True),
+                           lambda v: jax.lax.psum_scatter(v, "x", scatter_dimension=1, tiled=True),
+                           (3, N * (cols // 3 + 1)), False),
+        "all_to_all": (lambda v: jaxcomm.all_to_all(v, "x", 0, 1, tiled=True),
+                       lambda v: jax.lax.all_to_all(v, "x", 0, 1, tiled=True), (N, cols + 3), True),
+        "ppermute": (lambda v: jaxcomm.ppermute(v, "x", ring(N, 3)),
+                     lambda v: jax.lax.ppermute(v, "x", ring(N, 3)), (N, cols + 3), True),
+        "broadcast": (lambda v: jaxcomm.broadcast(v, "x", root=5),
+                      lambda v: lax_broadcast(v, "x", 5), (N, cols + 3), True),
+    }
+
+
+@pytest.mark.parametrize("mib", [1, 4])
+@pytest.mark.parametrize("name", list(_large_cases(1024)))
+def test_large_messages(mesh8, name, mib):
+    ours, ref, shape, exact = _large_cases(mib * MIB // 4)[name]
+    x = rand((N, *shape), "float32", seed=22)
+    assert x[0].nbytes >= mib * MIB
+    compare(mesh8, ours, ref, x, exact=exact)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "int8"])
+def test_large_all_reduce_narrow_types(mesh8, dt):
+    x = rand((N, 2 * MIB // jnp.dtype(dt).itemsize + 5), dt, seed=23)
+    compare(mesh8, lambda v: jaxcomm.all_reduce(v, "x"), lambda v: jax.lax.psum(v, "x"), x,
+            exact=False)
