@@ -11,7 +11,7 @@ The op modules under ``ops/`` describe each op with a :class:`CollectiveSpec`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -80,28 +80,39 @@ def _own(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if k not in COMMON_PARAMS}
 
 
+def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[Any],
+                     params: dict[str, Any], attrs: dict[str, Any],
+                     aliases: dict[int, int] | None = None) -> Any:
+    """Emits the custom call of jaxcomm op ``op`` with the attributes every handler binds.
+
+    The handler receives ``operands`` followed by this device's partition id (u32 scalar),
+    then the common attributes (call_site, axis, timeout_ms, groups, group_size) and the
+    op's own ``attrs``. See ffi/cpu/launch.h for the C++ side.
+    """
+    runtime.ensure_registered()
+    axes = params["axes"]
+    replica_groups = groups.replica_groups(ctx.module_context.axis_context, axes)
+    partition = hlo.partition_id()
+    pid_aval = core.ShapedArray((), np.uint32)
+    lower = jax.ffi.ffi_lowering(runtime.target_name(op), operand_output_aliases=aliases)
+    ctx = ctx.replace(avals_in=[*ctx.avals_in, pid_aval])
+    return lower(
+        ctx, *operands, partition,
+        call_site=params["call_site"],
+        axis=groups.describe(axes),
+        timeout_ms=int(params["timeout_ms"]),
+        groups=np.asarray(replica_groups, dtype=np.int64).reshape(-1),
+        group_size=len(replica_groups[0]),
+        **attrs,
+    )
+
+
 def _ffi_lowering(spec: CollectiveSpec) -> Callable[..., Any]:
     def lowering(ctx: mlir.LoweringRuleContext, x: Any, **params: Any) -> Any:
-        runtime.ensure_registered()
-        axes = params["axes"]
-        replica_groups = groups.replica_groups(ctx.module_context.axis_context, axes)
-        partition = hlo.partition_id()
-        pid_aval = core.ShapedArray((), np.uint32)
-        lower = jax.ffi.ffi_lowering(
-            runtime.target_name(spec.name),
-            operand_output_aliases={0: 0} if spec.aliases else None,
-        )
-        ctx = ctx.replace(avals_in=[*ctx.avals_in, pid_aval])
-        return lower(
-            ctx, x, partition,
-            call_site=params["call_site"],
-            axis=groups.describe(axes),
-            timeout_ms=int(params["timeout_ms"]),
-            groups=np.asarray(replica_groups, dtype=np.int64).reshape(-1),
-            group_size=len(replica_groups[0]),
-            **spec.ffi_attrs(x_aval=ctx.avals_in[0], group_size=len(replica_groups[0]),
-                             **_own(params)),
-        )
+        size = len(groups.replica_groups(ctx.module_context.axis_context, params["axes"])[0])
+        attrs = spec.ffi_attrs(x_aval=ctx.avals_in[0], group_size=size, **_own(params))
+        return lower_collective(ctx, spec.name, [x], params, attrs,
+                                aliases={0: 0} if spec.aliases else None)
     return lowering
 
 
