@@ -4,6 +4,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <chrono>
+
 #include "core/registry.h"
 #include "core/rendezvous.h"
 #include "cpu/handlers.h"
@@ -51,7 +53,14 @@ NB_MODULE(_jaxcomm, m) {
     return d;
   }, "The FFI type registration of the per-instruction rendezvous state.");
 
-  m.def("rounds_in_flight_total", [] {
+  m.def("set_process_index", [](int64_t i) { jaxcomm::Registry::Get().set_process_index(i); },
+        "Tells the runtime which process of the job this is (jax.process_index()).");
+
+  m.def("set_spin_us", [](int64_t us) {
+    jaxcomm::Registry::Get().set_spin(std::chrono::microseconds(us < 0 ? 0 : us));
+  }, "How long a waiting rank spins (yielding) before it sleeps, in microseconds.");
+
+  m.def("round_counts", [] {
     auto& r = jaxcomm::Registry::Get();
     return nb::make_tuple(r.rounds_completed.load(), r.rounds_failed.load());
   }, "(completed, failed) collective rounds since start.");

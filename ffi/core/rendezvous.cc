@@ -88,9 +88,19 @@ ffi::Error Result(const Round& round, const CallContext& ctx, ffi::ErrorCode cod
 
 }  // namespace
 
-RoundTable::RoundTable(std::vector<std::vector<int64_t>> groups, int64_t num_partitions)
-    : where_(static_cast<size_t>(std::max<int64_t>(num_partitions, 0)), {-1, -1}),
-      executions_(groups.size(), 0) {
+RoundTable::RoundTable(std::vector<std::vector<int64_t>> groups,
+                       const std::vector<std::pair<int64_t, int64_t>>& partition_devices,
+                       int64_t process_index)
+    : where_(partition_devices.size(), {-1, -1}), executions_(groups.size(), 0) {
+  const int64_t num_partitions = static_cast<int64_t>(partition_devices.size());
+  for (int64_t p = 0; p < num_partitions; ++p) {
+    auto [process, ordinal] = partition_devices[p];
+    if (process != process_index || ordinal < 0) continue;
+    if (ordinal >= static_cast<int64_t>(ordinal_to_partition_.size())) {
+      ordinal_to_partition_.resize(ordinal + 1, -1);
+    }
+    ordinal_to_partition_[ordinal] = p;
+  }
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t r = 0; r < groups[g].size(); ++r) {
       int64_t p = groups[g][r];

@@ -63,12 +63,19 @@ struct Round;
 // The state of one custom-call instruction: its groups and its rounds in flight.
 class RoundTable {
  public:
-  RoundTable(std::vector<std::vector<int64_t>> groups, int64_t num_partitions);
+  // `partition_devices` holds (process index, local device ordinal) per partition.
+  RoundTable(std::vector<std::vector<int64_t>> groups,
+             const std::vector<std::pair<int64_t, int64_t>>& partition_devices, int64_t process_index);
   RoundTable(const RoundTable&) = delete;
   RoundTable& operator=(const RoundTable&) = delete;
 
   // (group index, rank in group) of a partition, or nullopt when it is in no group.
   std::optional<std::pair<int, int>> Locate(int64_t partition) const;
+  // The partition this process's device `ordinal` runs, or -1.
+  int64_t PartitionOfOrdinal(int64_t ordinal) const {
+    return ordinal >= 0 && ordinal < static_cast<int64_t>(ordinal_to_partition_.size())
+               ? ordinal_to_partition_[ordinal] : -1;
+  }
   const std::vector<int64_t>& group(int index) const { return *groups_[index]; }
 
   // Joins the call, runs this rank's share of `work`, and returns once this rank's
@@ -83,6 +90,7 @@ class RoundTable {
 
   std::vector<std::shared_ptr<const std::vector<int64_t>>> groups_;
   std::vector<std::pair<int, int>> where_;  // by partition: (group, rank), (-1,-1) if none
+  std::vector<int64_t> ordinal_to_partition_;
 
   std::mutex mu_;
   std::map<Key, std::shared_ptr<Round>> rounds_;

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/registry.h"
 #include "core/rendezvous.h"
 #include "cpu/kernels.h"
 #include "cpu/launch.h"
@@ -20,11 +21,12 @@ namespace ffi = xla::ffi;
 
 // ---------------------------------------------------------------------------- all_reduce
 
-ffi::Error AllReduce(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
-                      ffi::Buffer<ffi::U32> pid, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
+                      ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
-                      ffi::Span<const int64_t>, int64_t group_size, int64_t reduce_op) {
-  Common c{st, run, *pid.typed_data(), "all_reduce", call_site, axis, timeout_ms};
+                      ffi::Span<const int64_t>, int64_t group_size,
+                      ffi::Span<const int64_t>, int64_t reduce_op) {
+  Common c{st, run, ordinal, "all_reduce", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
   const size_t n = x.element_count();
   if (n == 0) return ffi::Error::Success();
@@ -52,11 +54,12 @@ ffi::Error AllReduce(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
 
 // ---------------------------------------------------------------------------- all_gather
 
-ffi::Error AllGather(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
-                      ffi::Buffer<ffi::U32> pid, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
+                      ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
-                      ffi::Span<const int64_t>, int64_t group_size, int64_t gather_axis) {
-  Common c{st, run, *pid.typed_data(), "all_gather", call_site, axis, timeout_ms};
+                      ffi::Span<const int64_t>, int64_t group_size,
+                      ffi::Span<const int64_t>, int64_t gather_axis) {
+  Common c{st, run, ordinal, "all_gather", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
   if (x.element_count() == 0) return ffi::Error::Success();
   const auto dims = Dims(x);
@@ -80,11 +83,11 @@ ffi::Error AllGather(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
 
 // ------------------------------------------------------------------------ reduce_scatter
 
-ffi::Error ReduceScatter(InstructionState* st, ffi::RunId run,                           ffi::AnyBuffer x, ffi::Buffer<ffi::U32> pid,
-                          ffi::Result<ffi::AnyBuffer> y, std::string_view call_site,
+ffi::Error ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, std::string_view call_site,
                           std::string_view axis, int64_t timeout_ms, ffi::Span<const int64_t>,
-                          int64_t group_size, int64_t reduce_op, int64_t scatter_dimension) {
-  Common c{st, run, *pid.typed_data(), "reduce_scatter", call_site, axis, timeout_ms};
+                          int64_t group_size, ffi::Span<const int64_t>, int64_t reduce_op,
+                          int64_t scatter_dimension) {
+  Common c{st, run, ordinal, "reduce_scatter", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
   if (x.element_count() == 0) return ffi::Error::Success();
   const auto dtype = x.element_type();
@@ -119,12 +122,12 @@ ffi::Error ReduceScatter(InstructionState* st, ffi::RunId run,                  
 
 // ---------------------------------------------------------------------------- all_to_all
 
-ffi::Error AllToAll(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
-                     ffi::Buffer<ffi::U32> pid, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                      std::string_view call_site, std::string_view axis, int64_t timeout_ms,
-                     ffi::Span<const int64_t>, int64_t group_size, int64_t split_axis,
+                     ffi::Span<const int64_t>, int64_t group_size,
+                      ffi::Span<const int64_t>, int64_t split_axis,
                      int64_t concat_axis) {
-  Common c{st, run, *pid.typed_data(), "all_to_all", call_site, axis, timeout_ms};
+  Common c{st, run, ordinal, "all_to_all", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
   if (x.element_count() == 0) return ffi::Error::Success();
   const int64_t R = group_size;
@@ -155,11 +158,11 @@ ffi::Error AllToAll(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
 
 // ------------------------------------------------------------------------------- ppermute
 
-ffi::Error Permute(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
-                    ffi::Buffer<ffi::U32> pid, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                     std::string_view call_site, std::string_view axis, int64_t timeout_ms,
-                    ffi::Span<const int64_t>, int64_t group_size, ffi::Span<const int64_t> sources) {
-  Common c{st, run, *pid.typed_data(), "ppermute", call_site, axis, timeout_ms};
+                    ffi::Span<const int64_t>, int64_t group_size,
+                      ffi::Span<const int64_t>, ffi::Span<const int64_t> sources) {
+  Common c{st, run, ordinal, "ppermute", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
   if (x.element_count() == 0) return ffi::Error::Success();
   if (static_cast<int64_t>(sources.size()) != group_size) {
@@ -183,11 +186,12 @@ ffi::Error Permute(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
 
 // ------------------------------------------------------------------------------ broadcast
 
-ffi::Error Broadcast(InstructionState* st, ffi::RunId run, ffi::AnyBuffer x,
-                      ffi::Buffer<ffi::U32> pid, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
+                      ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
-                      ffi::Span<const int64_t>, int64_t group_size, int64_t root) {
-  Common c{st, run, *pid.typed_data(), "broadcast", call_site, axis, timeout_ms};
+                      ffi::Span<const int64_t>, int64_t group_size,
+                      ffi::Span<const int64_t>, int64_t root) {
+  Common c{st, run, ordinal, "broadcast", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
   if (x.element_count() == 0) return ffi::Error::Success();
   const size_t bytes = x.size_bytes();
@@ -212,13 +216,21 @@ ffi::ErrorOr<std::unique_ptr<InstructionState>> Instantiate(ffi::Dictionary attr
     return ffi::Unexpected(ffi::Error::InvalidArgument(
         "jaxcomm: custom call lacks valid 'groups'/'group_size' attributes"));
   }
+  auto devices = attrs.get<ffi::Span<const int64_t>>("partition_devices");
+  if (!devices.has_value() || devices->size() % 2 != 0) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        "jaxcomm: custom call lacks a valid 'partition_devices' attribute"));
+  }
   std::vector<std::vector<int64_t>> groups;
-  int64_t max_id = -1;
   for (size_t i = 0; i < flat->size(); i += *size) {
     groups.emplace_back(flat->begin() + i, flat->begin() + i + *size);
-    for (int64_t p : groups.back()) max_id = std::max(max_id, p);
   }
-  return std::make_unique<InstructionState>(std::make_unique<RoundTable>(std::move(groups), max_id + 1));
+  std::vector<std::pair<int64_t, int64_t>> partition_devices;
+  for (size_t i = 0; i < devices->size(); i += 2) {
+    partition_devices.emplace_back((*devices)[i], (*devices)[i + 1]);
+  }
+  return std::make_unique<InstructionState>(std::make_unique<RoundTable>(
+      std::move(groups), partition_devices, Registry::Get().process_index()));
 }
 
 }  // namespace

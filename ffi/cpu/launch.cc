@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string>
 
 namespace jaxcomm::cpu {
 
@@ -21,11 +22,13 @@ ffi::Error Launch(const Common& c, Peer mine, size_t work_bytes, const WorkFn& w
   call.ctx.op = c.op;
   call.ctx.call_site = c.call_site;
   call.ctx.axis = c.axis;
-  call.ctx.partition = c.partition;
-  auto where = c.state->table->Locate(c.partition);
+  const int64_t partition = c.state->table->PartitionOfOrdinal(c.ordinal);
+  call.ctx.partition = partition;
+  auto where = c.state->table->Locate(partition);
   if (!where) {
     return ffi::Error::Internal(call.ctx.Describe() +
-                                ": this partition is in none of the instruction's replica groups");
+                                ": this device (ordinal " + std::to_string(c.ordinal) +
+                                ") is in none of the instruction's replica groups");
   }
   call.ctx.group_index = where->first;
   call.ctx.rank = where->second;

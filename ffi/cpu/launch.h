@@ -20,34 +20,35 @@ namespace ffi = xla::ffi;
 struct Common {
   InstructionState* state;
   ffi::RunId run;
-  uint32_t partition;
+  int64_t ordinal;  // this device's local ordinal; the table maps it to a partition
   std::string_view op, call_site, axis;
   int64_t timeout_ms;
 };
 
 // Context and attributes every jaxcomm handler binds, in this order:
-//   ctx: State<InstructionState>, RunId
-//   attrs: call_site, axis, timeout_ms, groups, group_size
+//   ctx: State<InstructionState>, RunId, DeviceOrdinal
+//   attrs: call_site, axis, timeout_ms, groups, group_size, partition_devices
 // Operands and results are bound by the caller in between (`bind_buffers`).
+// The device ordinal, not a partition-id operand, locates the rank: XLA refuses
+// PartitionId inside a shard_map that is manual over only some mesh axes.
 template <typename B, typename F>
 auto BindCommon(B&& b, F&& bind_buffers) {
   return std::forward<F>(bind_buffers)(std::move(b)
                                            .template Ctx<ffi::State<InstructionState>>()
-                                           .template Ctx<ffi::RunId>())
+                                           .template Ctx<ffi::RunId>()
+                                           .template Ctx<ffi::DeviceOrdinal>())
       .template Attr<std::string_view>("call_site")
       .template Attr<std::string_view>("axis")
       .template Attr<int64_t>("timeout_ms")
       .template Attr<ffi::Span<const int64_t>>("groups")
-      .template Attr<int64_t>("group_size");
+      .template Attr<int64_t>("group_size")
+      .template Attr<ffi::Span<const int64_t>>("partition_devices");
 }
 
-// The buffers of the one-operand collectives: x, the partition id, and the result.
+// The buffers of the one-operand collectives: x and the result.
 template <typename B>
 auto BindUnary(B&& b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::U32>>()
-      .template Ret<ffi::AnyBuffer>();
+  return std::move(b).template Arg<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>();
 }
 
 std::vector<int64_t> Dims(const ffi::AnyBuffer& b);

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
+import numpy as np
+
 from jaxcomm._src import compat
 
 AxisName = Hashable | tuple[Hashable, ...]
@@ -43,3 +45,22 @@ def describe(axes: tuple) -> str:
 
 def replica_groups(axis_context: Any, axes: tuple) -> tuple[tuple[int, ...], ...]:
     return compat.replica_groups(axis_context, axes)
+
+
+def partition_devices(axis_context: Any) -> np.ndarray:
+    """(process index, local device ordinal) of each partition, flattened, as int64.
+
+    Handlers find their rank from the device ordinal XLA gives them, since a
+    partition-id instruction is refused in partially manual shard_maps.
+    """
+    devices = np.asarray(axis_context.mesh.devices).reshape(-1)
+    return np.asarray([(d.process_index, d.local_hardware_id) for d in devices],
+                      dtype=np.int64).reshape(-1)
+
+
+def is_partially_manual(axis_context: Any) -> bool:
+    """Whether the shard_map being lowered leaves some mesh axes to the partitioner."""
+    manual = getattr(axis_context, "manual_axes", None)
+    if manual is None:
+        return False
+    return set(manual) != set(axis_context.mesh.axis_names)

@@ -18,9 +18,8 @@ import numpy as np
 import jax
 from jax._src import core
 from jax._src.interpreters import batching, mlir
-from jax._src.lib.mlir.dialects import hlo
 
-from jaxcomm._src import compat, groups, runtime
+from jaxcomm._src import compat, groups, partitioning, runtime
 
 # Params every collective primitive carries, besides the op's own.
 COMMON_PARAMS = ("axes", "call_site", "timeout_ms", "vma_checked")
@@ -38,6 +37,8 @@ class CollectiveSpec:
       ffi_attrs: the op's own handler attributes, from the params.
       shift_axes: the params after a batch dimension is inserted in front (vmap).
       aliases: whether the result may reuse the operand's buffer (donation).
+      batch_dims: how many leading dimensions XLA may split over auto mesh axes (in a
+        partially manual shard_map): those the op treats independently.
     """
 
     name: str
@@ -46,6 +47,7 @@ class CollectiveSpec:
     ffi_attrs: Callable[..., dict[str, Any]]
     shift_axes: Callable[[dict[str, Any]], dict[str, Any]] = lambda params: params
     aliases: bool = False
+    batch_dims: Callable[..., int] = lambda ndim, **_: ndim
 
 
 def _outside_shard_map(name: str) -> Callable[..., Any]:
@@ -82,27 +84,34 @@ def _own(params: dict[str, Any]) -> dict[str, Any]:
 
 def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[Any],
                      params: dict[str, Any], attrs: dict[str, Any],
-                     aliases: dict[int, int] | None = None) -> Any:
+                     aliases: dict[int, int] | None = None,
+                     batch_dims: int | None = None) -> Any:
     """Emits the custom call of jaxcomm op ``op`` with the attributes every handler binds.
 
-    The handler receives ``operands`` followed by this device's partition id (u32 scalar),
-    then the common attributes (call_site, axis, timeout_ms, groups, group_size) and the
-    op's own ``attrs``. See ffi/cpu/launch.h for the C++ side.
+    The handler receives ``operands``, then the common attributes (call_site, axis,
+    timeout_ms, groups, group_size, partition_devices) and the op's own ``attrs``; it
+    finds its rank from its device ordinal. See ffi/cpu/launch.h for the C++ side.
+
+    In a shard_map that is manual over only some mesh axes, XLA partitions the call over
+    the other (auto) axes along its first ``batch_dims`` dimensions (see DESIGN.md).
     """
     runtime.ensure_registered()
+    axis_context = ctx.module_context.axis_context
     axes = params["axes"]
-    replica_groups = groups.replica_groups(ctx.module_context.axis_context, axes)
-    partition = hlo.partition_id()
-    pid_aval = core.ShapedArray((), np.uint32)
-    lower = jax.ffi.ffi_lowering(runtime.target_name(op), operand_output_aliases=aliases)
-    ctx = ctx.replace(avals_in=[*ctx.avals_in, pid_aval])
+    replica_groups = groups.replica_groups(axis_context, axes)
+    extra = None
+    if batch_dims is not None and groups.is_partially_manual(axis_context):
+        extra = partitioning.batch_partitioning_attributes(ctx, batch_dims)
+    lower = jax.ffi.ffi_lowering(runtime.target_name(op), operand_output_aliases=aliases,
+                                 extra_attributes=extra)
     return lower(
-        ctx, *operands, partition,
+        ctx, *operands,
         call_site=params["call_site"],
         axis=groups.describe(axes),
         timeout_ms=int(params["timeout_ms"]),
         groups=np.asarray(replica_groups, dtype=np.int64).reshape(-1),
         group_size=len(replica_groups[0]),
+        partition_devices=groups.partition_devices(axis_context),
         **attrs,
     )
 
@@ -112,7 +121,8 @@ def _ffi_lowering(spec: CollectiveSpec) -> Callable[..., Any]:
         size = len(groups.replica_groups(ctx.module_context.axis_context, params["axes"])[0])
         attrs = spec.ffi_attrs(x_aval=ctx.avals_in[0], group_size=size, **_own(params))
         return lower_collective(ctx, spec.name, [x], params, attrs,
-                                aliases={0: 0} if spec.aliases else None)
+                                aliases={0: 0} if spec.aliases else None,
+                                batch_dims=spec.batch_dims(ctx.avals_in[0].ndim, **_own(params)))
     return lowering
 
 

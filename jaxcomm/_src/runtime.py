@@ -31,6 +31,8 @@ def ensure_registered() -> None:
     jax.ffi.register_ffi_type("jaxcomm_instruction_state", _jaxcomm.state_type(), platform="cpu")
     for op, stages in _jaxcomm.cpu_targets().items():
         jax.ffi.register_ffi_target(target_name(op), stages, platform="cpu")
+        jax.ffi.register_ffi_target_as_batch_partitionable(target_name(op))
+    _jaxcomm.set_process_index(jax.process_index())
 
 
 @functools.cache

@@ -403,7 +403,8 @@ def build_parser(prog: str = "python -m jaxcomm.bench") -> argparse.ArgumentPars
                    help="emulated CPU devices, via XLA_FLAGS (default %(default)s)")
     p.add_argument("--dtype", default="float32", help="element type (default %(default)s)")
     p.add_argument("--iters", type=int, default=20,
-                   help="timed calls per side and size; the median is reported (default %(default)s)")
+                   help="timed calls per side and size; the median is reported "
+                        "(default %(default)s)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed calls per side and size (default %(default)s)")
     p.add_argument("--hugetlb", choices=("off", "on", "both"), default="both",

@@ -10,7 +10,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 #: Binary units, as nccl-tests reads ``-b 8 -e 128M``: K, KB and KiB all mean 1024.
 _UNITS = {"": 1, "b": 1,
@@ -211,7 +211,3 @@ class ProgressDisplay:
             self._tqdm.refresh()
             self._tqdm.close()
 
-
-def first(items: Iterable[Any], default: Any = None) -> Any:
-    """The first element of ``items`` or ``default``."""
-    return next(iter(items), default)

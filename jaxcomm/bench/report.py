@@ -163,7 +163,7 @@ def plot(records: Sequence[Record], path: str) -> None:
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, LogLocator
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ops = list(dict.fromkeys(r["op"] for r in records))
     settings = list(dict.fromkeys(r.get("hugetlb") for r in records))
@@ -182,7 +182,8 @@ def plot(records: Sequence[Record], path: str) -> None:
             huge = {True: " (hugetlb)", False: "", None: ""}[setting]
             if len(settings) > 1 and setting is False:
                 huge = " (no hugetlb)"
-            for key, name, color in (("busbw_gbps", "jaxcomm", "C0"), ("xla_busbw_gbps", "XLA", "C3")):
+            for key, name, color in (("busbw_gbps", "jaxcomm", "C0"),
+                                     ("xla_busbw_gbps", "XLA", "C3")):
                 pts = [(r["bytes"], r[key]) for r in recs if r.get(key) and r[key] > 0]
                 if pts:
                     xs, ys = zip(*pts)
@@ -190,8 +191,12 @@ def plot(records: Sequence[Record], path: str) -> None:
                             label=f"{name}{huge}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        # Plain numbers ("0.01", "2") read faster than 10^k powers; minor labels would crowd.
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.xaxis.set_major_locator(LogLocator(base=4))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(int(v)) if v >= 1 else ""))
+        ax.xaxis.set_major_formatter(
+            FuncFormatter(lambda v, _: format_bytes(int(v)) if v >= 1 else ""))
         ax.tick_params(axis="x", labelrotation=45, labelsize=8)
         ax.set_title(op)
         ax.set_xlabel("size per device")
