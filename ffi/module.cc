@@ -9,6 +9,7 @@
 #include "core/registry.h"
 #include "core/rendezvous.h"
 #include "cpu/handlers.h"
+#include "cpu/ragged.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -42,6 +43,7 @@ NB_MODULE(_jaxcomm, m) {
     targets["all_to_all"] = stages(jaxcomm::cpu::kAllToAll);
     targets["ppermute"] = stages(jaxcomm::cpu::kPermute);
     targets["broadcast"] = stages(jaxcomm::cpu::kBroadcast);
+    targets["ragged_all_to_all"] = stages(jaxcomm::cpu::kRaggedAllToAll);
     return targets;
   }, "Maps op name -> {stage: handler capsule} for platform 'cpu'.");
 

@@ -9,7 +9,10 @@ from jaxcomm._src.ops.alltoall import all_to_all
 from jaxcomm._src.ops.broadcast import broadcast
 from jaxcomm._src.ops.gather import all_gather
 from jaxcomm._src.ops.permute import ppermute
+from jaxcomm._src.ops.ragged import ragged_all_to_all
 from jaxcomm._src.ops.reduce import all_reduce, reduce_scatter
+
+from jaxcomm import moe  # noqa: E402  (jaxcomm.moe.dispatch / combine)
 
 __version__ = "0.1.0"
 
@@ -18,6 +21,8 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "moe",
     "ppermute",
+    "ragged_all_to_all",
     "reduce_scatter",
 ]

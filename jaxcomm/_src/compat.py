@@ -59,3 +59,10 @@ def axis_size(name: Any) -> int:
 def replica_groups(axis_context: Any, axes: tuple) -> tuple[tuple[int, ...], ...]:
     """Partition ids of each group of a collective over ``axes``, in rank order."""
     return tuple(tuple(int(i) for i in g) for g in _pxla.axis_groups(axis_context, axes))
+
+
+def concrete_mesh() -> Any:
+    """The concrete mesh set by ``jax.set_mesh`` (None or an empty mesh when none is)."""
+    from jax._src import mesh as _mesh
+    getter = getattr(_mesh, "get_concrete_mesh", None)
+    return getter() if getter is not None else None

@@ -133,8 +133,8 @@ def _batcher(spec: CollectiveSpec, prim: core.Primitive) -> Callable[..., Any]:
             raise NotImplementedError(
                 f"jaxcomm.{spec.name} over the vmap axis {axis_data.name!r}: jaxcomm collectives "
                 f"run over shard_map mesh axes; use the jax.lax collective for a vmap axis_name.")
-        if d is None or d is batching.not_mapped:
-            return prim.bind(x, **params), batching.not_mapped
+        if d is None or d is getattr(batching, "not_mapped", None):
+            return prim.bind(x, **params), getattr(batching, "not_mapped", None)
         x = jax.numpy.moveaxis(x, d, 0)
         return prim.bind(x, **spec.shift_axes(params)), 0
     return batcher

@@ -31,11 +31,16 @@ order alternates every iteration so neither side always runs on a warmer cache).
   carry is rebuilt with a static slice (all_gather) or a partial in-place update
   (reduce_scatter), identically on both sides.
 * Larger sizes: one collective per program call, timed with ``block_until_ready``.
+  By default out-of-place: the operand is a non-donated jit argument, so an op whose
+  result aliases its operand (jaxcomm's all_reduce and broadcast do) pays for XLA's copy
+  of it. ``inplace=True`` (``--inplace``) donates the operand of the shape-preserving
+  ops instead, as nccl-tests' in-place runs, and gives each call a fresh one.
 
 Each figure is the median over ``iters`` timed calls, after ``warmup`` untimed ones.
 The first warmup results of the two sides are compared (``check=True``), so a wrong
-jaxcomm result is reported rather than timed silently. The inputs are small integers
-(exact in every float type), so the comparison is exact apart from 16-bit floats.
+jaxcomm result is reported rather than timed silently. The inputs are small integers,
+so the comparison can be tight: exact for integer types, 1e-5 relative for 32/64-bit
+floats, loose only for 16-bit floats (summation order shows there).
 
 HugeTLB: glibc reads ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` only at process start, so
 :func:`run` records the state of the running process, and the command line re-executes
@@ -85,6 +90,7 @@ class OpSpec:
       name: the jaxcomm function name.
       bus_factor: busbw / algbw for a group of n devices.
       whole_blocks: the element count must be a multiple of n (it is split into blocks).
+      same_shape: the result has the operand's shape, so a donated operand can hold it.
       in_elems: operand elements per device from the count behind "size" and n.
       jaxcomm: ``f(x, n, timeout_s)`` with jaxcomm's collective, inside shard_map over
         :data:`AXIS` (``timeout_s`` None: jaxcomm's default deadline).
@@ -96,6 +102,7 @@ class OpSpec:
     name: str
     bus_factor: Callable[[int], float]
     whole_blocks: bool
+    same_shape: bool
     in_elems: Callable[[int, int], int]
     jaxcomm: Callable[[jax.Array, int, float | None], jax.Array]
     xla: Collective
@@ -103,6 +110,7 @@ class OpSpec:
 
 
 def _ring(n: int) -> list[tuple[int, int]]:
+    """ppermute's pairs: a shift by one around the ring."""
     return [(i, (i + 1) % n) for i in range(n)]
 
 
@@ -113,37 +121,40 @@ def _xla_broadcast(x: jax.Array, n: int) -> jax.Array:
 
 
 def _same(carry: jax.Array, y: jax.Array) -> jax.Array:
+    """Loop feedback for shape-preserving ops: the result is the next operand."""
     return y
 
 
 def _head(carry: jax.Array, y: jax.Array) -> jax.Array:
+    """Loop feedback for all_gather: the first operand-sized slice of the result."""
     # A static slice, not a dynamic slice at axis_index: XLA rewrites
     # dynamic-slice(all-gather(x), partition-id) into x, which would delete the collective.
     return y[: carry.shape[0]]
 
 
 def _overwrite_head(carry: jax.Array, y: jax.Array) -> jax.Array:
+    """Loop feedback for reduce_scatter: the carry with its head replaced by the result."""
     # In place: costs |y| bytes, not a fresh |carry|-sized buffer per iteration.
     return jax.lax.dynamic_update_slice(carry, y, (0,))
 
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
-    OpSpec("all_reduce", lambda n: 2 * (n - 1) / n, False, lambda c, n: c,
+    OpSpec("all_reduce", lambda n: 2 * (n - 1) / n, False, True, lambda c, n: c,
            lambda x, n, t: jaxcomm.all_reduce(x, AXIS, timeout_s=t),
            lambda x, n: jax.lax.psum(x, AXIS), _same),
-    OpSpec("all_gather", lambda n: (n - 1) / n, True, lambda c, n: c // n,
+    OpSpec("all_gather", lambda n: (n - 1) / n, True, False, lambda c, n: c // n,
            lambda x, n, t: jaxcomm.all_gather(x, AXIS, tiled=True, timeout_s=t),
            lambda x, n: jax.lax.all_gather(x, AXIS, tiled=True), _head),
-    OpSpec("reduce_scatter", lambda n: (n - 1) / n, True, lambda c, n: c,
+    OpSpec("reduce_scatter", lambda n: (n - 1) / n, True, False, lambda c, n: c,
            lambda x, n, t: jaxcomm.reduce_scatter(x, AXIS, tiled=True, timeout_s=t),
            lambda x, n: jax.lax.psum_scatter(x, AXIS, tiled=True), _overwrite_head),
-    OpSpec("all_to_all", lambda n: (n - 1) / n, True, lambda c, n: c,
+    OpSpec("all_to_all", lambda n: (n - 1) / n, True, True, lambda c, n: c,
            lambda x, n, t: jaxcomm.all_to_all(x, AXIS, 0, 0, tiled=True, timeout_s=t),
            lambda x, n: jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True), _same),
-    OpSpec("ppermute", lambda n: 1.0, False, lambda c, n: c,
+    OpSpec("ppermute", lambda n: 1.0, False, True, lambda c, n: c,
            lambda x, n, t: jaxcomm.ppermute(x, AXIS, _ring(n), timeout_s=t),
            lambda x, n: jax.lax.ppermute(x, AXIS, _ring(n)), _same),
-    OpSpec("broadcast", lambda n: 1.0, False, lambda c, n: c,
+    OpSpec("broadcast", lambda n: 1.0, False, True, lambda c, n: c,
            lambda x, n, t: jaxcomm.broadcast(x, AXIS, root=ROOT, timeout_s=t),
            _xla_broadcast, _same),
 )}
@@ -152,11 +163,12 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
 # ------------------------------------------------------------------------------ programs
 
 def _program(mesh: Mesh, collective: Collective, n: int, feedback: Callable | None,
-             loop_count: int) -> Callable[[jax.Array], jax.Array]:
+             loop_count: int, donate: bool = False) -> Callable[[jax.Array], jax.Array]:
     """``jit(shard_map(...))`` running ``collective`` once, or ``loop_count`` times chained.
 
     check_vma is off because psum's result is typed invariant while the loop carry is
     varying; with it on, the loop would need a cast that only one side's types call for.
+    ``donate`` gives the operand's buffer to the program (in-place runs).
     """
     if feedback is None:
         def local(x: jax.Array) -> jax.Array:
@@ -166,19 +178,19 @@ def _program(mesh: Mesh, collective: Collective, n: int, feedback: Callable | No
             return jax.lax.fori_loop(0, loop_count,
                                      lambda _, c: feedback(c, collective(c, n)), x)
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
-                                 check_vma=False))
+                                 check_vma=False), donate_argnums=(0,) if donate else ())
 
 
-def _make_input(mesh: Mesh, n: int, elems: int, dtype: np.dtype) -> jax.Array:
-    """Device k holds small integers shifted by k (values in 0..3).
+def _input_maker(mesh: Mesh, n: int, elems: int, dtype: np.dtype) -> Callable[[], jax.Array]:
+    """A function returning a fresh operand: device k holds small integers shifted by k.
 
-    Generated on the devices (no host copy of up to n x 64 MiB). Small integers keep
-    every sum of the timed loops exact in f32/f16/bf16, so the two sides must agree.
+    Generated on the devices (no host copy of up to n x 64 MiB). Small integers (0..3)
+    keep every sum of the timed loops exact in f32/f16/bf16, so the two sides must agree.
     """
     def gen() -> jax.Array:
         i = jnp.arange(n * elems, dtype=jnp.uint32)
         return ((i + i // max(elems, 1)) % 4).astype(dtype)
-    return jax.jit(gen, out_shardings=NamedSharding(mesh, P(AXIS)))()
+    return jax.jit(gen, out_shardings=NamedSharding(mesh, P(AXIS)))
 
 
 def _tolerance(dtype: np.dtype, loop: bool) -> tuple[float, float] | None:
@@ -203,6 +215,8 @@ def _agree(a: jax.Array, b: jax.Array, tol: tuple[float, float] | None) -> bool:
 
 
 def _time_call(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> float:
+    """Seconds from dispatching ``fn(x)`` until its result is ready."""
+    jax.block_until_ready(x)  # a freshly made operand must not be timed with the call
     t0 = time.perf_counter()
     out = fn(x)
     jax.block_until_ready(out)
@@ -212,6 +226,7 @@ def _time_call(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> float:
 
 
 def _short(exc: BaseException, limit: int = 400) -> str:
+    """An exception as one bounded line for a table footnote."""
     text = f"{type(exc).__name__}: {exc}".strip()
     return text if len(text) <= limit else text[:limit] + " ..."
 
@@ -251,6 +266,7 @@ def run(ops: Sequence[str] = ALL_OPS,
         loop_count: int = LOOP_COUNT,
         timeout_s: float | None = None,
         check: bool = True,
+        inplace: bool = False,
         progress: bool = False,
         title: str = "") -> list[dict[str, Any]]:
     """Measures each op at each size, jaxcomm against XLA, in this process.
@@ -267,18 +283,23 @@ def run(ops: Sequence[str] = ALL_OPS,
       devices: how many devices form the benchmark's one-axis mesh.
       dtype: element type of the messages.
       iters: timed calls per side and case (the median is reported).
-      warmup: untimed calls per side and case, after compilation.
+      warmup: untimed calls per side and case, after compilation (at least one is
+        always made: its result is the one checked).
       factor: growth factor between sizes when ``sizes`` is a range spec.
       loop_threshold: sizes up to this are timed as ``loop_count`` chained collectives.
       loop_count: collectives per program call in that latency mode.
       timeout_s: jaxcomm's rendezvous deadline (None: jaxcomm's default).
       check: compare the two sides' results once per case.
+      inplace: donate the operand of one-call programs whose result has its shape
+        (all_reduce, all_to_all, ppermute, broadcast), as nccl-tests' in-place runs do;
+        each timed call then gets a freshly made operand (made outside the timing).
       progress: show a progress bar on stderr.
       title: label shown on the progress bar.
 
     Returns:
       One record per (op, size): ``op, bytes, count, dtype, devices, hugetlb, mode``
-      (``"loop"`` or ``"call"``), ``jaxcomm_us, xla_us`` (median per collective),
+      (``"loop"`` or ``"call"``), ``inplace`` (whether the operand was donated),
+      ``jaxcomm_us, xla_us`` (median per collective),
       ``ratio`` (xla_us / jaxcomm_us), ``algbw_gbps, busbw_gbps`` (jaxcomm),
       ``xla_busbw_gbps``, ``match`` (None when unchecked or failed) and ``error`` (None,
       or what failed; the failed side's figures are then None).
@@ -309,7 +330,7 @@ def run(ops: Sequence[str] = ALL_OPS,
         for op, nbytes, count in cases:
             bar.step(f"{op} {common.format_bytes(nbytes)}")
             rec = _measure(OPS[op], mesh, n, nbytes, count, dtype, iters, warmup,
-                           loop_threshold, loop_count, timeout_s, check)
+                           loop_threshold, loop_count, timeout_s, check, inplace)
             rec["hugetlb"] = hugetlb
             if rec["error"]:
                 bar.note(f"{op} {common.format_bytes(nbytes)}: {rec['error']}")
@@ -321,6 +342,7 @@ def run(ops: Sequence[str] = ALL_OPS,
 
 
 def _warn_if_not_jaxcomm() -> None:
+    """Says so on stderr when jaxcomm would lower to jax.lax (the comparison is moot)."""
     from jaxcomm._src import config, runtime
     if config.backend() == "xla" or (config.backend() == "auto"
                                      and jax.default_backend() not in runtime.PLATFORMS):
@@ -330,24 +352,31 @@ def _warn_if_not_jaxcomm() -> None:
 
 def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: np.dtype,
              iters: int, warmup: int, loop_threshold: int, loop_count: int,
-             timeout_s: float | None, check: bool) -> dict[str, Any]:
+             timeout_s: float | None, check: bool, inplace: bool) -> dict[str, Any]:
     """Compiles, checks and times one case on both sides; returns its record."""
     loop = nbytes <= loop_threshold
+    # A loop's carry is updated in place anyway; donation matters for one-call programs.
+    donate = inplace and spec.same_shape and not loop
+
     def jc_collective(x: jax.Array, n: int) -> jax.Array:
         return spec.jaxcomm(x, n, timeout_s)
     feedback = spec.feedback if loop else None
     rec: dict[str, Any] = dict(op=spec.name, bytes=nbytes, count=count, dtype=dtype.name,
                                devices=n, hugetlb=None, mode="loop" if loop else "call",
+                               inplace=donate,
                                jaxcomm_us=None, xla_us=None, ratio=None, algbw_gbps=None,
                                busbw_gbps=None, xla_busbw_gbps=None, match=None, error=None)
     errors: list[str] = []
-    x = _make_input(mesh, n, spec.in_elems(count, n), dtype)
+    make_input = _input_maker(mesh, n, spec.in_elems(count, n), dtype)
+    x = make_input()
+    # A donated operand is consumed by the call: each call then gets a fresh one.
+    operand: Callable[[], jax.Array] = make_input if donate else (lambda: x)
     sides: dict[str, Callable[[jax.Array], jax.Array]] = {}
     first_out: dict[str, jax.Array] = {}
     for side, collective in (("jaxcomm", jc_collective), ("xla", spec.xla)):
         try:
-            fn = _program(mesh, collective, n, feedback, loop_count).lower(x).compile()
-            first_out[side] = jax.block_until_ready(fn(x))
+            fn = _program(mesh, collective, n, feedback, loop_count, donate).lower(x).compile()
+            first_out[side] = jax.block_until_ready(fn(operand()))
             sides[side] = fn
         except Exception as exc:  # a failing side is reported, the other still measured
             errors.append(f"{side}: {_short(exc)}")
@@ -359,7 +388,7 @@ def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: n
         for i in range(max(warmup - 1, 0) + iters):
             order = list(sides) if i % 2 == 0 else list(sides)[::-1]
             for side in order:
-                elapsed = _time_call(sides[side], x)
+                elapsed = _time_call(sides[side], operand())
                 if i >= warmup - 1:
                     samples[side].append(elapsed)
     except Exception as exc:
@@ -416,6 +445,11 @@ def build_parser(prog: str = "python -m jaxcomm.bench") -> argparse.ArgumentPars
                    help="plot bus bandwidth against size (needs matplotlib)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="jaxcomm rendezvous deadline (default: JAXCOMM_TIMEOUT_S or 300)")
+    p.add_argument("--inplace", action="store_true",
+                   help="donate the operand of one-call programs (sizes above the loop "
+                        "threshold) of all_reduce, all_to_all, ppermute and broadcast, so "
+                        "the result may reuse its buffer (nccl-tests' in-place); default: "
+                        "out-of-place")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="do not compare jaxcomm's results with XLA's")
     p.add_argument("--no-progress", dest="progress", action="store_false",
@@ -485,6 +519,7 @@ def _run_here(args: argparse.Namespace, ops: list[str]) -> list[dict[str, Any]]:
     hugetlb = "on" if common.hugetlb_enabled() else "off"
     return run(ops, common.parse_sizes(args.sizes, args.factor), args.devices, args.dtype,
                args.iters, args.warmup, timeout_s=args.timeout, check=args.check,
+               inplace=args.inplace,
                progress=args.progress, title=f"hugetlb={hugetlb}")
 
 
@@ -501,6 +536,8 @@ def _run_child(args: argparse.Namespace, hugetlb: bool) -> list[dict[str, Any]] 
             child_args += ["--timeout", str(args.timeout)]
         if not args.check:
             child_args.append("--no-check")
+        if args.inplace:
+            child_args.append("--inplace")
         if not args.progress:
             child_args.append("--no-progress")
         rc = common.run_module_child(child_args, common.hugetlb_env(hugetlb))
@@ -529,5 +566,6 @@ def _environment(args: argparse.Namespace) -> dict[str, Any]:
         "warmup": args.warmup,
         "cpus": os.cpu_count(),
         "hugetlb": args.hugetlb,
+        "inplace": args.inplace,
         "THP": common.transparent_hugepage_mode(),
     }

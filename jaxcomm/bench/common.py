@@ -10,7 +10,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 #: Binary units, as nccl-tests reads ``-b 8 -e 128M``: K, KB and KiB all mean 1024.
 _UNITS = {"": 1, "b": 1,
@@ -81,7 +81,7 @@ def set_host_device_count(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
-def hugetlb_enabled(env: dict[str, str] | os._Environ | None = None) -> bool:
+def hugetlb_enabled(env: Mapping[str, str] | None = None) -> bool:
     """Whether ``GLIBC_TUNABLES`` asks malloc for huge pages (``glibc.malloc.hugetlb`` != 0).
 
     glibc reads the tunable at process start, so this describes the running process only
@@ -95,7 +95,7 @@ def hugetlb_enabled(env: dict[str, str] | os._Environ | None = None) -> bool:
     return False
 
 
-def hugetlb_env(on: bool, env: dict[str, str] | os._Environ | None = None) -> dict[str, str]:
+def hugetlb_env(on: bool, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """A copy of ``env`` whose ``GLIBC_TUNABLES`` turns malloc's huge pages on or off.
 
     ``glibc.malloc.hugetlb=1`` makes malloc ``madvise`` its large blocks for transparent
@@ -140,7 +140,8 @@ def run_module_child(module_args: Sequence[str], env: dict[str, str]) -> int:
 # ------------------------------------------------------------------------------- progress
 
 class ProgressDisplay:
-    """A progress bar on stderr: rich if importable, else tqdm, else one line per step.
+    """A progress bar on stderr: rich if importable, else tqdm, else one line per step
+    (also when stderr is not a terminal).
 
     Use as a context manager; call :meth:`step` before each unit of work and
     :meth:`note` for messages that must not be overwritten by the bar.
@@ -158,6 +159,8 @@ class ProgressDisplay:
     def __enter__(self) -> "ProgressDisplay":
         if not self.enabled:
             return self
+        if not sys.stderr.isatty():
+            return self  # a bar redrawn in a log file is noise: one line per step instead
         try:
             from rich.console import Console
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,

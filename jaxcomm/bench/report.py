@@ -41,6 +41,7 @@ TARGETS: tuple[tuple[str, Any, float], ...] = (
 
 
 def _cell(rec: Record, key: str, fmt: str) -> str:
+    """One table cell: ``ERR`` where a side failed, ``-`` where a figure is missing."""
     value = rec.get(key)
     if fmt == "ok":
         return {True: "yes", False: "NO", None: "-"}[value]
@@ -60,6 +61,7 @@ def _groups(records: Iterable[Record]) -> list[tuple[tuple[Any, str], list[Recor
 
 
 def _title(rec: Record) -> str:
+    """A table's caption, from any record of its group."""
     huge = {True: "on", False: "off"}.get(rec.get("hugetlb"), "?")
     return (f"{rec['op']}  ({rec['devices']} devices, {rec['dtype']}, hugetlb {huge}; "
             f"ratio = xla time / jaxcomm time)")
@@ -117,6 +119,13 @@ def print_header(env: dict[str, Any], file: TextIO | None = None) -> None:
           file=file, flush=True)
 
 
+def _verdict(rec: Record) -> str:
+    """A record's ratio as the target summary shows it."""
+    if rec.get("ratio") is None:
+        return "ERR"
+    return f"{rec['ratio']:.2f}x" + (" (wrong result)" if rec.get("match") is False else "")
+
+
 def target_lines(records: Sequence[Record]) -> list[str]:
     """One line per DESIGN target and hugetlb setting: met, or the cases that miss it."""
     lines = []
@@ -126,13 +135,13 @@ def target_lines(records: Sequence[Record]) -> list[str]:
             cases = [r for r in records if r.get("hugetlb") == setting and applies(r)]
             if not cases:
                 continue
-            misses = [r for r in cases if r.get("ratio") is None or r["ratio"] < minimum]
+            misses = [r for r in cases if r.get("ratio") is None or r["ratio"] < minimum
+                      or r.get("match") is False]
             huge = {True: "on", False: "off"}.get(setting, "?")
             if not misses:
                 lines.append(f"met    [hugetlb {huge}] {label} ({len(cases)} cases)")
             else:
-                worst = ", ".join(f"{r['op']}@{format_bytes(r['bytes'])}="
-                                  + ("ERR" if r.get("ratio") is None else f"{r['ratio']:.2f}x")
+                worst = ", ".join(f"{r['op']}@{format_bytes(r['bytes'])}=" + _verdict(r)
                                   for r in misses)
                 lines.append(f"MISSED [hugetlb {huge}] {label}: {worst}")
     return lines
@@ -203,7 +212,18 @@ def plot(records: Sequence[Record], path: str) -> None:
         ax.set_ylabel("bus bandwidth (GB/s)")
         ax.grid(True, which="major", alpha=0.35)
         ax.grid(True, which="minor", alpha=0.1)
-        ax.legend(fontsize=7)
+        # Latency (looped) and single-call figures are measured differently: mark the seam.
+        looped = [r["bytes"] for r in records if r["op"] == op and r.get("mode") == "loop"]
+        called = [r["bytes"] for r in records if r["op"] == op and r.get("mode") == "call"]
+        if looped and called:
+            seam = math.sqrt(max(looped) * min(called))
+            ax.axvline(seam, color="0.5", linestyle=":", linewidth=1)
+            ax.text(seam, 0.02, " 1 call/program ", transform=ax.get_xaxis_transform(),
+                    fontsize=6.5, color="0.4", ha="left", va="bottom")
+            ax.text(seam, 0.02, " looped (latency) ", transform=ax.get_xaxis_transform(),
+                    fontsize=6.5, color="0.4", ha="right", va="bottom")
+        # Bandwidth rises with size, so the upper left corner is where the lines are not.
+        ax.legend(fontsize=7, loc="upper left")
     for ax in axes[len(ops):]:
         ax.set_visible(False)
     fig.suptitle(f"jaxcomm vs XLA collectives: {first['devices']} devices, {first['dtype']}")

@@ -1,0 +1,1 @@
+"""MoE expert-parallel dispatch/combine (public API: jaxcomm/moe.py)."""

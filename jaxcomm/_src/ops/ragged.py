@@ -1,0 +1,245 @@
+"""ragged_all_to_all: jax.lax.ragged_all_to_all's semantics, on every backend jaxcomm has.
+
+Handler: ffi/cpu/ragged.cc. One primitive carries a ``mode``: the forward op (0) and the two
+halves of its transpose (1: towards ``operand``, 2: towards ``output``). The handler reads
+every rank's offsets directly, so the transpose needs no all_to_all of the offsets (jax.lax
+needs two), and it is exact where jax.lax's is not: rows of ``output`` that a received slice
+overwrote get a zero cotangent even when a zero-size slice shares its offset with the next
+slice, overlapping received slices give the gradient to the slice that won, and operand rows
+sent twice accumulate both cotangents.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+from jax._src.interpreters import ad, batching, mlir
+
+from jaxcomm._src import compat, groups, primitive
+from jaxcomm._src.ops import common
+
+FORWARD, TRANSPOSE_OPERAND, ZERO_RECEIVED = 0, 1, 2
+
+ragged_all_to_all_p = core.Primitive("jaxcomm_ragged_all_to_all")
+ragged_all_to_all_p.def_impl(primitive._outside_shard_map("ragged_all_to_all"))
+
+
+def _abstract_eval(operand, output, *idx, axes, vma_checked, **_):
+    out = output.update(shape=output.shape, weak_type=False)
+    if vma_checked:
+        varying = frozenset().union(*(compat.vma(a) for a in (operand, output, *idx)))
+        out = compat.with_vma(out, varying)
+    return out, {compat.NamedAxisEffect(a) for a in axes}
+
+
+ragged_all_to_all_p.def_effectful_abstract_eval(_abstract_eval)
+
+
+def _lowering(ctx: mlir.LoweringRuleContext, *args: Any, mode: int, src_rows: int, **params: Any):
+    operand, output = ctx.avals_in[:2]
+    rows = lambda a: int(a.shape[0])
+    if mode == FORWARD:
+        src, dst = rows(operand), rows(output)
+    elif mode == TRANSPOSE_OPERAND:
+        src, dst = rows(output), rows(operand)
+    else:
+        src, dst = src_rows, rows(output)
+    return primitive.lower_collective(ctx, "ragged_all_to_all", list(args), params,
+                                      {"mode": int(mode), "src_rows": src, "dst_rows": dst},
+                                      aliases={1: 0})
+
+
+mlir.register_lowering(ragged_all_to_all_p, _lowering, platform="cpu")
+
+
+def _jvp(primals, tangents, **params):
+    operand, output, *idx = primals
+    d_operand, d_output, *_ = tangents
+    out = ragged_all_to_all_p.bind(operand, output, *idx, **params)
+    if type(d_operand) is ad.Zero and type(d_output) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    d_operand = ad.instantiate_zeros(d_operand)
+    d_output = ad.instantiate_zeros(d_output)
+    return out, ragged_all_to_all_p.bind(d_operand, d_output, *idx, **params)
+
+
+ad.primitive_jvps[ragged_all_to_all_p] = _jvp
+
+
+def _zeros(aval: Any, axes: tuple, vma_checked: bool) -> jax.Array:
+    z = jnp.zeros(aval.shape, aval.dtype)
+    return compat.pvary(z, tuple(axes)) if vma_checked else z
+
+
+def _transpose(ct, operand, output, *idx, mode: int, src_rows: int, **params):
+    aval = lambda v: v.aval if ad.is_undefined_primal(v) else core.get_aval(v)
+    want_operand, want_output = ad.is_undefined_primal(operand), ad.is_undefined_primal(output)
+    nones = [None] * 4
+    if type(ct) is ad.Zero:
+        return [ad.Zero(aval(operand)) if want_operand else None,
+                ad.Zero(aval(output)) if want_output else None, *nones]
+    axes, checked = params["axes"], params["vma_checked"]
+    bind = lambda a, b, m, rows=0: ragged_all_to_all_p.bind(a, b, *idx, mode=m, src_rows=rows, **params)
+    operand_t = output_t = None
+    dummy = lambda: _zeros(core.ShapedArray((1, *ct.shape[1:]), ct.dtype), axes, checked)
+    if mode == FORWARD:
+        if want_operand:
+            operand_t = bind(ct, _zeros(aval(operand), axes, checked), TRANSPOSE_OPERAND)
+        if want_output:
+            output_t = bind(dummy(), ct, ZERO_RECEIVED, aval(operand).shape[0])
+    elif mode == TRANSPOSE_OPERAND:
+        if want_operand:  # the adjoint of "gather visible rows, add" is "write rows"
+            operand_t = bind(ct, _zeros(aval(operand), axes, checked), FORWARD)
+        if want_output:
+            output_t = ct
+    else:
+        if want_operand:
+            operand_t = ad.Zero(aval(operand))
+        if want_output:
+            output_t = bind(dummy(), ct, ZERO_RECEIVED, src_rows)
+    return [operand_t, output_t, *nones]
+
+
+ad.primitive_transposes[ragged_all_to_all_p] = _transpose
+
+
+def _batcher(axis_data, vals_in, dims_in, *, mode: int, src_rows: int, **params):
+    if axis_data.name in params["axes"]:
+        raise NotImplementedError(
+            f"jaxcomm.ragged_all_to_all over the vmap axis {axis_data.name!r}: use a shard_map axis")
+    if all(d is None for d in dims_in):
+        return ragged_all_to_all_p.bind(*vals_in, mode=mode, src_rows=src_rows, **params), None
+    size = axis_data.size
+
+    def front(x, d):
+        return batching.bdim_at_front(x, d, size)
+
+    def second(x, d):  # index arrays as [slices, batch], so merged slice k*B+b keeps k's rank
+        if d is None:
+            return jnp.broadcast_to(x[:, None], (x.shape[0], size))
+        return jnp.moveaxis(x, d, 1)
+
+    operand, output = (front(v, d) for v, d in zip(vals_in[:2], dims_in[:2]))
+    io, ss, oo, rs = (second(v, d) for v, d in zip(vals_in[2:], dims_in[2:]))
+    b = jnp.arange(size, dtype=io.dtype)[None, :]
+    n_op, n_out = operand.shape[1], output.shape[1]
+    if mode == FORWARD:
+        io, oo = io + b * n_op, oo + b * n_out
+    elif mode == TRANSPOSE_OPERAND:
+        io, oo = io + b * n_out, oo + b * n_op
+    else:
+        io, oo = io + b * src_rows, oo + b * n_out
+    merge = lambda x: x.reshape(-1, *x.shape[2:])
+    out = ragged_all_to_all_p.bind(merge(operand), merge(output), *(x.reshape(-1) for x in (io, ss, oo, rs)),
+                                   mode=mode, src_rows=src_rows * size, **params)
+    return out.reshape(size, n_out, *out.shape[1:]), 0
+
+
+batching.fancy_primitive_batchers[ragged_all_to_all_p] = _batcher
+
+
+def _index_dtype(arrays: list) -> Any:
+    for a in arrays:
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise TypeError(f"jaxcomm.ragged_all_to_all: offsets and sizes must be integers, got {a.dtype}")
+    wide = any(jnp.dtype(a.dtype).itemsize > 4 for a in arrays) and jax.config.jax_enable_x64
+    return jnp.int64 if wide else jnp.int32
+
+
+def ragged_xla(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+               send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array,
+               axis_name: Any) -> jax.Array:
+    """Pure-JAX ragged_all_to_all (all_gather + local gather), for backends with none.
+
+    XLA:CPU has no ragged-all-to-all. This moves R times the operand and cannot raise at run
+    time: a slice whose offsets or sizes fall outside a buffer is skipped (not written).
+    Differentiable by JAX's own rules.
+    """
+    del recv_sizes  # implied by the senders' send_sizes
+    R = groups.group_size(groups.normalize_axes("ragged_all_to_all", axis_name))
+    n_slices, n_op, n_out = input_offsets.shape[0], operand.shape[0], output.shape[0]
+    m = n_slices // R
+    r = jax.lax.axis_index(axis_name)
+    every = jax.lax.all_gather(operand, axis_name)  # [R, n_op, ...]
+    pick = r * m + jnp.arange(m)
+    io, ss, oo = (jax.lax.all_gather(a, axis_name)[:, pick].reshape(-1)
+                  for a in (input_offsets, send_sizes, output_offsets))
+    ok = (ss >= 0) & (io >= 0) & (io <= n_op - ss) & (oo >= 0) & (oo <= n_out - ss)
+    rows = jnp.arange(n_out, dtype=oo.dtype)[:, None]
+    cover = ok & (oo <= rows) & (rows < oo + ss)  # [n_out, R*m]
+    j = jnp.arange(R * m)
+    last = jnp.max(jnp.where(cover, j, -1), axis=1)  # later slices win, as in the forward op
+    lj = jnp.maximum(last, 0)
+    src_row = jnp.clip(io[lj] + jnp.arange(n_out) - oo[lj], 0, max(n_op - 1, 0))
+    got = every[lj // m, src_row]
+    keep = (last >= 0).reshape((-1,) + (1,) * (output.ndim - 1))
+    return jnp.where(keep, got, output)
+
+
+def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                      send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
+                      axis_name: Any, timeout_s: float | None = None) -> jax.Array:
+    """Sends ragged slices of ``operand`` to the ranks of ``axis_name``: ``jax.lax.ragged_all_to_all``.
+
+    With R ranks and N = m*R slices per rank, slice i (rows ``input_offsets[i] :
+    input_offsets[i] + send_sizes[i]`` of ``operand``) goes to rank ``i // m`` and is written
+    there at rows ``output_offsets[i] : + send_sizes[i]`` of its ``output`` (offsets are in
+    the receiver's buffer). ``recv_sizes[s*m + q]`` on a receiver must equal the matching
+    ``send_sizes`` on sender s. Rows of ``output`` that no slice writes keep their value.
+
+    Args:
+      operand: [N_op, ...] data to send.
+      output: [M, ...] (same trailing shape and dtype) the result starts from.
+      input_offsets, send_sizes, output_offsets, recv_sizes: [N] integers, N a multiple of R.
+      axis_name: shard_map mesh axis (or tuple of axes).
+
+    Returns:
+      [M, ...] ``output`` with the received slices written in (source, slice) order.
+
+    Raises (at run time, from the program): an error naming the rank and slice when an offset
+    or size would read or write outside a buffer, or recv_sizes disagree with send_sizes;
+    nothing is written then.
+
+    Example (the jax.lax docstring's, axis of size 2)::
+
+        # rank 0: operand [1, 2, 2], input_offsets [0, 1], send_sizes [1, 2],
+        #         output_offsets [0, 0], recv_sizes [1, 1]
+        # rank 1: operand [3, 4, 0], input_offsets [0, 1], send_sizes [1, 1],
+        #         output_offsets [1, 2], recv_sizes [2, 1]
+        y = jaxcomm.ragged_all_to_all(operand, jnp.zeros(4), io, ss, oo, rs, axis_name="x")
+        # rank 0: [1, 3, 0, 0]; rank 1: [2, 2, 4, 0]
+    """
+    operand, output = jnp.asarray(operand), jnp.asarray(output)
+    idx = [jnp.asarray(a) for a in (input_offsets, send_sizes, output_offsets, recv_sizes)]
+    axes = groups.normalize_axes("ragged_all_to_all", axis_name)
+    R = groups.group_size(axes)
+    if operand.ndim < 1 or output.ndim < 1:
+        raise ValueError("jaxcomm.ragged_all_to_all: operand and output need at least one dimension")
+    if operand.shape[1:] != output.shape[1:] or operand.dtype != output.dtype:
+        raise ValueError(f"jaxcomm.ragged_all_to_all: operand {operand.dtype}{list(operand.shape)} and "
+                         f"output {output.dtype}{list(output.shape)} must agree in dtype and in all "
+                         f"but the first dimension")
+    n = idx[0].shape[0] if idx[0].ndim == 1 else -1
+    if any(a.ndim != 1 or a.shape[0] != n for a in idx) or n < 1:
+        raise ValueError("jaxcomm.ragged_all_to_all: input_offsets, send_sizes, output_offsets and "
+                         f"recv_sizes must be 1-D of one positive length, got {[a.shape for a in idx]}")
+    if n % R:
+        raise ValueError(f"jaxcomm.ragged_all_to_all: {n} slices is not a multiple of the group size "
+                         f"{R} of axis {groups.describe(axes)}")
+    dt = _index_dtype(idx)
+    idx = [a.astype(dt) for a in idx]
+    if common.use_xla("ragged_all_to_all"):
+        return ragged_xla(operand, output, *idx, axis_name=axis_name)
+    operand, params = common.prepare("ragged_all_to_all", operand, axis_name, timeout_s)
+    if params["vma_checked"]:
+        def vary(a):
+            return compat.pvary(a, tuple(x for x in axes if x not in compat.vma(jax.typeof(a))))
+        output = vary(output)
+        idx = [vary(a) for a in idx]
+    return ragged_all_to_all_p.bind(operand, output, *idx, mode=FORWARD, src_rows=operand.shape[0],
+                                    **params)

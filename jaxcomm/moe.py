@@ -1,0 +1,104 @@
+"""Expert-parallel MoE dispatch/combine (DeepEP-style) with static shapes and autodiff.
+
+For a group of R ranks along ``axis_name``, with ``E_local = num_experts // R``, rank r owns
+global experts ``[r*E_local, (r+1)*E_local)``. Every (token, destination rank) pair is sent
+once, however many of the token's experts live on that rank, and expanded locally; routing
+counts are exchanged inside the program (all_gather), never through the host.
+
+Two call forms:
+
+* inside ``jax.shard_map`` with ``axis_name`` bound: per-rank shapes as documented below;
+* under ``jax.jit`` on arrays with a ``NamedSharding`` over a mesh that has ``axis_name``
+  (global view): the shard_map form over ``P(axis_name)``: x ``[R*T, H]`` sharded on dim 0
+  gives expert_x ``[R*C, H]`` and group_sizes ``[num_experts]``, both sharded on dim 0.
+
+Semantics of repeated experts in one row of ``expert_ids`` (top-k gives distinct ones): each
+slot is its own assignment (its own row, its own weight in combine); the padded layout keeps
+at most R*T rows per expert and counts the rest in ``handle.dropped``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxcomm._src.moe import api
+from jaxcomm._src.moe.api import Handle
+
+__all__ = ["Handle", "combine", "combine_padded", "dispatch", "dispatch_padded"]
+
+
+def dispatch(x: jax.Array, expert_ids: jax.Array, *, num_experts: int, axis_name: Any,
+             capacity: int | None = None) -> tuple[jax.Array, jax.Array, Handle]:
+    """Sends each token to the ranks owning its experts and packs rows by local expert.
+
+    Args:
+      x: [T, H] this rank's tokens, any float dtype.
+      expert_ids: [T, K] integers (int32 or int64), each in [0, num_experts) or -1 (no
+        expert). Other values count in ``handle.invalid`` and are treated as -1.
+      num_experts: total experts E; must be divisible by the group size R.
+      axis_name: the expert-parallel mesh axis (or tuple of axes).
+      capacity: rows C of expert_x (default R*T*min(K, E_local), which never drops).
+
+    Returns:
+      expert_x: [C, H] x.dtype. Rows grouped by local expert 0..E_local-1, ordered by
+        (source rank, token, slot) inside a group, packed from row 0; rows past the total
+        are zero. When more than C rows arrive, the first C in that order are kept.
+      group_sizes: [E_local] int32 kept rows per local expert (for jax.lax.ragged_dot).
+      handle: :class:`Handle` for :func:`combine`; ``handle.dropped`` counts this rank's
+        assignments dropped for capacity.
+
+    Example::
+
+        @jax.jit
+        @partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+        def layer(x, ids, w):            # x: f32[T, H], ids: i32[T, K], w: f32[T, K]
+            ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=64, axis_name="ep")
+            ey = jax.lax.ragged_dot(ex, expert_weights, sizes)
+            return jaxcomm.moe.combine(ey, h, w)
+    """
+    return api.run_dispatch("dispatch", x, expert_ids, num_experts, axis_name, capacity, False)
+
+
+def combine(expert_y: jax.Array, handle: Handle, weights: jax.Array) -> jax.Array:
+    """Returns expert outputs to their tokens' ranks and sums them with ``weights``.
+
+    ``y[t] = sum_k weights[t, k] * expert_y[row(t, k)]`` over kept assignments (dropped and
+    -1 slots contribute zero). Accumulation is float32: each destination rank sums its slots
+    in k order, then the source sums those per-rank partials in rank order. Result in x's
+    dtype.
+
+    Args:
+      expert_y: [C, H] rows aligned with dispatch's expert_x.
+      handle: from :func:`dispatch`.
+      weights: [T, K] floating point.
+
+    Returns:
+      y: [T, H] in the dtype of the x given to dispatch.
+    """
+    return api.run_combine("combine", expert_y, handle, weights)
+
+
+def dispatch_padded(x: jax.Array, expert_ids: jax.Array, *, num_experts: int,
+                    axis_name: Any) -> tuple[jax.Array, jax.Array, Handle]:
+    """As :func:`dispatch`, in a per-expert padded layout for batched matmuls.
+
+    Returns:
+      expert_x: [E_local, R*T, H]; local expert e's rows are packed at the front of
+        expert_x[e], ordered by (source rank, token); the rest are zero.
+      counts: [E_local] int32 rows used per expert.
+      handle: for :func:`combine_padded`.
+
+    Example::
+
+        ex, counts, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=8, axis_name="ep")
+        ey = jnp.einsum("erh,ehf->erf", ex, w_local)
+        y = jaxcomm.moe.combine_padded(ey, h, weights)
+    """
+    return api.run_dispatch("dispatch_padded", x, expert_ids, num_experts, axis_name, None, True)
+
+
+def combine_padded(expert_y: jax.Array, handle: Handle, weights: jax.Array) -> jax.Array:
+    """:func:`combine` for the layout of :func:`dispatch_padded` (expert_y [E_local, R*T, H])."""
+    return api.run_combine("combine_padded", expert_y, handle, weights)
