@@ -57,10 +57,14 @@ def per_device(f, mesh, *args, check_vma=True):
 
     def body(*xs):
         out = f(*(x[0] for x in xs))
-        return jax.tree.map(lambda y: jax.numpy.expand_dims(y, 0), out)
+        out = jax.tree.map(lambda y: jax.numpy.expand_dims(y, 0), out)
+        # A non-empty extra output: with a single zero-size output, jax 0.10.2 hands
+        # back shards that claim the global shape and np.asarray fails.
+        return out, jax.numpy.zeros((1,), np.int8)
 
     # out_specs is a pytree prefix: the one spec applies to every output leaf.
-    return run_sharded(body, mesh, (spec,) * len(args), spec, *args, check_vma=check_vma)
+    out, _ = run_sharded(body, mesh, (spec,) * len(args), spec, *args, check_vma=check_vma)
+    return out
 
 
 def rand(shape, dtype, seed=0):

@@ -86,9 +86,15 @@ def assert_close(got, want, err_msg=""):
 
 
 def compare(mesh, ours, ref, *inputs, exact=True, check_vma=True):
-    """Runs ``ours`` and ``ref`` on every device's slice of ``inputs``; compares them."""
-    got, want = per_device(lambda *xs: (ours(*xs), ref(*xs)), mesh, *inputs,
-                           check_vma=check_vma)
+    """Runs ``ours`` and ``ref`` on every device's slice of ``inputs``; compares them.
+
+    jaxcomm's op and jax.lax's run as two programs over the same shard_map: in one program
+    the two would be independent collectives, which XLA:CPU runs in different orders on
+    different devices -- the case test_independent_jaxcomm_and_xla_collectives covers on
+    its own (an optimization barrier does not order them: XLA drops it).
+    """
+    got = per_device(ours, mesh, *inputs, check_vma=check_vma)
+    want = per_device(ref, mesh, *inputs, check_vma=check_vma)
     (assert_same if exact else assert_close)(got, want)
     return got
 
@@ -114,6 +120,20 @@ def lax_reduce_scatter(x, axis_name, dim, op, tiled):
 
 def lax_broadcast(x, axis_name, root):
     return jax.lax.all_gather(x, axis_name)[root]
+
+
+def lax_ppermute_by_rank(x, axis_name, perm, size):
+    """ppermute with perm's indices taken as ``lax.axis_index(axis_name)`` ranks, built
+    from lax.all_gather: jax's documented semantics. jax.lax.ppermute itself numbers
+    each group by sorted device id (``grp = sorted(grp)`` in
+    jax/_src/lax/parallel.py:_pcollectives_lowering_common), which differs from
+    axis_index when an axis tuple is not in mesh order, e.g. ("ep", "dp")."""
+    src = np.full((size,), -1, np.int32)
+    for s, d in perm:
+        src[d] = s
+    me_src = jnp.asarray(src)[jax.lax.axis_index(axis_name)]
+    gathered = jax.lax.all_gather(x, axis_name)
+    return jnp.where(me_src >= 0, gathered[jnp.maximum(me_src, 0)], jnp.zeros_like(x))
 
 
 def ring(n, shift=1):
@@ -207,9 +227,11 @@ def test_all_gather_scalar(mesh8):
 @pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
 @pytest.mark.parametrize("axis", [0, 1])
 def test_all_gather_zero_size(mesh8, axis, tiled):
+    # numpy reference: XLA's own all-gather rejects a zero-size gather dimension.
     x = np.zeros((N, 0, 3), np.float32)
-    compare(mesh8, lambda v: jaxcomm.all_gather(v, "x", axis=axis, tiled=tiled),
-            lambda v: jax.lax.all_gather(v, "x", axis=axis, tiled=tiled), x)
+    got = per_device(lambda v: jaxcomm.all_gather(v, "x", axis=axis, tiled=tiled), mesh8, x)
+    one = (np.concatenate if tiled else np.stack)(list(x), axis=axis)
+    assert_same(got, np.broadcast_to(one, (N, *one.shape)))
 
 
 # ----------------------------------------------------------------------- reduce_scatter
@@ -288,7 +310,7 @@ A2A_CASES = [
 def test_all_to_all_axes(mesh8, shape, split, concat, tiled):
     x = rand((N, *shape), "float32", seed=12)
     compare(mesh8, lambda v: jaxcomm.all_to_all(v, "x", split, concat, tiled=tiled),
-            lambda v: jax.lax.all_to_all(v, "x", split, concat, tiled=tiled), x)
+            lambda v: jax.lax.all_to_all(v, "x", split % v.ndim, concat % v.ndim, tiled=tiled), x)
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
@@ -410,30 +432,110 @@ def test_rerun_with_new_data(mesh8, name):
     from jax.sharding import NamedSharding
     ours, ref, shape = OPS[name]
     spec = P("x")
-    g = jax.jit(jax.shard_map(lambda v: (ours(v[0])[None], ref(v[0])[None]), mesh=mesh8,
-                              in_specs=spec, out_specs=spec))
+    g, h = (jax.jit(jax.shard_map(lambda v, f=f: f(v[0])[None], mesh=mesh8, in_specs=spec,
+                                  out_specs=spec)) for f in (ours, ref))
     for seed in range(3):
-        x = jax.device_put(rand((N, *shape), "float32", seed=100 + seed), NamedSharding(mesh8, spec))
-        got, want = g(x)
-        assert_close(got, want)
+        x = jax.device_put(rand((N, *shape), "float32", seed=100 + seed),
+                           NamedSharding(mesh8, spec))
+        assert_close(g(x), h(x))
+
+
+def _cut(v, shape):
+    return v[:shape[0], :shape[1]]
 
 
 def test_all_ops_in_one_program(mesh8):
-    # Several independent collectives in one program (XLA may run them in any order).
+    # Six independent jaxcomm collectives in one program (XLA may run them in any order).
     x = rand((N, N, N), "float32", seed=20)
-
-    def cut(v, shape):
-        return v[:shape[0], :shape[1]]
-
-    def f(v):
-        return tuple(ours(cut(v, shape)) for ours, _, shape in OPS.values())
-
-    def g(v):
-        return tuple(ref(cut(v, shape)) for _, ref, shape in OPS.values())
-
-    got, want = per_device(lambda v: (f(v), g(v)), mesh8, x)
+    got = per_device(lambda v: tuple(ours(_cut(v, s)) for ours, _, s in OPS.values()), mesh8, x)
+    want = per_device(lambda v: tuple(ref(_cut(v, s)) for _, ref, s in OPS.values()), mesh8, x)
     for name, a, b in zip(OPS, got, want):
         assert_close(a, b, err_msg=name)
+
+
+def test_jaxcomm_result_feeds_xla_collective(mesh8):
+    # Dependent chains in both directions: jaxcomm -> lax -> jaxcomm.
+    x = np.arange(N, dtype=np.float32)
+    got = per_device(lambda v: jaxcomm.all_reduce(jax.lax.psum(jaxcomm.all_reduce(v, "x") * 2,
+                                                                "x"), "x", op="max"),
+                     mesh8, x)
+    assert_same(got, np.full((N,), 2 * 28 * N, np.float32))
+
+
+# Programs run in a child process: a deadlock there ends in XLA aborting the process (its
+# own collectives give up after 40 s), which must not take the test session with it.
+_CHILD = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import numpy as np, jax, jax.numpy as jnp, jaxcomm
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((8,), ("x",))
+K, COLS, MIX = {k}, {cols}, {mix}
+def f(v, lax_only):
+    outs = []
+    for i in range(K):
+        w = v[0] + i
+        if lax_only or (MIX and i % 2):
+            outs.append(jax.lax.all_to_all(w, "x", 0, 1, tiled=True)[None])
+        else:
+            outs.append(jaxcomm.all_to_all(w, "x", 0, 1, tiled=True, timeout_s=10)[None])
+    return tuple(outs) + (jnp.zeros((1,), jnp.int8),)
+x = np.random.default_rng(0).standard_normal((8, 8, COLS), dtype=np.float32)
+x = jax.device_put(x, NamedSharding(mesh, P("x")))
+run = lambda lax_only: jax.jit(jax.shard_map(lambda v: f(v, lax_only), mesh=mesh,
+                                             in_specs=P("x"), out_specs=P("x")))
+want = [np.asarray(a) for a in run(True)(x)]
+g = run(False)
+for rep in range(3):
+    got = [np.asarray(a) for a in g(x)]
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+print("CHILD-OK")
+"""
+
+
+def _run_child(k, cols, mix, timeout=30):
+    import os
+    import subprocess
+    import sys
+    code = _CHILD.format(k=k, cols=cols, mix=mix)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(
+        os.path.abspath(jaxcomm.__file__))), env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{k} independent all_to_all calls ({cols} floats/row, mixed with "
+                    f"jax.lax: {mix}) did not finish within {timeout} s: deadlock")
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines()
+             if "DEADLINE_EXCEEDED" in ln or ln.startswith(("F1", "Fatal", "jax.errors"))]
+    assert proc.returncode == 0 and "CHILD-OK" in proc.stdout, (
+        f"rc={proc.returncode}; " + "\n".join(lines[:3])[:1500])
+
+
+def test_many_independent_jaxcomm_collectives():
+    # 16 independent 256 KiB all_to_alls: XLA runs them concurrently, in a different
+    # order on each device. Every one must complete.
+    _run_child(k=16, cols=8192, mix=False)
+
+
+def test_independent_jaxcomm_and_xla_collectives():
+    # jaxcomm collectives next to independent jax.lax ones in one program.
+    _run_child(k=4, cols=64, mix=True)
+
+
+@pytest.mark.parametrize("name", ["all_reduce", "broadcast"])
+def test_operand_survives_in_place_ops(mesh8, name):
+    # all_reduce and broadcast may write their result over the operand's buffer; an
+    # operand still used afterwards must keep its value.
+    x = rand((N, 5), "float32", seed=25)
+    ours = OPS[name][0]
+    got, kept = per_device(lambda v: (ours(v), v * 1), mesh8, x)
+    assert_same(kept, x)
+    want = per_device(OPS[name][1], mesh8, x)
+    assert_close(got, want)
 
 
 # -------------------------------------------------------------------- 2x4 ("dp", "ep")
@@ -441,6 +543,11 @@ def test_all_ops_in_one_program(mesh8):
 AXES_2X4 = ["ep", "dp", ("dp", "ep"), ("ep", "dp")]
 AXES_IDS = ["ep", "dp", "dp,ep", "ep,dp"]
 SIZES_2X4 = {"ep": 4, "dp": 2, ("dp", "ep"): 8, ("ep", "dp"): 8}
+
+
+def _partial_perm(r):
+    # Rank 0 -> last rank, last rank -> 1 (for r > 2); the other ranks receive zeros.
+    return [(0, r - 1), (r - 1, 1)] if r > 2 else [(0, 1)]
 
 
 def _mesh_cases(axes):
@@ -460,7 +567,10 @@ def _mesh_cases(axes):
         "all_to_all": (lambda v: jaxcomm.all_to_all(v, axes, 1, 0),
                        lambda v: jax.lax.all_to_all(v, axes, 1, 0), (3, r), True),
         "ppermute": (lambda v: jaxcomm.ppermute(v, axes, ring(r)),
-                     lambda v: jax.lax.ppermute(v, axes, ring(r)), (3, 5), True),
+                     lambda v: lax_ppermute_by_rank(v, axes, ring(r), r), (3, 5), True),
+        "ppermute_partial": (lambda v: jaxcomm.ppermute(v, axes, _partial_perm(r)),
+                             lambda v: lax_ppermute_by_rank(v, axes, _partial_perm(r), r),
+                             (3, 5), True),
         "broadcast": (lambda v: jaxcomm.broadcast(v, axes, root=1),
                       lambda v: lax_broadcast(v, axes, 1), (3, 5), True),
     }
@@ -475,6 +585,29 @@ def test_mesh_2x4(mesh2x4, name, axes):
     ours, ref, shape, exact = _mesh_cases(axes)[name]
     x = rand((N, *shape), "float32", seed=21)
     compare(mesh2x4, ours, ref, x, exact=exact)
+
+
+@pytest.mark.parametrize("axes", ["ep", "dp", ("dp", "ep")], ids=["ep", "dp", "dp,ep"])
+def test_mesh_2x4_ppermute_vs_lax(mesh2x4, axes):
+    # Where jax.lax.ppermute's sorted-device numbering equals axis_index's (axes in mesh
+    # order), jaxcomm must match it exactly.
+    r = SIZES_2X4[axes]
+    perm = ring(r, -1)
+    x = rand((N, 3, 5), "float32", seed=24)
+    compare(mesh2x4, lambda v: jaxcomm.ppermute(v, axes, perm),
+            lambda v: jax.lax.ppermute(v, axes, perm), x)
+
+
+def test_ppermute_tuple_axes_follow_axis_index(mesh2x4):
+    # Over ("ep", "dp") rank = ep * 2 + dp (lax.axis_index); a ring shift must deliver
+    # rank r - 1's axis_index to rank r.
+    axes = ("ep", "dp")
+    x = np.zeros((N,), np.int32)
+    got = per_device(lambda v: (jax.lax.axis_index(axes),
+                                jaxcomm.ppermute(v + jax.lax.axis_index(axes), axes, ring(N))),
+                     mesh2x4, x)
+    rank, received = got
+    assert_same(received, ((rank - 1) % N).astype(np.int32))
 
 
 def test_mesh_2x4_groups_known_values(mesh2x4):
@@ -529,3 +662,21 @@ def test_large_all_reduce_narrow_types(mesh8, dt):
     x = rand((N, 2 * MIB // jnp.dtype(dt).itemsize + 5), dt, seed=23)
     compare(mesh8, lambda v: jaxcomm.all_reduce(v, "x"), lambda v: jax.lax.psum(v, "x"), x,
             exact=False)
+
+
+
+@pytest.mark.parametrize("axes,name", [("ep", "all_reduce"), ("dp", "all_to_all"),
+                                       (("ep", "dp"), "all_gather")])
+def test_large_messages_2x4(mesh2x4, axes, name):
+    # Several groups at once, each large enough to split its work over threads.
+    r = SIZES_2X4[axes]
+    cols = MIB // 4 // r
+    ours, ref = {
+        "all_reduce": (lambda v: jaxcomm.all_reduce(v, axes), lambda v: jax.lax.psum(v, axes)),
+        "all_to_all": (lambda v: jaxcomm.all_to_all(v, axes, 0, 1, tiled=True),
+                       lambda v: jax.lax.all_to_all(v, axes, 0, 1, tiled=True)),
+        "all_gather": (lambda v: jaxcomm.all_gather(v, axes, axis=1, tiled=True),
+                       lambda v: jax.lax.all_gather(v, axes, axis=1, tiled=True)),
+    }[name]
+    x = rand((N, r, cols + 1), "float32", seed=26)
+    compare(mesh2x4, ours, ref, x, exact=name != "all_reduce")

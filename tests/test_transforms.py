@@ -152,7 +152,12 @@ def test_linear_op_transforms_match_lax(case, check_vma, out_spec):
     assert_close(jax.jit(jax.grad(loss(jc)))(x), expected)
 
 
-@pytest.mark.parametrize("case", LINEAR, ids=LINEAR_IDS)
+CHECK_GRADS = ("all_reduce_sum", "all_gather_tiled_1", "reduce_scatter_untiled",
+               "all_to_all_tiled_swap", "ppermute_partial", "broadcast_root3")
+
+
+@pytest.mark.parametrize("case", [c for c in LINEAR if c[0] in CHECK_GRADS],
+                         ids=[i for i in LINEAR_IDS if i in CHECK_GRADS])
 def test_check_grads_order2(case):
     """Finite-difference check of jaxcomm's derivatives, second order, fwd and rev."""
     name, local, jc, _, specs = case
@@ -237,7 +242,7 @@ def test_all_reduce_max_min_grad_splits_ties(op, check_vma):
 @pytest.mark.parametrize("op", ["max", "min"])
 def test_all_reduce_max_min_check_grads_without_ties(op):
     with jax.enable_x64(True):
-        x = np.random.default_rng(9).permutation(R * 6).reshape(R, 6) / 7.0  # distinct
+        x = np.random.default_rng(9).permutation(R * 6).reshape(R, 6) / (R * 6.0)  # distinct
         f = smap(lambda v: jnp.sin(jaxcomm.all_reduce(v * v, "x", op=op)), check_vma=True)
         check_grads(f, (x,), order=2, modes=("fwd", "rev"))
 
@@ -313,10 +318,13 @@ def test_vmap_inside_shard_map(case, in_axis):
     shape = (R, B, 8, 4) if in_axis == 0 else (R, 8, B, 4)
     x = data(shape, seed=13)
 
-    def body(op):
-        return lambda v: jax.vmap(op, in_axes=in_axis)(v[0])[None]
+    def body(op, axis):
+        return lambda v: jax.vmap(op, in_axes=axis)(v[0])[None]
 
-    assert_close(smap(body(jc))(x), smap(body(ref))(x))
+    # The reference moves the batch dim to the front itself: jax.lax's own batching rule
+    # for untiled psum_scatter fails (IndexError) with the batch dim elsewhere (jax 0.10.2).
+    x0 = np.moveaxis(x, 1 + in_axis, 1)
+    assert_close(smap(body(jc, in_axis))(x), smap(body(ref, 0))(x0))
 
 
 @pytest.mark.parametrize("case", VMAP_OPS, ids=VMAP_IDS)
@@ -349,8 +357,8 @@ def test_vmap_of_shard_map(case, in_axis):
     # Per-example global shape (R*8, 4) -> local (8, 4).
     x = x.reshape((B, R * 8, 4) if in_axis == 0 else (R * 8, B, 4))
     f_jc = jax.vmap(smap(jc), in_axes=in_axis)
-    f_ref = jax.vmap(smap(ref), in_axes=in_axis)
-    assert_close(f_jc(x), f_ref(x))
+    f_ref = jax.vmap(smap(ref), in_axes=0)  # see test_vmap_inside_shard_map
+    assert_close(f_jc(x), f_ref(np.moveaxis(x, in_axis, 0)))
 
 
 @pytest.mark.parametrize("case", LINEAR[:3] + LINEAR[5:6] + LINEAR[7:8] + LINEAR[10:11] + LINEAR[12:],
@@ -364,7 +372,8 @@ def test_grad_of_vmap(case):
         f = smap(lambda v: jax.vmap(lambda u: op(jnp.sin(u)), in_axes=1, out_axes=1)(v) ** 2)
         return lambda x: jnp.sum(f(x))
 
-    assert_close(jax.grad(loss(jc))(x), jax.grad(loss(ref))(x))
+    expected = lax_reverse(lambda: jax.grad(loss(ref))(x), lambda: jax.jacfwd(loss(ref))(x))
+    assert_close(jax.grad(loss(jc))(x), expected)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -551,7 +560,7 @@ def test_replicated_out_specs_follow_lax(case):
 
 def test_two_axis_mesh_types_and_grads():
     """Collectives over one axis of a 2-D mesh, and over both; results and grads as lax."""
-    x = data((8, 8, 3), seed=25)
+    x = data((8, 16, 3), seed=25)
     cases = [
         (lambda v: jaxcomm.all_reduce(v, "ep"), lambda v: lax.psum(v, "ep"), P("dp")),
         (lambda v: jaxcomm.all_reduce(v, ("dp", "ep"), op="mean"),

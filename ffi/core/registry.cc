@@ -6,27 +6,38 @@
 namespace jaxcomm {
 
 namespace {
-// Yield-spinning this long took a 4-byte all_reduce over 8 threads on 2 cores from
-// ~110 us (sleep at once) to ~17 us; a rank still waiting after it sleeps.
+// Spinning this long before sleeping took a 4-byte all_reduce over 8 devices on 2 cores
+// from ~110 us (sleep at once) to ~17 us.
 constexpr int64_t kDefaultSpinUs = 200;
-}
+}  // namespace
 
-Registry::Registry() {
+Registry::Registry() : spin_us_(kDefaultSpinUs) {
   int64_t spin = kDefaultSpinUs;
   if (const char* env = std::getenv("JAXCOMM_SPIN_US")) {
     try {
       spin = std::stoll(env);
     } catch (...) {
-      spin = kDefaultSpinUs;  // a malformed value must not break the program; Python validates
+      spin = kDefaultSpinUs;  // a malformed value must not break the program
     }
   }
-  spin_us_.store(spin < 0 ? 0 : spin);
+  set_spin(std::chrono::microseconds(spin));
+}
+
+void Registry::set_spin(std::chrono::microseconds us) {
+  int64_t v = us.count() < 0 ? 0 : us.count();
+  spin_us_.store(v);
+  pool_.set_spin(std::chrono::microseconds(v));
 }
 
 Registry& Registry::Get() {
-  // Leaked on purpose: XLA threads may still run handlers during interpreter shutdown.
+  // Leaked on purpose: XLA threads may still complete collectives during shutdown.
   static Registry* registry = new Registry();
   return *registry;
+}
+
+Watchdog& Registry::watchdog() {
+  std::call_once(watchdog_once_, [this] { watchdog_ = std::make_unique<Watchdog>(); });
+  return *watchdog_;
 }
 
 }  // namespace jaxcomm

@@ -1,10 +1,15 @@
-// The one process-wide object jaxcomm keeps: settings and counters every communicator
+// The one process-wide object jaxcomm keeps: services and settings every communicator
 // shares. Everything else lives in per-instruction state owned by XLA's executables.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "core/completion_pool.h"
+#include "core/watchdog.h"
 
 namespace jaxcomm {
 
@@ -12,9 +17,14 @@ class Registry {
  public:
   static Registry& Get();
 
-  // How long a rank spins (yielding) before it sleeps while waiting for its peers.
-  std::chrono::microseconds spin() const { return std::chrono::microseconds(spin_us_.load(std::memory_order_relaxed)); }
-  void set_spin(std::chrono::microseconds us) { spin_us_.store(us.count(), std::memory_order_relaxed); }
+  // Fires the deadline of rounds some rank never joins (started on first use).
+  Watchdog& watchdog();
+  // Runs data movement and completes futures off the device threads.
+  CompletionPool& pool() { return pool_; }
+
+  // How long idle pool threads spin (yielding) before they sleep.
+  std::chrono::microseconds spin() const { return std::chrono::microseconds(spin_us_.load()); }
+  void set_spin(std::chrono::microseconds us);
 
   // This process's index in the job (jax.process_index()), set when handlers register.
   int64_t process_index() const { return process_index_.load(std::memory_order_relaxed); }
@@ -28,6 +38,9 @@ class Registry {
   Registry();
   std::atomic<int64_t> spin_us_;
   std::atomic<int64_t> process_index_{0};
+  CompletionPool pool_;
+  std::once_flag watchdog_once_;
+  std::unique_ptr<Watchdog> watchdog_;
 };
 
 }  // namespace jaxcomm

@@ -1,10 +1,7 @@
 #include "core/rendezvous.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <sstream>
-#include <thread>
 
 #include "core/registry.h"
 
@@ -14,25 +11,23 @@ ffi::TypeId InstructionState::id = {};
 
 // One execution of one instruction by one group.
 struct Round {
-  enum Phase : int { kGathering = 0, kWorking = 1, kDone = 2, kFailed = 3 };
-
-  Round(int size, Clock::time_point d) : peers(size), arrived_flag(size, 0), partitions(size, -1), deadline(d) {}
+  explicit Round(int size) : peers(size), promises(size), partitions(size, -1) {}
 
   // Written under the table's lock until the last rank arrives, read-only afterwards.
   std::vector<Peer> peers;
-  std::vector<char> arrived_flag;
+  std::vector<std::optional<ffi::Promise>> promises;  // engaged once that rank arrived
   std::vector<int64_t> partitions;
   int arrived = 0;
   int parts = 1;
   int64_t execution = 0;
   int64_t group_index = 0;
   std::shared_ptr<const std::vector<int64_t>> group;
-  const Clock::time_point deadline;
+  uint64_t watchdog_id = 0;
+  // Copied from the first arrival: attribute storage is not ours to keep.
+  std::string op, axis, call_site;
 
-  std::atomic<int> phase{kGathering};
   std::atomic<int> parts_left{0};
-  std::mutex mu;  // guards `error` and the sleep/wake handshake
-  std::condition_variable cv;
+  std::mutex error_mu;
   std::string error;
 };
 
@@ -40,50 +35,80 @@ namespace {
 
 constexpr size_t kMaxTombstones = 4096;
 
-// Below this many bytes of traffic one thread finishes sooner than waking the others.
+// Below this many bytes of traffic one thread finishes sooner than waking others.
 constexpr size_t kSplitBytes = 512 * 1024;
 
-void Wake(Round& round) {
-  std::lock_guard<std::mutex> lock(round.mu);
-  round.cv.notify_all();
-}
-
-// Waits until `done(phase)`; spins a little first (yielding, so that on an oversubscribed
-// machine the ranks we wait for get the core), then sleeps. False on deadline.
-template <typename Pred>
-bool WaitFor(Round& round, Pred done) {
-  const auto spin = Registry::Get().spin();
-  if (spin.count() > 0) {
-    const auto spin_until = Clock::now() + spin;
-    while (!done(round.phase.load(std::memory_order_acquire))) {
-      if (Clock::now() >= spin_until) break;
-      sched_yield();
-    }
-  }
-  if (done(round.phase.load(std::memory_order_acquire))) return true;
-  std::unique_lock<std::mutex> lock(round.mu);
-  return round.cv.wait_until(lock, round.deadline,
-                             [&] { return done(round.phase.load(std::memory_order_acquire)); });
-}
-
-bool Settled(int phase) { return phase == Round::kDone || phase == Round::kFailed; }
-
-std::string Prefix(const Round& round, const CallContext& base) {
-  CallContext ctx = base;
+std::string Prefix(const Round& round, int rank) {
+  CallContext ctx;
+  ctx.op = round.op;
+  ctx.axis = round.axis;
+  ctx.call_site = round.call_site;
   ctx.group = round.group.get();
   ctx.group_index = round.group_index;
+  ctx.rank = rank;
+  ctx.partition = round.partitions[rank];
   ctx.execution = round.execution;
   return ctx.Describe();
 }
 
-ffi::Error Result(const Round& round, const CallContext& ctx, ffi::ErrorCode code) {
+void Settle(ffi::Promise& promise, const std::string& prefix, const std::string& error,
+            ffi::ErrorCode code) {
+  if (error.empty()) {
+    promise.SetAvailable();
+  } else {
+    promise.SetError(ffi::Error(code, prefix + ": " + error));
+  }
+}
+
+// Completes every rank's future: `inline_rank`'s on this thread (it continues that
+// rank's program), the others' on pool threads.
+void CompleteAll(Round& round, int inline_rank, ffi::ErrorCode code) {
   std::string error;
   {
-    std::lock_guard<std::mutex> lock(const_cast<Round&>(round).mu);
+    std::lock_guard<std::mutex> lock(round.error_mu);
     error = round.error;
   }
-  if (error.empty()) return ffi::Error::Success();
-  return ffi::Error(code, Prefix(round, ctx) + ": " + error);
+  auto& registry = Registry::Get();
+  (error.empty() ? registry.rounds_completed : registry.rounds_failed).fetch_add(1, std::memory_order_relaxed);
+  for (size_t r = 0; r < round.promises.size(); ++r) {
+    if (!round.promises[r] || static_cast<int>(r) == inline_rank) continue;
+    std::string prefix = error.empty() ? std::string() : Prefix(round, static_cast<int>(r));
+    registry.pool().Post([promise = *round.promises[r], prefix, error, code]() mutable {
+      Settle(promise, prefix, error, code);
+    });
+  }
+  if (inline_rank >= 0 && round.promises[inline_rank]) {
+    Settle(*round.promises[inline_rank], error.empty() ? std::string() : Prefix(round, inline_rank),
+           error, code);
+  }
+}
+
+void RecordError(Round& round, std::string err) {
+  if (err.empty()) return;
+  std::lock_guard<std::mutex> lock(round.error_mu);
+  if (round.error.empty()) round.error = std::move(err);
+}
+
+void RunPart(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int part) {
+  RecordError(*round, (*work)(round->peers, part, round->parts));
+  if (round->parts_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    CompleteAll(*round, part, ffi::ErrorCode::kInternal);
+  }
+}
+
+// Runs the work of a round whose ranks all arrived; `me` is the arriving rank.
+void Execute(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int me) {
+  if (round->parts == 1) {
+    RecordError(*round, (*work)(round->peers, 0, 1));
+    CompleteAll(*round, me, ffi::ErrorCode::kInternal);
+    return;
+  }
+  round->parts_left.store(round->parts, std::memory_order_relaxed);
+  for (int p = 0; p < round->parts; ++p) {
+    if (p == me) continue;
+    Registry::Get().pool().Post([round, work, p] { RunPart(round, work, p); });
+  }
+  RunPart(round, work, me);
 }
 
 }  // namespace
@@ -125,112 +150,92 @@ void RoundTable::Tombstone(const Key& key) {
   }
 }
 
-void RoundTable::FailLocked(Round& round, const Key& key) {
-  const auto& group = *round.group;
+ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const WorkFn> work) {
+  const int64_t g = call.ctx.group_index;
+  const int rank = call.ctx.rank;
+  const int size = static_cast<int>(groups_[g]->size());
+  const Key key{call.run_id, g};
+
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  std::shared_ptr<Round> ready;
+  std::string refused;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_.count(key)) {
+      refused = "the other ranks of this call already gave up on it (timed out); this rank "
+                "arrived too late";
+    } else {
+      std::shared_ptr<Round>& round = rounds_[key];
+      if (!round) {
+        round = std::make_shared<Round>(size);
+        round->execution = ++executions_[g];
+        round->group = groups_[g];
+        round->group_index = g;
+        round->parts = call.work_bytes >= kSplitBytes ? size : 1;
+        round->op = std::string(call.ctx.op);
+        round->axis = std::string(call.ctx.axis);
+        round->call_site = std::string(call.ctx.call_site);
+        std::weak_ptr<RoundTable> weak_table = weak_from_this();
+        std::weak_ptr<Round> weak_round = round;
+        round->watchdog_id = Registry::Get().watchdog().Schedule(
+            Clock::now() + call.timeout, [weak_table, key, weak_round] {
+              if (auto table = weak_table.lock()) table->Expire(key, weak_round);
+            });
+      }
+      if (round->promises[rank]) {
+        refused = "rank arrived twice at one call (instruction state shared by two programs?)";
+      } else {
+        round->peers[rank] = call.mine;
+        round->promises[rank].emplace(promise);
+        round->partitions[rank] = call.ctx.partition;
+        if (++round->arrived == size) {
+          ready = round;
+          rounds_.erase(key);
+        }
+      }
+    }
+  }
+  if (!refused.empty()) {
+    promise.SetError(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                                call.ctx.Describe() + ": " + refused));
+    return future;
+  }
+  if (ready) {
+    // A false return means the watchdog is firing right now; Expire then finds the round
+    // gone from the table and does nothing.
+    Registry::Get().watchdog().Cancel(ready->watchdog_id);
+    Execute(ready, work, rank);
+  }
+  return future;
+}
+
+void RoundTable::Expire(const Key& key, const std::weak_ptr<Round>& expected) {
+  std::shared_ptr<Round> round;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rounds_.find(key);
+    if (it == rounds_.end() || it->second != expected.lock()) return;  // completed meanwhile
+    round = std::move(it->second);
+    rounds_.erase(it);
+    Tombstone(key);
+  }
+  const auto& group = *round->group;
   std::vector<int> missing;
-  for (size_t r = 0; r < round.arrived_flag.size(); ++r) {
-    if (!round.arrived_flag[r]) missing.push_back(static_cast<int>(r));
+  for (size_t r = 0; r < round->promises.size(); ++r) {
+    if (!round->promises[r]) missing.push_back(static_cast<int>(r));
   }
   std::ostringstream msg;
   msg << "timed out (JAXCOMM_TIMEOUT_S / timeout_s) waiting for ranks [";
   for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << missing[i];
   msg << "] (partitions [";
   for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << group[missing[i]];
-  msg << "]), which never arrived at this call; " << round.arrived << " of " << group.size()
+  msg << "]), which never arrived at this call; " << round->arrived << " of " << group.size()
       << " ranks did. Ranks that skip a collective (e.g. under a lax.cond whose predicate "
          "differs by rank) or run different programs cause this.";
-  {
-    std::lock_guard<std::mutex> lock(round.mu);
-    round.error = msg.str();
-  }
-  round.phase.store(Round::kFailed, std::memory_order_release);
-  rounds_.erase(key);
-  Tombstone(key);
-  Registry::Get().rounds_failed.fetch_add(1, std::memory_order_relaxed);
-}
-
-ffi::Error RoundTable::Run(CollectiveCall call, const WorkFn& work) {
-  const int64_t g = call.ctx.group_index;
-  const int rank = call.ctx.rank;
-  const int size = static_cast<int>(groups_[g]->size());
-  const Key key{call.run_id, g};
-
-  std::shared_ptr<Round> round;
-  bool last = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failed_.count(key)) {
-      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                        call.ctx.Describe() +
-                            ": the other ranks of this call already gave up on it (timed out); "
-                            "this rank arrived too late");
-    }
-    std::shared_ptr<Round>& slot = rounds_[key];
-    if (!slot) {
-      slot = std::make_shared<Round>(size, Clock::now() + call.timeout);
-      slot->execution = ++executions_[g];
-      slot->group = groups_[g];
-      slot->group_index = g;
-      slot->parts = call.work_bytes >= kSplitBytes ? size : 1;
-    }
-    round = slot;
-    if (round->arrived_flag[rank]) {
-      return ffi::Error::Internal(call.ctx.Describe() +
-                                  ": rank arrived twice at one call (instruction state shared?)");
-    }
-    round->peers[rank] = call.mine;
-    round->arrived_flag[rank] = 1;
-    round->partitions[rank] = call.ctx.partition;
-    if (++round->arrived == size) {
-      last = true;
-      rounds_.erase(key);
-    }
-  }
-
-  if (last) {
-    if (round->parts == 1) {
-      std::string err = work(round->peers, 0, 1);
-      if (!err.empty()) {
-        std::lock_guard<std::mutex> lock(round->mu);
-        round->error = std::move(err);
-      }
-      round->phase.store(Round::kDone, std::memory_order_release);
-      Wake(*round);
-      Registry::Get().rounds_completed.fetch_add(1, std::memory_order_relaxed);
-      return Result(*round, call.ctx, ffi::ErrorCode::kInternal);
-    }
-    round->parts_left.store(round->parts, std::memory_order_relaxed);
-    round->phase.store(Round::kWorking, std::memory_order_release);
-    Wake(*round);
-  } else if (!WaitFor(*round, [](int p) { return p != Round::kGathering; })) {
-    std::lock_guard<std::mutex> lock(mu_);
-    // Arrivals happen under this lock: if the group is still incomplete, it never will be.
-    if (round->phase.load() == Round::kGathering && round->arrived < size) FailLocked(*round, key);
-  }
-
-  if (round->phase.load(std::memory_order_acquire) == Round::kWorking) {
-    if (rank < round->parts) {
-      std::string err = work(round->peers, rank, round->parts);
-      if (!err.empty()) {
-        std::lock_guard<std::mutex> lock(round->mu);
-        if (round->error.empty()) round->error = std::move(err);
-      }
-      if (round->parts_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        round->phase.store(Round::kDone, std::memory_order_release);
-        Wake(*round);
-        Registry::Get().rounds_completed.fetch_add(1, std::memory_order_relaxed);
-      }
-    }
-  }
-  if (!WaitFor(*round, Settled)) {
-    // All ranks arrived but some never finished their share: nothing can be trusted.
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                      Prefix(*round, call.ctx) + ": peers did not finish their share of the data "
-                                                 "movement before the deadline");
-  }
-  return Result(*round, call.ctx,
-                round->phase.load() == Round::kFailed ? ffi::ErrorCode::kDeadlineExceeded
-                                                      : ffi::ErrorCode::kInternal);
+  RecordError(*round, msg.str());
+  // No rank's continuation belongs on the watchdog thread.
+  CompleteAll(*round, -1, ffi::ErrorCode::kDeadlineExceeded);
 }
 
 }  // namespace jaxcomm

@@ -1,16 +1,14 @@
-// Matching collective calls across the ranks of a group, and running them.
+// Matching collective calls across the ranks of a group, and completing them.
 //
 // XLA:CPU runs independent custom calls in different orders on different devices and
 // keeps several in flight, so a call is identified by its instruction (one RoundTable per
 // custom-call instruction per executable, created in the FFI instantiate stage) and its
 // execution (the FFI RunId), never by arrival order.
 //
-// Every rank's handler waits (bounded spin, then a futex, always with a deadline) until
-// its result is complete. Completing another rank's ffi::Future from the last arriver
-// instead would be cheaper per call, but XLA then runs that rank's continuation (its
-// following compute, or an XLA collective that blocks) inline on the completing thread:
-// a probe deadlocked mixing jax.lax collectives with such async handlers, and all ranks'
-// compute would run serialized on one thread.
+// Handlers never block: each rank publishes its buffers and returns an ffi::Future. The
+// last rank to arrive runs the data movement (split over pool threads, one part per rank,
+// when large) and the futures are completed on pool threads (core/completion_pool.h says
+// why). A watchdog fails a round that some rank never joins, at its deadline.
 #pragma once
 
 #include <array>
@@ -61,7 +59,7 @@ struct CollectiveCall {
 struct Round;
 
 // The state of one custom-call instruction: its groups and its rounds in flight.
-class RoundTable {
+class RoundTable : public std::enable_shared_from_this<RoundTable> {
  public:
   // `partition_devices` holds (process index, local device ordinal) per partition.
   RoundTable(std::vector<std::vector<int64_t>> groups,
@@ -78,15 +76,14 @@ class RoundTable {
   }
   const std::vector<int64_t>& group(int index) const { return *groups_[index]; }
 
-  // Joins the call, runs this rank's share of `work`, and returns once this rank's
-  // result is complete and no peer reads its buffers any more (or on error/deadline).
-  ffi::Error Run(CollectiveCall call, const WorkFn& work);
+  // Joins the call with this rank's buffers; the future completes once this rank's
+  // result is written and no peer reads its buffers any more (or with the error).
+  ffi::Future Arrive(const CollectiveCall& call, std::shared_ptr<const WorkFn> work);
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (run id, group index)
   void Tombstone(const Key& key);
-  // Fails `round` at its deadline; returns the error for the calling rank.
-  void FailLocked(Round& round, const Key& key);
+  void Expire(const Key& key, const std::weak_ptr<Round>& expected);
 
   std::vector<std::shared_ptr<const std::vector<int64_t>>> groups_;
   std::vector<std::pair<int, int>> where_;  // by partition: (group, rank), (-1,-1) if none
@@ -104,8 +101,8 @@ class RoundTable {
 // The FFI state type: one per custom-call instruction per executable.
 struct InstructionState {
   static ffi::TypeId id;
-  explicit InstructionState(std::unique_ptr<RoundTable> t) : table(std::move(t)) {}
-  std::unique_ptr<RoundTable> table;
+  explicit InstructionState(std::shared_ptr<RoundTable> t) : table(std::move(t)) {}
+  std::shared_ptr<RoundTable> table;
 };
 
 }  // namespace jaxcomm

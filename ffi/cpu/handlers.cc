@@ -21,7 +21,7 @@ namespace ffi = xla::ffi;
 
 // ---------------------------------------------------------------------------- all_reduce
 
-ffi::Error AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
+ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                       ffi::Span<const int64_t>, int64_t group_size,
@@ -29,12 +29,12 @@ ffi::Error AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
   Common c{st, run, ordinal, "all_reduce", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
   const size_t n = x.element_count();
-  if (n == 0) return ffi::Error::Success();
+  if (n == 0) return Done();
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
   if (!ReduceSupported(dtype, op)) {
-    return ffi::Error::InvalidArgument(
-        std::string("jaxcomm.all_reduce: op '") + ReduceOpName(op) + "' does not support this dtype");
+    return Failed(ffi::Error::InvalidArgument(
+        std::string("jaxcomm.all_reduce: op '") + ReduceOpName(op) + "' does not support this dtype"));
   }
   const WorkFn work =
       [dtype, op, n](const std::vector<Peer>& peers, int part, int parts) -> std::string {
@@ -49,19 +49,19 @@ ffi::Error AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
         size_t begin = std::min(n, chunk * part), end = std::min(n, begin + chunk);
         return Reduce(dtype, op, in, out, begin, end);
       };
-  return Launch(c, mine, 2 * x.size_bytes() * group_size, work);
+  return Launch(c, mine, 2 * x.size_bytes() * group_size, std::move(work));
 }
 
 // ---------------------------------------------------------------------------- all_gather
 
-ffi::Error AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
+ffi::Future AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                       ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, int64_t gather_axis) {
   Common c{st, run, ordinal, "all_gather", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
-  if (x.element_count() == 0) return ffi::Error::Success();
+  if (x.element_count() == 0) return Done();
   const auto dims = Dims(x);
   const int64_t item = x.size_bytes() / x.element_count();
   const int64_t outer = Product(dims, 0, gather_axis);
@@ -78,23 +78,23 @@ ffi::Error AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
         });
         return "";
       };
-  return Launch(c, mine, 2 * y->size_bytes() * R, work);
+  return Launch(c, mine, 2 * y->size_bytes() * R, std::move(work));
 }
 
 // ------------------------------------------------------------------------ reduce_scatter
 
-ffi::Error ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, std::string_view call_site,
+ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, std::string_view call_site,
                           std::string_view axis, int64_t timeout_ms, ffi::Span<const int64_t>,
                           int64_t group_size, ffi::Span<const int64_t>, int64_t reduce_op,
                           int64_t scatter_dimension) {
   Common c{st, run, ordinal, "reduce_scatter", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
-  if (x.element_count() == 0) return ffi::Error::Success();
+  if (x.element_count() == 0) return Done();
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
   if (!ReduceSupported(dtype, op)) {
-    return ffi::Error::InvalidArgument(
-        std::string("jaxcomm.reduce_scatter: op '") + ReduceOpName(op) + "' does not support this dtype");
+    return Failed(ffi::Error::InvalidArgument(
+        std::string("jaxcomm.reduce_scatter: op '") + ReduceOpName(op) + "' does not support this dtype"));
   }
   const auto dims = Dims(x);
   const int64_t item = x.size_bytes() / x.element_count();
@@ -117,19 +117,19 @@ ffi::Error ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal, 
         });
         return err;
       };
-  return Launch(c, mine, 2 * x.size_bytes() * R, work);
+  return Launch(c, mine, 2 * x.size_bytes() * R, std::move(work));
 }
 
 // ---------------------------------------------------------------------------- all_to_all
 
-ffi::Error AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                      std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                      ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, int64_t split_axis,
                      int64_t concat_axis) {
   Common c{st, run, ordinal, "all_to_all", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
-  if (x.element_count() == 0) return ffi::Error::Success();
+  if (x.element_count() == 0) return Done();
   const int64_t R = group_size;
   const auto in_dims = Dims(x);
   const auto out_dims = Dims(*y);
@@ -153,20 +153,20 @@ ffi::Error AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
         });
         return "";
       };
-  return Launch(c, mine, 2 * x.size_bytes() * R, work);
+  return Launch(c, mine, 2 * x.size_bytes() * R, std::move(work));
 }
 
 // ------------------------------------------------------------------------------- ppermute
 
-ffi::Error Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                     std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                     ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, ffi::Span<const int64_t> sources) {
   Common c{st, run, ordinal, "ppermute", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
-  if (x.element_count() == 0) return ffi::Error::Success();
+  if (x.element_count() == 0) return Done();
   if (static_cast<int64_t>(sources.size()) != group_size) {
-    return ffi::Error::InvalidArgument("jaxcomm.ppermute: sources has the wrong length");
+    return Failed(ffi::Error::InvalidArgument("jaxcomm.ppermute: sources has the wrong length"));
   }
   std::vector<int64_t> src(sources.begin(), sources.end());
   const size_t bytes = x.size_bytes();
@@ -181,19 +181,19 @@ ffi::Error Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::A
         });
         return "";
       };
-  return Launch(c, mine, 2 * bytes * group_size, work);
+  return Launch(c, mine, 2 * bytes * group_size, std::move(work));
 }
 
 // ------------------------------------------------------------------------------ broadcast
 
-ffi::Error Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
+ffi::Future Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                       ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, int64_t root) {
   Common c{st, run, ordinal, "broadcast", call_site, axis, timeout_ms};
   const Peer mine{x.untyped_data(), y->untyped_data()};
-  if (x.element_count() == 0) return ffi::Error::Success();
+  if (x.element_count() == 0) return Done();
   const size_t bytes = x.size_bytes();
   const WorkFn work =
       [root, bytes](const std::vector<Peer>& peers, int part, int parts) -> std::string {
@@ -203,7 +203,7 @@ ffi::Error Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
         });
         return "";
       };
-  return Launch(c, mine, 2 * bytes * group_size, work);
+  return Launch(c, mine, 2 * bytes * group_size, std::move(work));
 }
 
 // --------------------------------------------------------------------------- instantiate
@@ -229,7 +229,7 @@ ffi::ErrorOr<std::unique_ptr<InstructionState>> Instantiate(ffi::Dictionary attr
   for (size_t i = 0; i < devices->size(); i += 2) {
     partition_devices.emplace_back((*devices)[i], (*devices)[i + 1]);
   }
-  return std::make_unique<InstructionState>(std::make_unique<RoundTable>(
+  return std::make_unique<InstructionState>(std::make_shared<RoundTable>(
       std::move(groups), partition_devices, Registry::Get().process_index()));
 }
 

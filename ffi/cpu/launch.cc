@@ -17,7 +17,21 @@ int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to) {
   return p;
 }
 
-ffi::Error Launch(const Common& c, Peer mine, size_t work_bytes, const WorkFn& work) {
+ffi::Future Done() {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetAvailable();
+  return future;
+}
+
+ffi::Future Failed(ffi::Error error) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetError(std::move(error));
+  return future;
+}
+
+ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work) {
   CollectiveCall call;
   call.ctx.op = c.op;
   call.ctx.call_site = c.call_site;
@@ -26,9 +40,9 @@ ffi::Error Launch(const Common& c, Peer mine, size_t work_bytes, const WorkFn& w
   call.ctx.partition = partition;
   auto where = c.state->table->Locate(partition);
   if (!where) {
-    return ffi::Error::Internal(call.ctx.Describe() +
-                                ": this device (ordinal " + std::to_string(c.ordinal) +
-                                ") is in none of the instruction's replica groups");
+    return Failed(ffi::Error::Internal(call.ctx.Describe() + ": this device (ordinal " +
+                                       std::to_string(c.ordinal) +
+                                       ") is in none of the instruction's replica groups"));
   }
   call.ctx.group_index = where->first;
   call.ctx.rank = where->second;
@@ -37,7 +51,7 @@ ffi::Error Launch(const Common& c, Peer mine, size_t work_bytes, const WorkFn& w
   call.mine = mine;
   call.timeout = std::chrono::milliseconds(std::max<int64_t>(c.timeout_ms, 1));
   call.work_bytes = work_bytes;
-  return c.state->table->Run(std::move(call), work);
+  return c.state->table->Arrive(call, std::make_shared<const WorkFn>(std::move(work)));
 }
 
 }  // namespace jaxcomm::cpu

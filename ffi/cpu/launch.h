@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -54,9 +55,13 @@ auto BindUnary(B&& b) {
 std::vector<int64_t> Dims(const ffi::AnyBuffer& b);
 int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to);
 
-// Locates this rank, joins the call and runs this rank's share of `work`; returns when
-// this rank's result is complete. `mine` are this rank's buffers.
-ffi::Error Launch(const Common& c, Peer mine, size_t work_bytes, const WorkFn& work);
+// Locates this rank and joins the call with this rank's buffers `mine`; the future
+// completes when this rank's result is written (see core/rendezvous.h).
+ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work);
+
+// Futures for handlers that finish (or fail validation) without meeting their peers.
+ffi::Future Done();
+ffi::Future Failed(ffi::Error error);
 
 // Ranks of a group of `size` handled by `part` when work is split by destination rank.
 template <typename F>

@@ -174,7 +174,7 @@ int64_t Rows(const ffi::AnyBuffer& b) {
   return d.size() == 0 ? 1 : d[0];
 }
 
-ffi::Error RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal,
+ffi::Future RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal,
                           ffi::AnyBuffer operand,
                           ffi::AnyBuffer output, ffi::AnyBuffer input_offsets,
                           ffi::AnyBuffer send_sizes, ffi::AnyBuffer output_offsets,
@@ -189,17 +189,17 @@ ffi::Error RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal,
   const ffi::AnyBuffer* idx[4] = {&input_offsets, &send_sizes, &output_offsets, &recv_sizes};
   const auto idx_type = input_offsets.element_type();
   if (idx_type != ffi::DataType::S32 && idx_type != ffi::DataType::S64) {
-    return ffi::Error::InvalidArgument("jaxcomm.ragged_all_to_all: offsets and sizes must be int32 or int64");
+    return Failed(ffi::Error::InvalidArgument("jaxcomm.ragged_all_to_all: offsets and sizes must be int32 or int64"));
   }
   for (const ffi::AnyBuffer* b : idx) {
     if (b->element_type() != idx_type || static_cast<int64_t>(b->element_count()) != p.N) {
-      return ffi::Error::InvalidArgument(
-          "jaxcomm.ragged_all_to_all: offsets and sizes must share one dtype and length");
+      return Failed(ffi::Error::InvalidArgument(
+          "jaxcomm.ragged_all_to_all: offsets and sizes must share one dtype and length"));
     }
   }
   if (p.N == 0 || p.N % p.R != 0) {
-    return ffi::Error::InvalidArgument(
-        "jaxcomm.ragged_all_to_all: the number of slices must be a positive multiple of the group size");
+    return Failed(ffi::Error::InvalidArgument(
+        "jaxcomm.ragged_all_to_all: the number of slices must be a positive multiple of the group size"));
   }
   p.m = p.N / p.R;
   p.idx_item = idx_type == ffi::DataType::S64 ? 8 : 4;
@@ -214,11 +214,11 @@ ffi::Error RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal,
   const int64_t expect_out = mode == kTransposeOperand ? src_rows : dst_rows;
   if ((mode != kZeroReceived && Rows(operand) != expect_in) || Rows(*result) != expect_out ||
       Rows(output) != expect_out) {
-    return ffi::Error::InvalidArgument("jaxcomm.ragged_all_to_all: buffer shapes disagree with the call");
+    return Failed(ffi::Error::InvalidArgument("jaxcomm.ragged_all_to_all: buffer shapes disagree with the call"));
   }
   if (mode == kTransposeOperand && !ReduceSupported(p.dtype, ReduceOp::kSum)) {
-    return ffi::Error::InvalidArgument(
-        "jaxcomm.ragged_all_to_all: the transpose needs a dtype that supports addition");
+    return Failed(ffi::Error::InvalidArgument(
+        "jaxcomm.ragged_all_to_all: the transpose needs a dtype that supports addition"));
   }
   // Aliasing normally makes result == output; if XLA gave a fresh buffer, start from output.
   if (result->untyped_data() != output.untyped_data() && result->size_bytes() > 0) {
@@ -243,7 +243,7 @@ ffi::Error RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal,
     return err;
   };
   const size_t bytes = 2 * static_cast<size_t>(std::max<int64_t>(operand.size_bytes(), 0)) * p.R;
-  return Launch(c, mine, bytes, work);
+  return Launch(c, mine, bytes, std::move(work));
 }
 
 }  // namespace

@@ -28,6 +28,7 @@ all_to_all_p = primitive.define(primitive.CollectiveSpec(
                                                      "concat_axis": concat_axis},
     shift_axes=lambda p: {**p, "split_axis": p["split_axis"] + 1,
                           "concat_axis": p["concat_axis"] + 1},
+    batch_dims=lambda ndim, split_axis, concat_axis, **_: min(split_axis, concat_axis),
 ))
 
 
@@ -69,7 +70,7 @@ def all_to_all(x: jax.Array, axis_name: Any, split_axis: int, concat_axis: int, 
     if not tiled and n != size:
         raise ValueError(f"jaxcomm.all_to_all: with tiled=False x.shape[split_axis] must equal the "
                          f"group size {size} of axis {groups.describe(axes)}, got {n}")
-    if common.use_xla("all_to_all"):
+    if common.use_xla("all_to_all", x.dtype):
         return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)
     if not tiled:
         # As jax.lax: insert the new axis, run the tiled op, then drop the split axis.

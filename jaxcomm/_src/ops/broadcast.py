@@ -51,10 +51,11 @@ def broadcast(x: jax.Array, axis_name: Any, *, root: int = 0,
     x = jnp.asarray(x)
     axes = groups.normalize_axes("broadcast", axis_name)
     size = groups.group_size(axes)
-    if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < size:
+    root = common.as_int("broadcast", "root", root)
+    if not 0 <= root < size:
         raise ValueError(f"jaxcomm.broadcast: root={root!r} is out of range for a group of {size} "
                          f"ranks over axis {groups.describe(axes)}")
-    if common.use_xla("broadcast"):
+    if common.use_xla("broadcast", x.dtype):
         is_root = jax.lax.axis_index(axis_name) == root
         picked = jnp.where(is_root, x, jnp.zeros_like(x))
         if x.dtype == jnp.bool_:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +34,30 @@ def prepare(op: str, x: Any, axis_name: Any, timeout_s: float | None) -> tuple[j
     return x, params
 
 
-def use_xla(op: str) -> bool:
-    """Whether ``op`` lowers to its jax.lax equivalent in the program being traced."""
+def bit_width(dtype: Any) -> int:
+    """Bits per element of ``dtype`` (4 for int4: XLA:CPU packs two per byte)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return 8
+    try:
+        return int(jnp.iinfo(dtype).bits) if jnp.issubdtype(dtype, jnp.integer) else \
+            int(jnp.finfo(dtype).bits) * (2 if jnp.issubdtype(dtype, jnp.complexfloating) else 1)
+    except ValueError:
+        return dtype.itemsize * 8
+
+
+def use_xla(op: str, dtype: Any = None) -> bool:
+    """Whether ``op`` lowers to its jax.lax equivalent in the program being traced.
+
+    Besides JAXCOMM_BACKEND and the platform, sub-byte dtypes (int4, float4, ...) go to
+    jax.lax: XLA packs them two per byte, which the host kernels do not address.
+    """
     choice = config.backend()
     if choice == "xla":
         runtime.log_fallback_once(op, "JAXCOMM_BACKEND=xla")
+        return True
+    if dtype is not None and bit_width(dtype) < 8:
+        runtime.log_fallback_once(op, f"sub-byte dtype {np.dtype(dtype).name}")
         return True
     if choice == "jaxcomm":
         return False
@@ -46,11 +68,24 @@ def use_xla(op: str) -> bool:
     return False
 
 
-def canonical_axis(op: str, name: str, axis: int, ndim: int) -> int:
-    """``axis`` in ``[-ndim, ndim)`` made non-negative, else a ValueError naming it."""
-    if not isinstance(axis, (int,)) or isinstance(axis, bool):
-        raise TypeError(f"jaxcomm.{op}: {name} must be an int, got {axis!r}")
+def as_int(op: str, name: str, value: Any) -> int:
+    """``value`` as a Python int (numpy integers included), else a TypeError naming it."""
+    if isinstance(value, bool):
+        raise TypeError(f"jaxcomm.{op}: {name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"jaxcomm.{op}: {name} must be an integer, got {value!r}") from None
+
+
+def canonical_axis(op: str, name: str, axis: int, ndim: int, *, rank: int | None = None) -> int:
+    """``axis`` in ``[-ndim, ndim)`` made non-negative, else a ValueError naming it.
+
+    ``rank`` is the operand's rank for the message when it differs from ``ndim`` (an
+    untiled all_gather may insert its new axis at ``ndim``).
+    """
+    axis = as_int(op, name, axis)
     if not -ndim <= axis < ndim:
-        raise ValueError(f"jaxcomm.{op}: {name}={axis} is out of range for an operand of rank "
-                         f"{ndim if ndim else 0}")
+        raise ValueError(f"jaxcomm.{op}: {name}={axis} is out of range [{-ndim}, {ndim - 1}] for an "
+                         f"operand of rank {ndim if rank is None else rank}")
     return axis % ndim

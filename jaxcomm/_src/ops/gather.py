@@ -26,6 +26,7 @@ all_gather_p = primitive.define(primitive.CollectiveSpec(
     invariant_result=False,
     ffi_attrs=lambda axis, **_: {"axis_index": axis},
     shift_axes=lambda p: {**p, "axis": p["axis"] + 1},
+    batch_dims=lambda ndim, axis, **_: axis,
 ))
 
 
@@ -60,8 +61,8 @@ def all_gather(x: jax.Array, axis_name: Any, *, axis: int = 0, tiled: bool = Fal
             raise ValueError("jaxcomm.all_gather: tiled=True needs an operand with a dimension")
         dim = common.canonical_axis("all_gather", "axis", axis, x.ndim)
     else:
-        dim = common.canonical_axis("all_gather", "axis", axis, x.ndim + 1)
-    if common.use_xla("all_gather"):
+        dim = common.canonical_axis("all_gather", "axis", axis, x.ndim + 1, rank=x.ndim)
+    if common.use_xla("all_gather", x.dtype):
         groups.normalize_axes("all_gather", axis_name)
         return jax.lax.all_gather(x, axis_name, axis=dim, tiled=tiled)
     x, params = common.prepare("all_gather", x, axis_name, timeout_s)

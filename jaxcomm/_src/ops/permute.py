@@ -69,7 +69,7 @@ def ppermute(x: jax.Array, axis_name: Any, perm: Sequence[Sequence[int]], *,
     x = jnp.asarray(x)
     axes = groups.normalize_axes("ppermute", axis_name)
     pairs = validate_perm("ppermute", perm, groups.group_size(axes))
-    if common.use_xla("ppermute"):
+    if common.use_xla("ppermute", x.dtype):
         return jax.lax.ppermute(x, axis_name, pairs)
     x, params = common.prepare("ppermute", x, axis_name, timeout_s)
     return ppermute_p.bind(x, perm=pairs, **params)

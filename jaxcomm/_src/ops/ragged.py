@@ -233,7 +233,7 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
                          f"{R} of axis {groups.describe(axes)}")
     dt = _index_dtype(idx)
     idx = [a.astype(dt) for a in idx]
-    if common.use_xla("ragged_all_to_all"):
+    if common.use_xla("ragged_all_to_all", operand.dtype):
         return ragged_xla(operand, output, *idx, axis_name=axis_name)
     operand, params = common.prepare("ragged_all_to_all", operand, axis_name, timeout_s)
     if params["vma_checked"]:

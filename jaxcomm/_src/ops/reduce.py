@@ -19,6 +19,10 @@ from jaxcomm._src.ops import common
 from jaxcomm._src.ops.gather import all_gather_p
 
 REDUCE_OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
+# The dtypes ffi/cpu/kernels.cc reduces (bool sums are taken as int32, as psum does).
+REDUCIBLE_DTYPES = frozenset(np.dtype(d) for d in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    jnp.float16, jnp.bfloat16, np.float32, np.float64, np.complex64, np.complex128))
 ALL_REDUCE_OPS = (*REDUCE_OPS, "mean")
 
 
@@ -29,6 +33,10 @@ def _check_op(name: str, op: str, dtype: np.dtype, allowed: tuple[str, ...]) -> 
         raise TypeError(f"jaxcomm.{name}: op={op!r} is not defined for complex dtype {dtype}")
     if not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
         raise TypeError(f"jaxcomm.{name}: dtype {dtype} is not supported")
+    if np.dtype(dtype) not in REDUCIBLE_DTYPES and not common.use_xla(name, dtype):
+        raise TypeError(f"jaxcomm.{name}: dtype {np.dtype(dtype).name} has no host reduction kernel; "
+                        f"supported: {sorted(d.name for d in REDUCIBLE_DTYPES)} (or set "
+                        f"JAXCOMM_BACKEND=xla)")
 
 
 # ------------------------------------------------------------------------------ all_reduce
@@ -107,7 +115,7 @@ def all_reduce(x: jax.Array, axis_name: Any, *, op: str = "sum",
     _check_op("all_reduce", op, x.dtype, ALL_REDUCE_OPS)
     if x.dtype == np.bool_ and op in ("sum", "mean"):
         x = x.astype(np.int32)
-    if common.use_xla("all_reduce"):
+    if common.use_xla("all_reduce", x.dtype):
         return _lax_all_reduce(x, axis_name, op)
     x, params = common.prepare("all_reduce", x, axis_name, timeout_s)
     y = all_reduce_p.bind(x, op="sum" if op == "mean" else op, **params)
@@ -138,6 +146,7 @@ reduce_scatter_p = primitive.define(primitive.CollectiveSpec(
     ffi_attrs=lambda op, scatter_dimension, **_: {"reduce_op": REDUCE_OPS[op],
                                                    "scatter_dimension": scatter_dimension},
     shift_axes=lambda p: {**p, "scatter_dimension": p["scatter_dimension"] + 1},
+    batch_dims=lambda ndim, scatter_dimension, **_: scatter_dimension,
 ))
 
 
@@ -196,7 +205,7 @@ def reduce_scatter(x: jax.Array, axis_name: Any, *, scatter_dimension: int = 0, 
     if not tiled and n != size:
         raise ValueError(f"jaxcomm.reduce_scatter: with tiled=False dimension {dim} must equal the "
                          f"group size {size} of axis {groups.describe(axes)}, got {n}")
-    if common.use_xla("reduce_scatter"):
+    if common.use_xla("reduce_scatter", x.dtype):
         if op != "sum":
             y = _lax_all_reduce(x, axis_name, op)
             idx = jax.lax.axis_index(axis_name)

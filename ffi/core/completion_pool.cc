@@ -1,0 +1,55 @@
+#include "core/completion_pool.h"
+
+#include <sched.h>
+
+#include <thread>
+
+namespace jaxcomm {
+
+void CompletionPool::Post(std::function<void()> task) {
+  bool spawn = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(task));
+    queued_.fetch_add(1, std::memory_order_release);
+    // One idle thread per queued task: a task must never wait behind another that
+    // blocks (a continuation stuck in an XLA collective until its peers arrive).
+    if (static_cast<int>(queue_.size()) > idle_ && threads_.load() < kMaxThreads) {
+      spawn = true;
+      threads_.fetch_add(1);
+      ++idle_;  // the new thread counts as idle until it takes a task
+    }
+  }
+  if (spawn) {
+    // Detached: the pool lives in the process-wide registry, which is never destroyed.
+    std::thread([this] { Worker(); }).detach();
+  } else {
+    cv_.notify_one();
+  }
+}
+
+void CompletionPool::Worker() {
+  for (;;) {
+    // Idle: spin briefly first, since collectives tend to come in bursts.
+    const auto spin_until =
+        std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_.load());
+    while (queued_.load(std::memory_order_acquire) == 0 &&
+           std::chrono::steady_clock::now() < spin_until) {
+      sched_yield();
+    }
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return !queue_.empty(); });
+      task = std::move(queue_.front());
+      queue_.pop_front();
+      queued_.fetch_sub(1, std::memory_order_relaxed);
+      --idle_;
+    }
+    task();
+    std::lock_guard<std::mutex> lock(mu_);
+    ++idle_;
+  }
+}
+
+}  // namespace jaxcomm

@@ -1,0 +1,372 @@
+"""jaxcomm.moe dispatch/combine against a NumPy reference of the documented semantics."""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax import test_util as jtu  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxcomm  # noqa: E402
+
+R = 8
+
+
+def _mesh(r=R):
+    return jax.make_mesh((r,), ("ep",), devices=jax.devices()[:r])
+
+
+def per_rank(f, *args, r=R):
+    """Rank k gets args[i][k]; returns f's outputs stacked over ranks (pytree)."""
+    mesh = _mesh(r)
+
+    def body(*xs):
+        out = f(*(x[0] for x in xs))
+        return jax.tree.map(lambda y: y[None], out)
+
+    g = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * len(args), out_specs=P("ep")))
+    placed = [jax.device_put(np.asarray(a), NamedSharding(mesh, P("ep"))) for a in args]
+    return jax.tree.map(np.asarray, g(*placed))
+
+
+# ------------------------------------------------------------------------ NumPy reference
+
+def np_dispatch(xs, ids, E, capacity=None, padded=False):
+    """Returns expert_x [R, ...], sizes [R, El], row_of {(s, t, k): (d, flat row)}, dropped [R]."""
+    Rn, T, K = ids.shape
+    El = E // Rn
+    H = xs.shape[-1]
+    rows = El * Rn * T if padded else (capacity or Rn * T * min(K, El))
+    ex = np.zeros((Rn, rows, H), xs.dtype)
+    sizes = np.zeros((Rn, El), np.int32)
+    row_of, dropped = {}, np.zeros(Rn, np.int32)
+    for d in range(Rn):
+        n = 0
+        for el in range(El):
+            e = d * El + el
+            members = [(s, t, k) for s in range(Rn) for t in range(T) for k in range(K)
+                       if ids[s, t, k] == e]
+            if padded:
+                kept, base = members[:Rn * T], el * Rn * T
+            else:
+                kept, base = members[:max(0, rows - n)], n
+            for j, (s, t, k) in enumerate(kept):
+                ex[d, base + j] = xs[s, t]
+                row_of[(s, t, k)] = (d, base + j)
+            for (s, _, _) in members[len(kept):]:
+                dropped[s] += 1
+            sizes[d, el] = len(kept)
+            n += len(kept)
+    if padded:
+        ex = ex.reshape(Rn, El, Rn * T, H)
+    return ex, sizes, row_of, dropped
+
+
+def np_combine(eys, row_of, w, T, H):
+    Rn = w.shape[0]
+    flat = eys.reshape(Rn, -1, H)
+    y = np.zeros((Rn, T, H), np.float64)
+    for (s, t, k), (d, row) in row_of.items():
+        y[s, t] += w[s, t, k] * flat[d, row].astype(np.float64)
+    return y
+
+
+def routing(T, K, E, seed, p_none=0.1, distinct=True):
+    rng = np.random.default_rng(seed)
+    if distinct:
+        ids = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(T)]) for _ in range(R)])
+    else:
+        ids = rng.integers(0, E, size=(R, T, K))
+    ids = ids.astype(np.int32)
+    ids[rng.random(ids.shape) < p_none] = -1
+    return ids
+
+
+def tagged_x(T, H, seed=0):
+    """Token rows carry (source rank, token index) in columns 0 and 1."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(R, T, H)).astype(np.float32)
+    x[:, :, 0] = np.arange(R)[:, None]
+    x[:, :, 1] = np.arange(T)[None, :]
+    return x
+
+
+def run_moe(x, ids, w, E, capacity=None, padded=False, ey_fn=lambda e: 2.0 * e + 1.0):
+    def f(x, ids, w):
+        if padded:
+            ex, sizes, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=E, axis_name="ep")
+            y = jaxcomm.moe.combine_padded(ey_fn(ex), h, w)
+        else:
+            ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep", capacity=capacity)
+            y = jaxcomm.moe.combine(ey_fn(ex), h, w)
+        return ex, sizes, y, h.dropped, h.invalid, h.recv_dropped
+    return per_rank(f, x, ids, w)
+
+
+# ---------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_dispatch_combine_match_numpy(padded):
+    T, K, E, H = 6, 3, 16, 5
+    ids = routing(T, K, E, seed=1)
+    ids[2, 1, 0] = 99   # out of range: counted, treated as -1
+    ids[5, 0, 2] = -7
+    x = tagged_x(T, H)
+    w = np.random.default_rng(2).normal(size=(R, T, K)).astype(np.float32)
+    ex, sizes, y, dropped, invalid, recv_dropped = run_moe(x, ids, w, E, padded=padded)
+    clean = np.where((ids >= 0) & (ids < E), ids, -1)
+    want_ex, want_sizes, row_of, want_dropped = np_dispatch(x, clean, E, padded=padded)
+    np.testing.assert_array_equal(ex, want_ex)
+    np.testing.assert_array_equal(sizes, want_sizes)
+    # Per-expert counts equal the all-gathered (here: global) counts of the routing.
+    np.testing.assert_array_equal(sizes.reshape(-1), np.bincount(clean[clean >= 0], minlength=E))
+    np.testing.assert_array_equal(dropped, 0)
+    np.testing.assert_array_equal(recv_dropped, 0)
+    np.testing.assert_array_equal(invalid, [0, 0, 1, 0, 0, 1, 0, 0])
+    want_y = np_combine(2.0 * want_ex + 1.0, row_of, w, T, H)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_identify_source_and_order():
+    T, K, E, H = 5, 2, 8, 4
+    ids = routing(T, K, E, seed=3)
+    x = tagged_x(T, H)
+    ex, sizes, *_ = run_moe(x, ids, np.ones((R, T, K), np.float32), E)
+    for d in range(R):
+        start = 0
+        for el, n in enumerate(sizes[d]):
+            rows = ex[d, start:start + n]
+            src = list(zip(rows[:, 0].astype(int), rows[:, 1].astype(int)))
+            assert src == sorted(src), "rows of one expert are ordered by (source, token)"
+            for s, t in src:
+                assert d * (E // R) + el in ids[s, t]
+            start += n
+        assert not ex[d, start:].any(), "rows past the total are zero"
+
+
+def test_combine_of_dispatch_is_weighted_x():
+    T, K, E, H = 7, 4, 32, 3
+    ids = routing(T, K, E, seed=4, p_none=0.3)
+    x = tagged_x(T, H, seed=5)
+    w = np.random.default_rng(6).random((R, T, K)).astype(np.float32)
+    *_, y, _, _, _ = run_moe(x, ids, w, E, ey_fn=lambda e: e)
+    want = x * np.where(ids >= 0, w, 0).sum(-1, keepdims=True)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_small_capacity_drops_are_accounted():
+    T, K, E, H, C = 6, 2, 8, 3, 5
+    ids = routing(T, K, E, seed=7, p_none=0.0)
+    x = tagged_x(T, H)
+    w = np.random.default_rng(8).random((R, T, K)).astype(np.float32)
+    ex, sizes, y, dropped, invalid, recv_dropped = run_moe(x, ids, w, E, capacity=C)
+    want_ex, want_sizes, row_of, want_dropped = np_dispatch(x, ids, E, capacity=C)
+    np.testing.assert_array_equal(ex, want_ex)
+    np.testing.assert_array_equal(sizes, want_sizes)
+    np.testing.assert_array_equal(dropped, want_dropped)
+    assert dropped.sum() > 0
+    assert recv_dropped.sum() == dropped.sum()
+    assert (sizes.sum(1) <= C).all()
+    np.testing.assert_allclose(y, np_combine(2.0 * want_ex + 1.0, row_of, w, T, H), rtol=1e-5, atol=1e-5)
+
+
+def test_one_hot_expert_and_idle_ranks():
+    T, K, E, H = 4, 2, 8, 3
+    ids = np.full((R, T, K), -1, np.int32)
+    ids[:, :, 0] = 0  # everything to expert 0 on rank 0; ranks 1.. receive nothing
+    x = tagged_x(T, H)
+    w = np.ones((R, T, K), np.float32)
+    ex, sizes, y, dropped, *_ = run_moe(x, ids, w, E)
+    want_ex, want_sizes, row_of, _ = np_dispatch(x, ids, E)
+    np.testing.assert_array_equal(ex, want_ex)
+    assert sizes[0, 0] == R * T and sizes.sum() == R * T
+    assert not ex[1:].any()
+    np.testing.assert_allclose(y, 2.0 * x + 1.0, rtol=1e-6)
+
+
+def test_all_tokens_none():
+    T, K, E, H = 3, 2, 8, 2
+    ids = np.full((R, T, K), -1, np.int32)
+    x = tagged_x(T, H)
+    for padded in (False, True):
+        ex, sizes, y, dropped, invalid, _ = run_moe(x, ids, np.ones((R, T, K), np.float32), E, padded=padded)
+        assert not ex.any() and not sizes.any() and not y.any()
+        assert not dropped.any() and not invalid.any()
+
+
+def test_int64_ids_under_x64():
+    T, K, E, H = 4, 2, 8, 3
+    ids = routing(T, K, E, seed=9).astype(np.int64)
+    ids[0, 0, 0] = 2**40  # would wrap to a valid id if cast to int32 first
+    x = tagged_x(T, H).astype(np.float64)
+    w = np.ones((R, T, K))
+    with jax.enable_x64(True):
+        ex, sizes, y, dropped, invalid, _ = run_moe(x, ids, w, E)
+    clean = np.where((ids >= 0) & (ids < E), ids, -1)
+    want_ex, want_sizes, row_of, _ = np_dispatch(x, clean, E)
+    np.testing.assert_array_equal(ex, want_ex)
+    assert invalid[0] == 1
+    assert y.dtype == np.float64
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_gradients(padded):
+    T, K, E, H = 3, 2, 8, 2
+    ids = routing(T, K, E, seed=10, p_none=0.2)
+    mesh = _mesh()
+    sh = NamedSharding(mesh, P("ep"))
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(R, T, H)).astype(np.float32)
+    w = rng.random((R, T, K)).astype(np.float32)
+    El = E // R
+    scale = jnp.asarray(1.0 + np.arange(El, dtype=np.float32))
+
+    def body(x, ids, w):
+        x, ids, w = x[0], ids[0], w[0]
+        if padded:
+            ex, _, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=E, axis_name="ep")
+            y = jaxcomm.moe.combine_padded(jnp.tanh(ex) * scale[:, None, None], h, w)
+        else:
+            ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
+            y = jaxcomm.moe.combine(jnp.tanh(ex) * 1.5, h, w)
+        return y[None]
+
+    g = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
+    ids_d = jax.device_put(ids, sh)
+    f = lambda x, w: g(jax.reshard(x, sh), ids_d, jax.reshard(w, sh))
+    jtu.check_grads(f, (jax.device_put(x, sh), jax.device_put(w, sh)), order=1, modes=["rev"],
+                    atol=2e-2, rtol=2e-2)
+
+
+def test_combine_gradient_wrt_expert_y():
+    T, K, E, H = 3, 2, 8, 2
+    ids = routing(T, K, E, seed=12)
+    x = tagged_x(T, H)
+    w = np.random.default_rng(13).random((R, T, K)).astype(np.float32)
+    ct = np.random.default_rng(14).normal(size=(R, T, H)).astype(np.float32)
+
+    def f(x, ids, w, ct):
+        ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
+        _, pull = jax.vjp(lambda ey, w: jaxcomm.moe.combine(ey, h, w), ex, w)
+        return ex, *pull(ct)
+
+    ex, d_ey, d_w = per_rank(f, x, ids, w, ct)
+    _, _, row_of, _ = np_dispatch(x, ids, E)
+    want_ey = np.zeros_like(ex)
+    want_w = np.zeros_like(w)
+    for (s, t, k), (d, row) in row_of.items():
+        want_ey[d, row] += w[s, t, k] * ct[s, t]
+        want_w[s, t, k] = ex[d, row] @ ct[s, t]
+    np.testing.assert_allclose(d_ey, want_ey, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_w, want_w, rtol=1e-5, atol=1e-5)
+
+
+def test_vmap():
+    T, K, E, H, B = 3, 2, 8, 2, 2
+    ids = np.stack([routing(T, K, E, seed=20 + b) for b in range(B)], axis=1)  # [R, B, T, K]
+    x = np.random.default_rng(15).normal(size=(R, B, T, H)).astype(np.float32)
+    w = np.random.default_rng(16).random((R, B, T, K)).astype(np.float32)
+
+    def one(x, ids, w):
+        ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
+        return ex, sizes, jaxcomm.moe.combine(ex * 3.0, h, w)
+
+    ex, sizes, y = per_rank(jax.vmap(one), x, ids, w)
+    for b in range(B):
+        want_ex, want_sizes, row_of, _ = np_dispatch(x[:, b], ids[:, b], E)
+        np.testing.assert_array_equal(ex[:, b], want_ex)
+        np.testing.assert_array_equal(sizes[:, b], want_sizes)
+        np.testing.assert_allclose(y[:, b], np_combine(3.0 * want_ex, row_of, w[:, b], T, H),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_xla_backend_fallback(monkeypatch):
+    monkeypatch.setenv("JAXCOMM_BACKEND", "xla")
+    T, K, E, H = 4, 2, 16, 3
+    ids = routing(T, K, E, seed=17)
+    x = tagged_x(T, H)
+    w = np.random.default_rng(18).random((R, T, K)).astype(np.float32)
+    ex, sizes, y, *_ = run_moe(x, ids, w, E, capacity=9)
+    want_ex, want_sizes, row_of, _ = np_dispatch(x, ids, E, capacity=9)
+    np.testing.assert_array_equal(ex, want_ex)
+    np.testing.assert_allclose(y, np_combine(2.0 * want_ex + 1.0, row_of, w, T, H), rtol=1e-5, atol=1e-5)
+
+
+def test_two_axis_mesh_over_ep():
+    mesh = jax.make_mesh((2, 4), ("dp", "ep"))
+    T, K, E, H = 3, 2, 8, 2
+    rng = np.random.default_rng(19)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(8 * T)]).astype(np.int32)
+    x = rng.normal(size=(8 * T, H)).astype(np.float32)
+    spec = P(("dp", "ep"))
+
+    def body(x, ids):
+        ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
+        return jaxcomm.moe.combine(ex, h, jnp.ones(ids.shape, jnp.float32))
+
+    g = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+    y = g(jax.device_put(x, NamedSharding(mesh, spec)), jax.device_put(ids, NamedSharding(mesh, spec)))
+    np.testing.assert_allclose(np.asarray(y), x * K, rtol=1e-6)
+
+
+def test_trace_time_errors():
+    mesh = _mesh()
+
+    def call(E=16, ids_dtype=np.int32, ids_shape=(2, 2), w_dtype=np.float32, capacity=None):
+        def body(x):
+            ids = jnp.zeros(ids_shape, ids_dtype)
+            ex, _, h = jaxcomm.moe.dispatch(x[0], ids, num_experts=E, axis_name="ep", capacity=capacity)
+            return jaxcomm.moe.combine(ex, h, jnp.ones((2, 2), w_dtype))[None]
+        g = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        return g(jax.device_put(np.zeros((R, 2, 3), np.float32), NamedSharding(mesh, P("ep"))))
+
+    with pytest.raises(ValueError, match="not divisible"):
+        call(E=12)
+    with pytest.raises(TypeError, match="integers"):
+        call(ids_dtype=np.float32)
+    with pytest.raises(ValueError, match=r"\[T, K\]"):
+        call(ids_shape=(2,))
+    with pytest.raises(TypeError, match="floating"):
+        call(w_dtype=np.int32)
+    with pytest.raises(ValueError, match="capacity"):
+        call(capacity=0)
+
+
+def test_global_view_under_jit():
+    mesh = _mesh()
+    sh = NamedSharding(mesh, P("ep"))
+    T, K, E, H = 3, 2, 16, 3
+    ids = routing(T, K, E, seed=21)
+    x = tagged_x(T, H)
+    w = np.random.default_rng(22).random((R, T, K)).astype(np.float32)
+
+    @jax.jit
+    def f(x, ids, w):
+        ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
+        return ex, sizes, jaxcomm.moe.combine(ex * 2.0, h, w)
+
+    args = [jax.device_put(a.reshape(R * T, -1), sh) for a in (x, ids, w)]
+    with jax.set_mesh(mesh):
+        ex, sizes, y = f(*args)
+        hlo = f.lower(*args).compile().as_text()
+        dx = jax.jit(jax.grad(lambda x: f(x, args[1], args[2])[2].sum()))(args[0])
+    want_ex, want_sizes, row_of, _ = np_dispatch(x, ids, E)
+    assert ex.shape == (R * want_ex.shape[1], H) and sizes.shape == (E,)
+    assert ex.sharding.spec[0] == "ep"
+    np.testing.assert_array_equal(np.asarray(ex).reshape(want_ex.shape), want_ex)
+    np.testing.assert_array_equal(np.asarray(sizes).reshape(R, -1), want_sizes)
+    np.testing.assert_allclose(np.asarray(y).reshape(R, T, H),
+                               np_combine(2.0 * want_ex, row_of, w, T, H), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dx).reshape(R, T, H),
+                               np.broadcast_to(2.0 * np.where(ids >= 0, w, 0).sum(-1, keepdims=True),
+                                               (R, T, H)), rtol=1e-5)
+    assert "all-gather" not in hlo
