@@ -28,12 +28,12 @@ MESH = jax.make_mesh((R,), ("x",))  # Explicit axes: inputs are placed with devi
 AUTO_MESH = jax.make_mesh((R,), ("x",), axis_types=(AxisType.Auto,))
 MESH2 = jax.make_mesh((2, 4), ("dp", "ep"))
 
-# jax raises errors from a failed execution as JaxRuntimeError (XlaRuntimeError is its
-# older name; both are RuntimeError subclasses).
 # Deadline for collectives that should never wait long: a bug shows up as an error
 # within seconds instead of the default 300 s hang.
 T = 15
 
+# jax raises errors from a failed execution as JaxRuntimeError (XlaRuntimeError is its
+# older name; both are RuntimeError subclasses).
 RUNTIME_ERRORS = tuple({getattr(jax.errors, n) for n in ("JaxRuntimeError", "XlaRuntimeError")
                         if hasattr(jax.errors, n)})
 
@@ -151,7 +151,7 @@ def test_timeout_names_the_call_and_missing_ranks_then_recovers():
         _check_timeout_message(str(info.value), "all_reduce", line, execution)
 
     # The process is still usable: a normal collective works.
-    g = smap(lambda v: jaxcomm.all_reduce(v, "x"))
+    g = smap(lambda v: jaxcomm.all_reduce(v, "x", timeout_s=T))
     y = data((R, 16), seed=21)
     np.testing.assert_array_equal(np.asarray(g(put(y, P("x")))), np.tile(y.sum(0), (R, 1)))
 
@@ -172,7 +172,7 @@ def test_timeout_from_environment(monkeypatch):
     _check_timeout_message(str(info.value), "all_gather", _line_of("# ENV-TIMEOUT-CALL-SITE"), 1)
     monkeypatch.delenv("JAXCOMM_TIMEOUT_S")
 
-    g = smap(lambda v: jaxcomm.all_gather(v, "x", tiled=True))
+    g = smap(lambda v: jaxcomm.all_gather(v, "x", tiled=True, timeout_s=T))
     y = data((R, 4), seed=23)
     np.testing.assert_array_equal(np.asarray(g(put(y, P("x")))), np.tile(y, (R, 1)))
 

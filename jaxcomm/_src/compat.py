@@ -66,3 +66,9 @@ def concrete_mesh() -> Any:
     from jax._src import mesh as _mesh
     getter = getattr(_mesh, "get_concrete_mesh", None)
     return getter() if getter is not None else None
+
+
+def mesh_axis_names() -> frozenset:
+    """Axis names of the mesh in context (empty outside any mesh)."""
+    from jax._src import mesh as _mesh
+    return frozenset(_mesh.get_abstract_mesh().axis_names)

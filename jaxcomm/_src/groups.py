@@ -27,7 +27,11 @@ def normalize_axes(op: str, axis_name: AxisName) -> tuple:
         if not compat.axis_exists(name):
             raise NameError(
                 f"jaxcomm.{op}: unknown axis name {name!r}. jaxcomm collectives run inside "
-                f"jax.shard_map (or a vmap with axis_name), over the axes it binds.")
+                f"jax.shard_map, over the mesh axes it binds.")
+        if name not in compat.mesh_axis_names():
+            raise NotImplementedError(
+                f"jaxcomm.{op} over the vmap axis {name!r}: jaxcomm collectives run over "
+                f"shard_map mesh axes; use the jax.lax collective for a vmap axis_name.")
     return axes
 
 
