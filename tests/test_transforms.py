@@ -179,6 +179,16 @@ def test_all_reduce_sum_transpose_equals_lax_rule(check_vma):
         _, vjp_jc = jax.vjp(f_jc, x)
         _, vjp_lax = jax.vjp(f_lax, x)
         assert_close(vjp_jc(cts), vjp_lax(cts))
+        # Forward + backward communicate exactly as lax's do: the all-reduce transposes to
+        # a varying cast (no collective) with check_vma, to an all-reduce without.
+        vjp_jc = str(jax.make_jaxpr(lambda c: jax.vjp(f_jc, x)[1](c))(cts))
+        vjp_lax = str(jax.make_jaxpr(lambda c: jax.vjp(f_lax, x)[1](c))(cts))
+        collectives = r"\b(jaxcomm_all_reduce|psum\w*)\["
+        n_jc, n_lax = len(re.findall(collectives, vjp_jc)), len(re.findall(collectives, vjp_lax))
+        assert n_jc == n_lax, (vjp_jc, vjp_lax)
+        assert vjp_jc.count("pvary[") == vjp_lax.count("pvary["), (vjp_jc, vjp_lax)
+        if out_spec == P():
+            assert n_jc == (1 if check_vma else 2), vjp_jc
 
 
 # ------------------------------------------------------------------- max / min / prod

@@ -23,6 +23,7 @@ struct Round {
   int64_t group_index = 0;
   std::shared_ptr<const std::vector<int64_t>> group;
   uint64_t watchdog_id = 0;
+  std::chrono::milliseconds timeout{0};
   // Copied from the first arrival: attribute storage is not ours to keep.
   std::string op, axis, call_site;
 
@@ -142,8 +143,8 @@ std::optional<std::pair<int, int>> RoundTable::Locate(int64_t partition) const {
   return w;
 }
 
-void RoundTable::Tombstone(const Key& key) {
-  if (failed_.insert(key).second) failed_order_.push_back(key);
+void RoundTable::Tombstone(const Key& key, int64_t execution) {
+  if (failed_.emplace(key, execution).second) failed_order_.push_back(key);
   while (failed_order_.size() > kMaxTombstones) {
     failed_.erase(failed_order_.front());
     failed_order_.pop_front();
@@ -160,9 +161,11 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
   ffi::Future future(promise);
   std::shared_ptr<Round> ready;
   std::string refused;
+  CallContext ctx = call.ctx;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (failed_.count(key)) {
+    if (auto failed = failed_.find(key); failed != failed_.end()) {
+      ctx.execution = failed->second;
       refused = "the other ranks of this call already gave up on it (timed out); this rank "
                 "arrived too late";
     } else {
@@ -173,6 +176,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->group = groups_[g];
         round->group_index = g;
         round->parts = call.work_bytes >= kSplitBytes ? size : 1;
+        round->timeout = call.timeout;
         round->op = std::string(call.ctx.op);
         round->axis = std::string(call.ctx.axis);
         round->call_site = std::string(call.ctx.call_site);
@@ -197,8 +201,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
     }
   }
   if (!refused.empty()) {
-    promise.SetError(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                                call.ctx.Describe() + ": " + refused));
+    promise.SetError(ffi::Error(ffi::ErrorCode::kFailedPrecondition, ctx.Describe() + ": " + refused));
     return future;
   }
   if (ready) {
@@ -218,7 +221,7 @@ void RoundTable::Expire(const Key& key, const std::weak_ptr<Round>& expected) {
     if (it == rounds_.end() || it->second != expected.lock()) return;  // completed meanwhile
     round = std::move(it->second);
     rounds_.erase(it);
-    Tombstone(key);
+    Tombstone(key, round->execution);
   }
   const auto& group = *round->group;
   std::vector<int> missing;
@@ -226,7 +229,8 @@ void RoundTable::Expire(const Key& key, const std::weak_ptr<Round>& expected) {
     if (!round->promises[r]) missing.push_back(static_cast<int>(r));
   }
   std::ostringstream msg;
-  msg << "timed out (JAXCOMM_TIMEOUT_S / timeout_s) waiting for ranks [";
+  msg << "timed out after " << round->timeout.count() / 1000.0
+      << " s (timeout_s / JAXCOMM_TIMEOUT_S) waiting for ranks [";
   for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << missing[i];
   msg << "] (partitions [";
   for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << group[missing[i]];

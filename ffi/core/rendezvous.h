@@ -22,7 +22,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -82,7 +81,7 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (run id, group index)
-  void Tombstone(const Key& key);
+  void Tombstone(const Key& key, int64_t execution);
   void Expire(const Key& key, const std::weak_ptr<Round>& expected);
 
   std::vector<std::shared_ptr<const std::vector<int64_t>>> groups_;
@@ -94,7 +93,7 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   std::vector<int64_t> executions_;  // per group
   // Calls that failed (timed out): a rank that arrives late fails at once instead of
   // waiting a whole timeout for peers that already gave up. Bounded.
-  std::set<Key> failed_;
+  std::map<Key, int64_t> failed_;  // -> execution number
   std::deque<Key> failed_order_;
 };
 
