@@ -9,6 +9,7 @@
 #include "core/registry.h"
 #include "core/rendezvous.h"
 #include "cpu/handlers.h"
+#include "cpu/moe_kernels.h"
 #include "cpu/ragged.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -44,6 +45,7 @@ NB_MODULE(_jaxcomm, m) {
     targets["ppermute"] = stages(jaxcomm::cpu::kPermute);
     targets["broadcast"] = stages(jaxcomm::cpu::kBroadcast);
     targets["ragged_all_to_all"] = stages(jaxcomm::cpu::kRaggedAllToAll);
+    targets["moe_transport"] = stages(jaxcomm::cpu::kMoeTransport);
     return targets;
   }, "Maps op name -> {stage: handler capsule} for platform 'cpu'.");
 

@@ -14,7 +14,7 @@ Two call forms:
 
 Semantics of repeated experts in one row of ``expert_ids`` (top-k gives distinct ones): each
 slot is its own assignment (its own row, its own weight in combine); the padded layout keeps
-at most R*T rows per expert and counts the rest in ``handle.dropped``.
+at most S rows per expert (its capacity, default R*T) and counts the rest in ``handle.dropped``.
 """
 
 from __future__ import annotations
@@ -81,11 +81,17 @@ def combine(expert_y: jax.Array, handle: Handle, weights: jax.Array) -> jax.Arra
 
 
 def dispatch_padded(x: jax.Array, expert_ids: jax.Array, *, num_experts: int,
-                    axis_name: Any) -> tuple[jax.Array, jax.Array, Handle]:
+                    axis_name: Any, capacity: int | None = None
+                    ) -> tuple[jax.Array, jax.Array, Handle]:
     """As :func:`dispatch`, in a per-expert padded layout for batched matmuls.
 
+    Args:
+      capacity: rows S per expert slab (default R*T, which never drops). When more than S
+        rows arrive for an expert, the first S in (source rank, token, slot) order are kept
+        and the rest count in ``handle.dropped``.
+
     Returns:
-      expert_x: [E_local, R*T, H]; local expert e's rows are packed at the front of
+      expert_x: [E_local, S, H]; local expert e's rows are packed at the front of
         expert_x[e], ordered by (source rank, token); the rest are zero.
       counts: [E_local] int32 rows used per expert.
       handle: for :func:`combine_padded`.
@@ -96,9 +102,9 @@ def dispatch_padded(x: jax.Array, expert_ids: jax.Array, *, num_experts: int,
         ey = jnp.einsum("erh,ehf->erf", ex, w_local)
         y = jaxcomm.moe.combine_padded(ey, h, weights)
     """
-    return api.run_dispatch("dispatch_padded", x, expert_ids, num_experts, axis_name, None, True)
+    return api.run_dispatch("dispatch_padded", x, expert_ids, num_experts, axis_name, capacity, True)
 
 
 def combine_padded(expert_y: jax.Array, handle: Handle, weights: jax.Array) -> jax.Array:
-    """:func:`combine` for the layout of :func:`dispatch_padded` (expert_y [E_local, R*T, H])."""
+    """:func:`combine` for the layout of :func:`dispatch_padded` (expert_y [E_local, S, H])."""
     return api.run_combine("combine_padded", expert_y, handle, weights)

@@ -504,8 +504,11 @@ def _run_child(k, cols, mix, timeout=30):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(
         os.path.abspath(jaxcomm.__file__))), env.get("PYTHONPATH")) if p)
     try:
+        # cwd: not the repository root, whose jaxcomm/ (no extension built in place)
+        # would shadow the installed package for `python -c`.
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, timeout=timeout)
+                              text=True, timeout=timeout,
+                              cwd=os.path.dirname(os.path.abspath(__file__)))
     except subprocess.TimeoutExpired:
         pytest.fail(f"{k} independent all_to_all calls ({cols} floats/row, mixed with "
                     f"jax.lax: {mix}) did not finish within {timeout} s: deadlock")

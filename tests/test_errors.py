@@ -61,14 +61,14 @@ ALL_OPS = {
 @pytest.mark.parametrize("op", list(ALL_OPS))
 def test_unknown_axis_name(mesh8, op):
     msg = (f"jaxcomm.{op}: unknown axis name 'y'. jaxcomm collectives run inside "
-           f"jax.shard_map (or a vmap with axis_name), over the axes it binds.")
+           f"jax.shard_map, over the mesh axes it binds.")
     with pytest.raises(NameError, match=exact(msg)):
         trace(lambda v: ALL_OPS[op](v, "y"), mesh8, (N, 2))
 
 
 def test_unknown_axis_in_tuple(mesh2x4):
     msg = ("jaxcomm.all_gather: unknown axis name 'tp'. jaxcomm collectives run inside "
-           "jax.shard_map (or a vmap with axis_name), over the axes it binds.")
+           "jax.shard_map, over the mesh axes it binds.")
     with pytest.raises(NameError, match=exact(msg)):
         trace(lambda v: jaxcomm.all_gather(v, ("dp", "tp")), mesh2x4, (2,))
 
@@ -96,7 +96,7 @@ def test_outside_shard_map(op):
     # Neither eagerly nor under a bare jit is an axis bound.
     x = jnp.ones((N, 2))
     msg = (f"jaxcomm.{op}: unknown axis name 'x'. jaxcomm collectives run inside "
-           f"jax.shard_map (or a vmap with axis_name), over the axes it binds.")
+           f"jax.shard_map, over the mesh axes it binds.")
     with pytest.raises(NameError, match=exact(msg)):
         ALL_OPS[op](x, "x")
     with pytest.raises(NameError, match=exact(msg)):
@@ -301,8 +301,11 @@ def test_subbyte_dtype_all_gather():
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    # cwd: not the repository root, whose jaxcomm/ (no extension built in place) would
+    # shadow the installed package for `python -c`.
     proc = subprocess.run([sys.executable, "-c", _SUBBYTE_CHILD], env=env,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
     assert proc.returncode == 0, f"rc={proc.returncode}: {tail}"
     assert "EQUAL" in proc.stdout or "REFUSED: jaxcomm" in proc.stdout, tail

@@ -72,8 +72,7 @@ def check_inputs(op: str, x: Any, expert_ids: Any, num_experts: int, R: int,
 
 
 def check_weights(op: str, weights: Any, handle: Any) -> None:
-    T = handle["slot"].shape[-2]
-    K = handle["send_mask"].shape[-1]
+    T, K = handle.layout.T, handle.layout.K
     if weights.ndim != 2 or weights.shape != (T, K):
         raise ValueError(f"jaxcomm.moe.{op}: weights must be [T, K] = [{T}, {K}], got {weights.shape}")
 
@@ -89,11 +88,15 @@ class Handle:
       dropped: i32[] assignments of this rank's tokens dropped for capacity.
       invalid: i32[] expert ids outside [-1, num_experts) (treated as -1).
       recv_dropped: i32[] assignment rows that arrived for this rank's experts past capacity.
-      and the transport plan (send_tok, slot, offsets, sizes, recv_pos, inv, ...).
+      and the transport plan: (dest, pos) slot tables for the fused host transports, or
+      (send_tok, slot, offsets, sizes, recv_pos, inv, ...) for the composed one.
     """
 
-    def __init__(self, arrays: dict, axis_name: Any, padded: bool, x_dtype: Any):
+    def __init__(self, arrays: dict, axis_name: Any, padded: bool, x_dtype: Any, layout: Any):
         self.arrays = dict(arrays)
+        # Static shape facts of the dispatch (impl.Layout): the fused transports' handle
+        # has no array whose shape would tell combine the buffer sizes.
+        self.layout = layout
         self.axis_name = axis_name
         self.padded = padded
         self.x_dtype = jnp.dtype(x_dtype)
@@ -115,12 +118,13 @@ class Handle:
 
     def tree_flatten(self):
         keys = tuple(sorted(self.arrays))
-        return tuple(self.arrays[k] for k in keys), (keys, self.axis_name, self.padded, self.x_dtype)
+        return tuple(self.arrays[k] for k in keys), (keys, self.axis_name, self.padded, self.x_dtype,
+                                                       self.layout)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        keys, axis_name, padded, x_dtype = aux
-        return cls(dict(zip(keys, children)), axis_name, padded, x_dtype)
+        keys, axis_name, padded, x_dtype, layout = aux
+        return cls(dict(zip(keys, children)), axis_name, padded, x_dtype, layout)
 
     def __repr__(self) -> str:
         return f"Handle(axis_name={self.axis_name!r}, padded={self.padded}, keys={sorted(self.arrays)})"
@@ -135,7 +139,7 @@ def run_dispatch(op: str, x: Any, expert_ids: Any, num_experts: int, axis_name: 
         T, K = expert_ids.shape
         lay = impl.layout(T, K, num_experts, R, capacity, padded)
         expert_x, sizes, arrays = impl.dispatch(x, expert_ids, lay, axis_name)
-        return expert_x, sizes, Handle(arrays, axis_name, padded, x.dtype)
+        return expert_x, sizes, Handle(arrays, axis_name, padded, x.dtype, lay)
     # Global view: the shard_map form over P(axis_name), every output sharded on dim 0.
     mesh = _global_mesh(x, axis_name, op)
     R = _group_size_any(axis_name, mesh)
@@ -162,16 +166,13 @@ def _to_spec(mesh: Any, spec: P, tree: Any) -> Any:
 
 def _combine_in_map(op: str, expert_y: jax.Array, handle: Handle, weights: jax.Array) -> jax.Array:
     check_weights(op, weights, handle)
-    R = impl.group_size(handle.axis_name)
-    T, K = weights.shape
-    rows = handle["inv"].shape[0]
+    lay = handle.layout
+    R, T, rows = lay.R, lay.T, lay.rows
     H = expert_y.shape[-1]
-    want = (rows // (R * T), R * T, H) if handle.padded else (rows, H)
+    want = (lay.El, rows // lay.El, H) if handle.padded else (rows, H)
     if expert_y.shape != want:
         raise ValueError(f"jaxcomm.moe.{op}: expert_y must have dispatch's expert_x shape {want}, "
                          f"got {expert_y.shape}")
-    lay = impl.Layout(R, T, K, 0, 0, rows, handle["recv_pos"].shape[0], handle["send_tok"].shape[0],
-                      handle.padded)
     return impl.combine(expert_y, handle.arrays, weights, lay, handle.axis_name, handle.x_dtype)
 
 

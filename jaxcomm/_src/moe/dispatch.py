@@ -1,32 +1,44 @@
-"""Expert-parallel dispatch/combine composed from jaxcomm primitives.
+"""Expert-parallel dispatch/combine: routing plan plus one of two transports.
 
-Transport (one rank r of R, T tokens, top-K):
+Routing (both transports; one rank r of R, T tokens, top-K): per-expert counts of this
+rank's assignments are all-gathered ([R, E] int32, no host round trip). From them every
+sender knows exactly which row of the receiver's ``expert_x`` each of its (token, slot)
+assignments will take (``pos``), and which are dropped for capacity, before any token moves.
 
-1. Routing is counted locally: per-expert counts of this rank's assignments, all-gathered
-   ([R, E] int32, no host round trip). From them every sender knows exactly which row of
-   the receiver's ``expert_x`` each of its (token, slot) assignments will take, and which
-   are dropped for capacity, before any token moves.
-2. A token travels once to each destination rank that keeps at least one of its
-   assignments: the sender packs those (token, rank) rows by rank (``send_x``), with one
-   int32 row per token listing its assignments' row positions at the receiver
-   (``send_pos``). Two ragged_all_to_all calls move them; the receiver expands each token
-   into its assignment rows with one local gather.
-3. combine sends the weights the same way, reduces each received token over its local
-   slots (float32) on the receiver, and returns one float32 row per (token, rank) with the
-   reverse ragged_all_to_all; the source sums the ranks' partial rows.
+Fused host transports (``fused.py``, the default on the CPU backend): one custom call per
+direction, in which every rank reads its peers' rows in place guided by their (dest, pos)
+slot tables. dispatch copies each kept assignment's token row once, straight into the
+receiver's expert row; combine has each source read its tokens' expert rows from the
+ranks that hold them, summing each rank's slots in k order and then the ranks in order
+(float32). No send/receive buffers, no per-(token, rank) partial rows.
 
-Gradients come from JAX's rules for the pieces (ragged_all_to_all has an exact transpose),
-so the backward passes move the same rows in the opposite directions.
+Composed transport (other platforms, JAXCOMM_BACKEND=xla): a token travels once to each
+destination rank that keeps at least one of its assignments, packed by rank with one int32
+row per token listing its rows at the receiver; two ragged_all_to_all calls move them and
+the receiver expands each token into its rows with one gather. combine sends the weights
+the same way, reduces each received token over its slots on the receiver and returns one
+float32 row per (token, rank) with the reverse ragged_all_to_all; the source sums the ranks.
+
+Gradients are custom VJPs that reuse the transports in reverse: dispatch's backward is a
+combine with unit weights, combine's backward a dispatch of the weighted cotangent (plus
+one dot product per slot for the weights). Both are gathers and row reductions over index
+lists (:func:`_gather_reduce` in the composed form), never the serial scatter-adds that
+autodiff of the gathers would give, nor [recv, K, H] intermediates. Forward-mode autodiff
+(jvp) is not supported: custom VJPs only transpose.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
 
 from jaxcomm._src import groups
+from jaxcomm._src.moe import fused
 from jaxcomm._src.ops.gather import all_gather
 from jaxcomm._src.ops.ragged import ragged_all_to_all
 
@@ -40,7 +52,7 @@ class Layout(NamedTuple):
     K: int          # slots per token
     E: int          # experts in total
     El: int         # experts per rank
-    rows: int       # rows of the flat expert buffer: C (packed) or El * R * T (padded)
+    rows: int       # rows of the flat expert buffer: C (packed) or El * S (padded, S rows per expert)
     recv: int       # rows of the receive buffer of unique tokens
     send: int       # rows of the send buffer of (token, rank) pairs
     padded: bool
@@ -53,8 +65,9 @@ def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
 def layout(T: int, K: int, E: int, R: int, capacity: int | None, padded: bool) -> Layout:
     El = E // R
     if padded:
-        rows = El * R * T
-        recv = R * T
+        # capacity: rows per expert slab (R*T, the default, never drops).
+        rows = El * (capacity if capacity is not None else R * T)
+        recv = min(R * T, rows)
     else:
         rows = capacity if capacity is not None else R * T * min(K, El)
         # Every received token row carries at least one kept assignment, so never more
@@ -63,8 +76,12 @@ def layout(T: int, K: int, E: int, R: int, capacity: int | None, padded: bool) -
     return Layout(R, T, K, E, El, rows, recv, T * min(R, K), padded)
 
 
-def plan(expert_ids: jax.Array, lay: Layout, axis_name: Any) -> tuple[Handle, jax.Array]:
-    """Routing of one dispatch: the handle, and group sizes/counts of this rank's experts."""
+def plan(expert_ids: jax.Array, lay: Layout, axis_name: Any,
+         fused: bool = False) -> tuple[Handle, jax.Array]:
+    """Routing of one dispatch: the handle, and group sizes/counts of this rank's experts.
+
+    ``fused``: the handle of the fused host transports (dest, pos and the counters) only.
+    """
     R, T, K, E, El = lay.R, lay.T, lay.K, lay.E, lay.El
     r = jax.lax.axis_index(axis_name).astype(jnp.int32)
     ids = expert_ids
@@ -85,10 +102,11 @@ def plan(expert_ids: jax.Array, lay: Layout, axis_name: Any) -> tuple[Handle, ja
     total = jnp.sum(G, axis=0, dtype=jnp.int32)
     before = jnp.sum(jnp.where(jnp.arange(R)[:, None] < r, G, 0), axis=0, dtype=jnp.int32)  # sources < r
     ep = jnp.minimum(e, E - 1)
+    slab = lay.rows // El  # padded layout: rows per expert
     if lay.padded:
         slot_in_group = before[ep] + local_rank
-        pos = (ep % El) * (R * T) + slot_in_group
-        kept = valid & (slot_in_group < R * T)
+        pos = (ep % El) * slab + slot_in_group
+        kept = valid & (slot_in_group < slab)
     else:
         tb = total.reshape(R, El)
         start = _exclusive_cumsum(tb, axis=1).reshape(E)
@@ -97,8 +115,21 @@ def plan(expert_ids: jax.Array, lay: Layout, axis_name: Any) -> tuple[Handle, ja
     pos = jnp.where(kept, pos, -1)
     dropped = jnp.sum(valid & ~kept, dtype=jnp.int32)
 
-    # (token, destination rank) pairs with at least one kept assignment, packed by rank.
+    mine = jax.lax.dynamic_slice_in_dim(total, r * El, El)
+    arrived = jnp.sum(mine, dtype=jnp.int32)
+    if lay.padded:
+        sizes = jnp.minimum(mine, slab)
+    else:
+        st = jax.lax.dynamic_slice_in_dim(start, r * El, El)
+        sizes = jnp.clip(st + mine, 0, lay.rows) - jnp.clip(st, 0, lay.rows)
+    stats = dict(dropped=dropped, invalid=invalid,
+                 recv_dropped=arrived - jnp.sum(sizes, dtype=jnp.int32))
     dest = ep // El
+    if fused:
+        # The fused transports need only each slot's destination rank and row there.
+        return dict(dest=jnp.where(kept, dest, -1), pos=pos, **stats), sizes.astype(jnp.int32)
+
+    # (token, destination rank) pairs with at least one kept assignment, packed by rank.
     on = (dest[:, :, None] == jnp.arange(R, dtype=jnp.int32)) & kept[:, :, None]  # [T, K, R]
     need = jnp.any(on, axis=1)  # [T, R]
     cnt_d = jnp.sum(need, axis=0, dtype=jnp.int32)
@@ -123,59 +154,206 @@ def plan(expert_ids: jax.Array, lay: Layout, axis_name: Any) -> tuple[Handle, ja
     target = jnp.where(recv_pos >= 0, recv_pos, lay.rows).reshape(-1)
     src = jnp.broadcast_to(jnp.arange(lay.recv, dtype=jnp.int32)[:, None], (lay.recv, K)).reshape(-1)
     inv = jnp.full((lay.rows,), lay.recv, jnp.int32).at[target].set(src, mode="drop")
+    # invk[row] = recv_row * K + slot of expert row `row` (lay.recv * K: none), for the
+    # per-row weight of combine and its gradient.
+    invk = jnp.full((lay.rows,), lay.recv * K, jnp.int32).at[target].set(
+        jnp.arange(lay.recv * K, dtype=jnp.int32), mode="drop")
 
-    mine = jax.lax.dynamic_slice_in_dim(total, r * El, El)
-    arrived = jnp.sum(mine, dtype=jnp.int32)
-    if lay.padded:
-        sizes = jnp.minimum(mine, R * T)
-    else:
-        st = jax.lax.dynamic_slice_in_dim(start, r * El, El)
-        sizes = jnp.clip(st + mine, 0, lay.rows) - jnp.clip(st, 0, lay.rows)
     handle = dict(
         send_tok=send_tok, send_mask=send_pos >= 0, slot=slot,
         in_off=in_off, send_sizes=cnt_d, out_off=out_off, recv_sizes=recv_sizes,
-        recv_off=recv_off, back_off=back_off, recv_pos=recv_pos, inv=inv,
-        dropped=dropped, invalid=invalid,
-        recv_dropped=arrived - jnp.sum(sizes, dtype=jnp.int32),
+        recv_off=recv_off, back_off=back_off, recv_pos=recv_pos, inv=inv, invk=invk,
+        **stats,
     )
     return handle, sizes.astype(jnp.int32)
 
 
+_F32 = jnp.float32
+
+
+def _gather_reduce(src: jax.Array, idx: jax.Array, w: jax.Array) -> jax.Array:
+    """out[j] = sum_k w[j, k] * src[idx[j, k]] in float32, k ascending, indices outside
+    [0, N) skipped: the row reduction of the composed transport and of its gradients.
+
+    Args:
+      src: [N, H] rows (any float dtype; read as float32).
+      idx: [M, K] int32 row indices.
+      w: [M, K] weights.
+
+    Returns:
+      [M, H] float32.
+    """
+    src, w = src.astype(_F32), w.astype(_F32)
+    N = src.shape[0]
+    idx = jnp.where((idx >= 0) & (idx < N), idx, N)  # N: a zero row (jnp.take wraps -1)
+    out = jnp.zeros((idx.shape[0], src.shape[1]), _F32)
+    for k in range(idx.shape[1]):  # k order
+        out = out + w[:, k:k + 1] * _take(src, idx[:, k])
+    return out
+
+
+def _take(a: jax.Array, idx: jax.Array) -> jax.Array:
+    """a[idx] along dim 0 with out-of-range indices giving zero rows, without the copy of
+    ``a`` that appending a zero row would cost."""
+    return jnp.take(a, idx, axis=0, mode="fill", fill_value=0)
+
+
+def _ones(shape: tuple[int, ...]) -> jax.Array:
+    return jnp.ones(shape, _F32)
+
+
+def _int_zeros(tree: Any) -> Any:
+    """Cotangents of integer leaves (the routing plan): float0 zeros."""
+    return jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
+
+
+def _forward(a: jax.Array, out_rows: int, h: Handle, axis_name: Any) -> jax.Array:
+    """(token, rank) rows from the send layout to the receive layout."""
+    return ragged_all_to_all(a, jnp.zeros((out_rows, a.shape[1]), a.dtype), h["in_off"],
+                             h["send_sizes"], h["out_off"], h["recv_sizes"], axis_name=axis_name)
+
+
+def _backward(a: jax.Array, out_rows: int, h: Handle, axis_name: Any) -> jax.Array:
+    """Receive-layout rows back to the send layout of their source."""
+    return ragged_all_to_all(a, jnp.zeros((out_rows, a.shape[1]), a.dtype), h["recv_off"],
+                             h["recv_sizes"], h["back_off"], h["send_sizes"], axis_name=axis_name)
+
+
+def _expand(x: jax.Array, h: Handle, lay: Layout, axis_name: Any) -> jax.Array:
+    recv_x = _forward(x[h["send_tok"]], lay.recv, h, axis_name)
+    return _take(recv_x, h["inv"])
+
+
+def _reduce(ey: jax.Array, w_recv: jax.Array, h: Handle, lay: Layout, axis_name: Any) -> jax.Array:
+    """float32 [T, H]: each receiver sums its slots in k order, the source sums ranks in order."""
+    partial = _gather_reduce(ey, h["recv_pos"], w_recv)
+    back = _backward(partial, lay.send, h, axis_name)
+    return _gather_reduce(back, h["slot"], _ones(h["slot"].shape))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dispatch_rows(x: jax.Array, h: Handle, lay: Layout, axis_name: Any) -> jax.Array:
+    """expert_x as [rows, H]."""
+    return _expand(x, h, lay, axis_name)
+
+
+def _dispatch_fwd(x, h, lay, axis_name):
+    return _expand(x, h, lay, axis_name), h
+
+
+def _dispatch_bwd(lay, axis_name, h, g):
+    # Every expert row is a copy of one received token row: its cotangent is the sum of
+    # that token's rows, i.e. combine with unit weights.
+    dx = _reduce(g, _ones(h["recv_pos"].shape), h, lay, axis_name)
+    return dx.astype(g.dtype), _int_zeros(h)
+
+
+_dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def _send_weights(weights: jax.Array, h: Handle, lay: Layout, axis_name: Any) -> jax.Array:
+    w_send = jnp.where(h["send_mask"], weights[h["send_tok"]], 0).astype(_F32)
+    return _forward(w_send, lay.recv, h, axis_name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _combine_rows(ey: jax.Array, weights: jax.Array, h: Handle, lay: Layout, axis_name: Any,
+                  out_dtype: Any) -> jax.Array:
+    return _reduce(ey, _send_weights(weights, h, lay, axis_name), h, lay, axis_name).astype(out_dtype)
+
+
+def _combine_fwd(ey, weights, h, lay, axis_name, out_dtype):
+    w_recv = _send_weights(weights, h, lay, axis_name)
+    y = _reduce(ey, w_recv, h, lay, axis_name).astype(out_dtype)
+    return y, (ey, w_recv, h, jnp.zeros((0,), weights.dtype))
+
+
+def _combine_bwd(lay, axis_name, out_dtype, res, g):
+    ey, w_recv, h, w_proto = res
+    # The cotangent of each token travels to the ranks that hold its rows (a dispatch
+    # without the expansion): send_tok's unused tail rows are never transported.
+    d_partial = _forward(g.astype(_F32)[h["send_tok"]], lay.recv, h, axis_name)
+    invk, inv = h["invk"], h["inv"]
+    d_rows = _take(d_partial, inv)  # [rows, H]: the cotangent of each expert row's token
+    w_row = _take(w_recv.reshape(-1), invk)
+    d_ey = (w_row[:, None] * d_rows).astype(ey.dtype)
+    dot = jnp.sum(d_rows * ey.astype(_F32), axis=1)
+    d_w_recv = jnp.zeros((lay.recv * lay.K,), _F32).at[invk].set(dot, mode="drop")
+    d_w_send = _backward(d_w_recv.reshape(lay.recv, lay.K), lay.send, h, axis_name)
+    d_w_send = jnp.concatenate([d_w_send, jnp.zeros((1, lay.K), _F32)])
+    mask = jnp.concatenate([h["send_mask"], jnp.zeros((1, lay.K), bool)])
+    slot = h["slot"]
+    d_w = jnp.sum(jnp.where(mask[slot], d_w_send[slot], 0), axis=1)  # [T, R, K] -> [T, K]
+    return d_ey, d_w.astype(w_proto.dtype), _int_zeros(h)
+
+
+_combine_rows.defvjp(_combine_fwd, _combine_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fused_dispatch_rows(x: jax.Array, h: Handle, lay: Layout, axis_name: Any) -> jax.Array:
+    return fused.transport(fused.GATHER_COPY, x, h["dest"], h["pos"], axis_name, rows=lay.rows)
+
+
+def _fused_dispatch_fwd(x, h, lay, axis_name):
+    return _fused_dispatch_rows(x, h, lay, axis_name), h
+
+
+def _fused_dispatch_bwd(lay, axis_name, h, g):
+    dx = fused.transport(fused.REDUCE, g.astype(_F32), h["dest"], h["pos"], axis_name,
+                         w=_ones(h["pos"].shape))
+    return dx.astype(g.dtype), _int_zeros(h)
+
+
+_fused_dispatch_rows.defvjp(_fused_dispatch_fwd, _fused_dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused_combine_rows(ey: jax.Array, weights: jax.Array, h: Handle, lay: Layout,
+                        axis_name: Any, out_dtype: Any) -> jax.Array:
+    y = fused.transport(fused.REDUCE, ey.astype(_F32), h["dest"], h["pos"], axis_name, w=weights)
+    return y.astype(out_dtype)
+
+
+def _fused_combine_fwd(ey, weights, h, lay, axis_name, out_dtype):
+    y = _fused_combine_rows(ey, weights, h, lay, axis_name, out_dtype)
+    return y, (ey, weights, h)
+
+
+def _fused_combine_bwd(lay, axis_name, out_dtype, res, g):
+    ey, weights, h = res
+    g = g.astype(_F32)
+    d_w = fused.transport(fused.DOT, ey.astype(_F32), h["dest"], h["pos"], axis_name, g=g)
+    # After d_w, so that the group runs DOT, GATHER_SCALED and then dispatch's backward (which
+    # consumes d_ey) in one order on every rank.
+    d_ey = fused.transport(fused.GATHER_SCALED, g, h["dest"], h["pos"], axis_name, w=weights,
+                           rows=lay.rows, after=d_w)
+    return d_ey.astype(ey.dtype), d_w.astype(weights.dtype), _int_zeros(h)
+
+
+_fused_combine_rows.defvjp(_fused_combine_fwd, _fused_combine_bwd)
+
+
+def use_fused(dtype: Any) -> bool:
+    """Whether this dispatch takes the fused host transports (else ragged_all_to_all)."""
+    return fused.available(dtype)
+
+
 def dispatch(x: jax.Array, expert_ids: jax.Array, lay: Layout, axis_name: Any):
-    handle, sizes = plan(expert_ids, lay, axis_name)
-    send_x = x[handle["send_tok"]]
-    recv_x = ragged_all_to_all(send_x, jnp.zeros((lay.recv, x.shape[1]), x.dtype),
-                               handle["in_off"], handle["send_sizes"], handle["out_off"],
-                               handle["recv_sizes"], axis_name=axis_name)
-    recv_x = jnp.concatenate([recv_x, jnp.zeros((1, x.shape[1]), x.dtype)])
-    expert_x = recv_x[handle["inv"]]
+    is_fused = use_fused(x.dtype)
+    handle, sizes = plan(expert_ids, lay, axis_name, fused=is_fused)
+    rows = _fused_dispatch_rows if is_fused else _dispatch_rows
+    expert_x = rows(x, handle, lay, axis_name)
     if lay.padded:
-        expert_x = expert_x.reshape(lay.El, lay.R * lay.T, x.shape[1])
+        expert_x = expert_x.reshape(lay.El, lay.rows // lay.El, x.shape[1])
     return expert_x, sizes, handle
 
 
 def combine(expert_y: jax.Array, handle: Handle, weights: jax.Array, lay: Layout,
             axis_name: Any, out_dtype: Any) -> jax.Array:
-    H = expert_y.shape[-1]
-    ey = expert_y.reshape(lay.rows, H)
-    w_send = jnp.where(handle["send_mask"], weights[handle["send_tok"]], 0).astype(jnp.float32)
-    w_recv = ragged_all_to_all(w_send, jnp.zeros((lay.recv, lay.K), jnp.float32),
-                               handle["in_off"], handle["send_sizes"], handle["out_off"],
-                               handle["recv_sizes"], axis_name=axis_name)
-    ey = jnp.concatenate([ey, jnp.zeros((1, H), ey.dtype)])
-    p = jnp.where(handle["recv_pos"] >= 0, handle["recv_pos"], lay.rows)
-    partial = jnp.zeros((lay.recv, H), jnp.float32)
-    for k in range(lay.K):  # k order; XLA fuses the gathers into one loop
-        partial = partial + w_recv[:, k:k + 1] * ey[p[:, k]].astype(jnp.float32)
-    back = ragged_all_to_all(partial, jnp.zeros((lay.send, H), jnp.float32),
-                             handle["recv_off"], handle["recv_sizes"], handle["back_off"],
-                             handle["send_sizes"], axis_name=axis_name)
-    back = jnp.concatenate([back, jnp.zeros((1, H), jnp.float32)])
-    slot = handle["slot"]
-    y = jnp.zeros((slot.shape[0], H), jnp.float32)
-    for d in range(lay.R):  # rank order
-        y = y + back[slot[:, d]]
-    return y.astype(out_dtype)
+    ey = expert_y.reshape(lay.rows, expert_y.shape[-1])
+    rows = _fused_combine_rows if "pos" in handle else _combine_rows
+    return rows(ey, weights, handle, lay, axis_name, jnp.dtype(out_dtype))
 
 
 def group_size(axis_name: Any) -> int:
