@@ -30,13 +30,17 @@ void CompletionPool::Post(std::function<void()> task) {
 
 void CompletionPool::Worker() {
   for (;;) {
-    // Idle: spin briefly first, since collectives tend to come in bursts.
-    const auto spin_until =
-        std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_.load());
-    while (queued_.load(std::memory_order_acquire) == 0 &&
-           std::chrono::steady_clock::now() < spin_until) {
-      sched_yield();
+    // Idle: spin briefly first, since collectives tend to come in bursts; but no more
+    // spinners than cores, or the spinners starve the threads doing the work.
+    if (spinners_.fetch_add(1) < max_spinners_) {
+      const auto spin_until =
+          std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_.load());
+      while (queued_.load(std::memory_order_acquire) == 0 &&
+             std::chrono::steady_clock::now() < spin_until) {
+        sched_yield();
+      }
     }
+    spinners_.fetch_sub(1);
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
