@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <thread>
 
 #include "core/registry.h"
 
@@ -38,6 +39,10 @@ constexpr size_t kMaxTombstones = 4096;
 
 // Below this many bytes of traffic one thread finishes sooner than waking others.
 constexpr size_t kSplitBytes = 512 * 1024;
+
+// Large data movement is split into this many parts (at most one per rank): one per
+// core. One part per rank (8 on 2 cores) made 16 MiB reduce_scatter 2x slower.
+const int kMaxParts = static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
 
 std::string Prefix(const Round& round, int rank) {
   CallContext ctx;
@@ -90,10 +95,13 @@ void RecordError(Round& round, std::string err) {
   if (round.error.empty()) round.error = std::move(err);
 }
 
-void RunPart(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int part) {
+// Runs part `part` of the work; the thread that finishes the last part completes every
+// rank's future, `inline_rank`'s on this thread.
+void RunPart(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int part,
+             int inline_rank) {
   RecordError(*round, (*work)(round->peers, part, round->parts));
   if (round->parts_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    CompleteAll(*round, part, ffi::ErrorCode::kInternal);
+    CompleteAll(*round, inline_rank, ffi::ErrorCode::kInternal);
   }
 }
 
@@ -105,11 +113,13 @@ void Execute(const std::shared_ptr<Round>& round, const std::shared_ptr<const Wo
     return;
   }
   round->parts_left.store(round->parts, std::memory_order_relaxed);
+  const int mine = me % round->parts;
   for (int p = 0; p < round->parts; ++p) {
-    if (p == me) continue;
-    Registry::Get().pool().Post([round, work, p] { RunPart(round, work, p); });
+    if (p == mine) continue;
+    // A pool thread that finishes last may as well continue some rank: part p's.
+    Registry::Get().pool().Post([round, work, p] { RunPart(round, work, p, p); });
   }
-  RunPart(round, work, me);
+  RunPart(round, work, mine, me);
 }
 
 }  // namespace
@@ -175,7 +185,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->execution = ++executions_[g];
         round->group = groups_[g];
         round->group_index = g;
-        round->parts = call.work_bytes >= kSplitBytes ? size : 1;
+        round->parts = call.work_bytes >= kSplitBytes ? std::min(size, kMaxParts) : 1;
         round->timeout = call.timeout;
         round->op = std::string(call.ctx.op);
         round->axis = std::string(call.ctx.axis);
