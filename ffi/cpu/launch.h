@@ -46,10 +46,20 @@ auto BindCommon(B&& b, F&& bind_buffers) {
       .template Attr<ffi::Span<const int64_t>>("partition_devices");
 }
 
+// Binds `N` operands and one result, all AnyBuffer.
+template <int N, typename B>
+auto BindBuffers(B&& b) {
+  if constexpr (N == 0) {
+    return std::move(b).template Ret<ffi::AnyBuffer>();
+  } else {
+    return BindBuffers<N - 1>(std::move(b).template Arg<ffi::AnyBuffer>());
+  }
+}
+
 // The buffers of the one-operand collectives: x and the result.
 template <typename B>
 auto BindUnary(B&& b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>();
+  return BindBuffers<1>(std::move(b));
 }
 
 std::vector<int64_t> Dims(const ffi::AnyBuffer& b);

@@ -200,15 +200,7 @@ ffi::Future MoeTransport(InstructionState* st, ffi::RunId run, int32_t ordinal,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_MoeTransport, MoeTransport,
                               BindCommon(ffi::Ffi::Bind(),
-                                         [](auto b) {
-                                           return std::move(b)
-                                               .template Arg<ffi::AnyBuffer>()
-                                               .template Arg<ffi::AnyBuffer>()
-                                               .template Arg<ffi::AnyBuffer>()
-                                               .template Arg<ffi::AnyBuffer>()
-                                               .template Arg<ffi::AnyBuffer>()
-                                               .template Ret<ffi::AnyBuffer>();
-                                         })
+                                         [](auto b) { return BindBuffers<5>(std::move(b)); })
                                   .Attr<int64_t>("mode"));
 
 XLA_FFI_Handler* const kMoeTransport = jaxcomm_cpu_MoeTransport;

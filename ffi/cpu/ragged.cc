@@ -250,16 +250,7 @@ ffi::Future RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_RaggedAllToAll, RaggedAllToAll,
                               BindCommon(ffi::Ffi::Bind(),
-                                         [](auto b) {
-                                           return std::move(b)
-                                               .template Arg<ffi::AnyBuffer>()
-                                               .template Arg<ffi::AnyBuffer>()
-                                               .template Arg<ffi::AnyBuffer>()
-                                               .template Arg<ffi::AnyBuffer>()
-                                               .template Arg<ffi::AnyBuffer>()
-                                               .template Arg<ffi::AnyBuffer>()
-                                               .template Ret<ffi::AnyBuffer>();
-                                         })
+                                         [](auto b) { return BindBuffers<6>(std::move(b)); })
                                   .Attr<int64_t>("mode")
                                   .Attr<int64_t>("src_rows")
                                   .Attr<int64_t>("dst_rows"));

@@ -167,7 +167,7 @@ def _to_spec(mesh: Any, spec: P, tree: Any) -> Any:
 def _combine_in_map(op: str, expert_y: jax.Array, handle: Handle, weights: jax.Array) -> jax.Array:
     check_weights(op, weights, handle)
     lay = handle.layout
-    R, T, rows = lay.R, lay.T, lay.rows
+    rows = lay.rows
     H = expert_y.shape[-1]
     want = (lay.El, rows // lay.El, H) if handle.padded else (rows, H)
     if expert_y.shape != want:
