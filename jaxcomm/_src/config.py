@@ -7,7 +7,7 @@ JAXCOMM_TIMEOUT_S      300        deadline of every wait inside a collective, in
 JAXCOMM_BACKEND        auto       ``auto``: jaxcomm's handlers where the platform has them,
                                   else jax.lax; ``jaxcomm``: always (error where none);
                                   ``xla``: always lower to the jax.lax equivalent
-JAXCOMM_SPIN_US        200        how long a rank waiting for its peers spins (yielding the
+JAXCOMM_SPIN_US        200        how long an idle jaxcomm pool thread spins (yielding the
                                   core) before it sleeps; read once at start (C++ runtime)
 =====================  =========  ===========================================================
 
