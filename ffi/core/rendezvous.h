@@ -6,9 +6,9 @@
 // execution (the FFI RunId), never by arrival order.
 //
 // Handlers never block: each rank publishes its buffers and returns an ffi::Future. The
-// last rank to arrive runs the data movement (split over pool threads, one part per rank,
-// when large) and the futures are completed on pool threads (core/completion_pool.h says
-// why). A watchdog fails a round that some rank never joins, at its deadline.
+// last rank to arrive runs the data movement (split over pool threads, one part per
+// core, when large) and the futures are completed on pool threads (core/completion_pool.h
+// says why). A watchdog fails a round that some rank never joins, at its deadline.
 #pragma once
 
 #include <array>
@@ -43,8 +43,8 @@ struct Peer {
 };
 
 // The data movement of one op, given every rank's buffers. The work is cut into
-// `num_parts` disjoint parts that may run concurrently, part p on rank p's thread;
-// returns "" or an error message.
+// `num_parts` disjoint parts that may run concurrently on different threads; returns ""
+// or an error message.
 using WorkFn = std::function<std::string(const std::vector<Peer>& peers, int part, int num_parts)>;
 
 struct CollectiveCall {
