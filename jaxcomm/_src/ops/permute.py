@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax._src.interpreters import ad
@@ -24,7 +26,7 @@ ppermute_p = primitive.define(primitive.CollectiveSpec(
     out_shape=lambda shape, size, **_: shape,
     invariant_result=False,
     ffi_attrs=lambda perm, group_size, **_: {
-        "sources": __import__("numpy").asarray(_sources(perm, group_size), dtype="int64")},
+        "sources": np.asarray(_sources(perm, group_size), dtype=np.int64)},
 ))
 
 
