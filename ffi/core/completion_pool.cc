@@ -44,7 +44,9 @@ void CompletionPool::Worker() {
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return !queue_.empty(); });
+      // Idle until work comes; the bounded wait only re-checks (no collective waits here).
+      while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return !queue_.empty(); })) {
+      }
       task = std::move(queue_.front());
       queue_.pop_front();
       queued_.fetch_sub(1, std::memory_order_relaxed);

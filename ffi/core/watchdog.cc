@@ -43,7 +43,7 @@ void Watchdog::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     if (by_deadline_.empty()) {
-      cv_.wait(lock);
+      cv_.wait_for(lock, std::chrono::seconds(1));  // idle: nothing is due
       continue;
     }
     auto [deadline, id] = *by_deadline_.begin();
