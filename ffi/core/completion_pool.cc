@@ -7,25 +7,29 @@
 namespace jaxcomm {
 
 void CompletionPool::Post(std::function<void()> task) {
-  bool spawn = false;
+  std::vector<std::function<void()>> tasks;
+  tasks.push_back(std::move(task));
+  PostAll(std::move(tasks));
+}
+
+void CompletionPool::PostAll(std::vector<std::function<void()>> tasks) {
+  if (tasks.empty()) return;
+  int spawn = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(task));
-    queued_.fetch_add(1, std::memory_order_release);
+    for (auto& task : tasks) queue_.push_back(std::move(task));
     // One idle thread per queued task: a task must never wait behind another that
     // blocks (a continuation stuck in an XLA collective until its peers arrive).
-    if (static_cast<int>(queue_.size()) > idle_ && threads_.load() < kMaxThreads) {
-      spawn = true;
+    while (static_cast<int>(queue_.size()) > idle_ && threads_.load() < kMaxThreads) {
+      ++spawn;
       threads_.fetch_add(1);
       ++idle_;  // the new thread counts as idle until it takes a task
     }
+    queued_.fetch_add(static_cast<int>(tasks.size()), std::memory_order_release);
   }
-  if (spawn) {
-    // Detached: the pool lives in the process-wide registry, which is never destroyed.
-    std::thread([this] { Worker(); }).detach();
-  } else {
-    cv_.notify_one();
-  }
+  // Detached: the pool lives in the process-wide registry, which is never destroyed.
+  for (int i = 0; i < spawn; ++i) std::thread([this] { Worker(); }).detach();
+  cv_.notify_all();
 }
 
 void CompletionPool::Worker() {

@@ -76,13 +76,15 @@ void CompleteAll(Round& round, int inline_rank, ffi::ErrorCode code) {
   }
   auto& registry = Registry::Get();
   (error.empty() ? registry.rounds_completed : registry.rounds_failed).fetch_add(1, std::memory_order_relaxed);
+  std::vector<std::function<void()>> completions;
   for (size_t r = 0; r < round.promises.size(); ++r) {
     if (!round.promises[r] || static_cast<int>(r) == inline_rank) continue;
     std::string prefix = error.empty() ? std::string() : Prefix(round, static_cast<int>(r));
-    registry.pool().Post([promise = *round.promises[r], prefix, error, code]() mutable {
+    completions.push_back([promise = *round.promises[r], prefix, error, code]() mutable {
       Settle(promise, prefix, error, code);
     });
   }
+  registry.pool().PostAll(std::move(completions));
   if (inline_rank >= 0 && round.promises[inline_rank]) {
     Settle(*round.promises[inline_rank], error.empty() ? std::string() : Prefix(round, inline_rank),
            error, code);
