@@ -17,6 +17,7 @@ from jax import test_util as jtu  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxcomm  # noqa: E402
+from conftest import per_device  # noqa: E402
 
 R = 8
 
@@ -27,15 +28,7 @@ def _mesh(r=R):
 
 def per_rank(f, *args, r=R):
     """Rank k gets args[i][k]; returns f's outputs stacked over ranks (pytree)."""
-    mesh = _mesh(r)
-
-    def body(*xs):
-        out = f(*(x[0] for x in xs))
-        return jax.tree.map(lambda y: y[None], out)
-
-    g = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * len(args), out_specs=P("ep")))
-    placed = [jax.device_put(np.asarray(a), NamedSharding(mesh, P("ep"))) for a in args]
-    return jax.tree.map(np.asarray, g(*placed))
+    return per_device(f, _mesh(r), *args)
 
 
 # ------------------------------------------------------------------------ NumPy reference

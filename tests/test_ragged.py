@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from jax import test_util as jtu  # noqa: E402
 
 import jaxcomm  # noqa: E402
+from conftest import per_device  # noqa: E402
 
 
 def _mesh(r: int):
@@ -29,15 +30,7 @@ def _mesh(r: int):
 
 def per_rank(f, r, *args):
     """Rank k of a 1-D mesh of r devices gets args[i][k]; returns f's outputs stacked."""
-    mesh = _mesh(r)
-
-    def body(*xs):
-        out = f(*(x[0] for x in xs))
-        return jax.tree.map(lambda y: y[None], out)
-
-    g = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * len(args), out_specs=P("x")))
-    placed = [jax.device_put(np.asarray(a), NamedSharding(mesh, P("x"))) for a in args]
-    return jax.tree.map(np.asarray, g(*placed))
+    return per_device(f, _mesh(r), *args)
 
 
 def rat(operand, output, io, ss, oo, rs):

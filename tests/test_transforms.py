@@ -528,20 +528,22 @@ ALL_OPS = [
 ]
 
 
+def _vma_recorder(seen, key, op):
+    """Wraps ``op`` so that it records its result's varying axes in ``seen[key]``."""
+    def f(v):
+        y = op(v)
+        seen[key] = compat.vma(jax.typeof(y))
+        return y
+    return f
+
+
 @pytest.mark.parametrize("in_spec", [P("x"), P()], ids=["varying_in", "invariant_in"])
 @pytest.mark.parametrize("case", ALL_OPS, ids=[c[0] for c in ALL_OPS])
 def test_result_vma_type_matches_lax(case, in_spec):
     _, jc, ref = case
     x = data((R, 8, 2), seed=23)
     seen = {}
-
-    def record(key, op):
-        def f(v):
-            y = op(v)
-            seen[key] = compat.vma(jax.typeof(y))
-            return y
-        return f
-
+    record = functools.partial(_vma_recorder, seen)
     smap(record("jc", jc), in_specs=in_spec, out_specs=P("x"))(x)
     smap(record("lax", ref), in_specs=in_spec, out_specs=P("x"))(x)
     assert seen["jc"] == seen["lax"], seen
@@ -586,13 +588,7 @@ def test_two_axis_mesh_types_and_grads():
     ]
     for jc, ref, out_spec in cases:
         seen = {}
-
-        def rec(key, op):
-            def f(v):
-                y = op(v)
-                seen[key] = compat.vma(jax.typeof(y))
-                return y
-            return f
+        rec = functools.partial(_vma_recorder, seen)
 
         mk = functools.partial(smap, in_specs=P("dp", "ep"), out_specs=out_spec, mesh=MESH2)
         f_jc, f_ref = mk(rec("jc", jc)), mk(rec("lax", ref))
