@@ -5,7 +5,6 @@ the pure-JAX fallback (JAXCOMM_BACKEND=xla)."""
 from __future__ import annotations
 
 import os
-import re
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

@@ -33,8 +33,7 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
   if (!ReduceSupported(dtype, op)) {
-    return Failed(ffi::Error::InvalidArgument(
-        std::string("jaxcomm.all_reduce: op '") + ReduceOpName(op) + "' does not support this dtype"));
+    return Reject(c, std::string("op '") + ReduceOpName(op) + "' does not support this dtype");
   }
   const WorkFn work =
       [dtype, op, n](const std::vector<Peer>& peers, int part, int parts) -> std::string {
@@ -93,8 +92,7 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
   if (!ReduceSupported(dtype, op)) {
-    return Failed(ffi::Error::InvalidArgument(
-        std::string("jaxcomm.reduce_scatter: op '") + ReduceOpName(op) + "' does not support this dtype"));
+    return Reject(c, std::string("op '") + ReduceOpName(op) + "' does not support this dtype");
   }
   const auto dims = Dims(x);
   const int64_t item = x.size_bytes() / x.element_count();
@@ -166,7 +164,7 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
   const Peer mine{x.untyped_data(), y->untyped_data()};
   if (x.element_count() == 0) return Done();
   if (static_cast<int64_t>(sources.size()) != group_size) {
-    return Failed(ffi::Error::InvalidArgument("jaxcomm.ppermute: sources has the wrong length"));
+    return Reject(c, "sources has the wrong length");
   }
   std::vector<int64_t> src(sources.begin(), sources.end());
   const size_t bytes = x.size_bytes();

@@ -31,22 +31,32 @@ ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
+CallContext Describe(const Common& c) {
+  CallContext ctx;
+  ctx.op = c.op;
+  ctx.call_site = c.call_site;
+  ctx.axis = c.axis;
+  ctx.partition = c.state->table->PartitionOfOrdinal(c.ordinal);
+  if (auto where = c.state->table->Locate(ctx.partition)) {
+    ctx.group_index = where->first;
+    ctx.rank = where->second;
+    ctx.group = &c.state->table->group(where->first);
+  }
+  return ctx;
+}
+
+ffi::Future Reject(const Common& c, const std::string& why) {
+  return Failed(ffi::Error::InvalidArgument(Describe(c).Describe() + ": " + why));
+}
+
 ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work) {
   CollectiveCall call;
-  call.ctx.op = c.op;
-  call.ctx.call_site = c.call_site;
-  call.ctx.axis = c.axis;
-  const int64_t partition = c.state->table->PartitionOfOrdinal(c.ordinal);
-  call.ctx.partition = partition;
-  auto where = c.state->table->Locate(partition);
-  if (!where) {
+  call.ctx = Describe(c);
+  if (call.ctx.rank < 0) {
     return Failed(ffi::Error::Internal(call.ctx.Describe() + ": this device (ordinal " +
                                        std::to_string(c.ordinal) +
                                        ") is in none of the instruction's replica groups"));
   }
-  call.ctx.group_index = where->first;
-  call.ctx.rank = where->second;
-  call.ctx.group = &c.state->table->group(where->first);
   call.run_id = c.run.run_id;
   call.mine = mine;
   call.timeout = std::chrono::milliseconds(std::max<int64_t>(c.timeout_ms, 1));

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -72,6 +73,11 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work);
 // Futures for handlers that finish (or fail validation) without meeting their peers.
 ffi::Future Done();
 ffi::Future Failed(ffi::Error error);
+
+// This rank's call described for messages: op, axis, group, rank, call site.
+CallContext Describe(const Common& c);
+// Fails this rank's call at validation, `why` prefixed with Describe(c).
+ffi::Future Reject(const Common& c, const std::string& why);
 
 // Ranks of a group of `size` handled by `part` when work is split by destination rank.
 template <typename F>

@@ -147,7 +147,7 @@ ffi::Future MoeTransport(InstructionState* st, ffi::RunId run, int32_t ordinal,
       dest.element_type() != ffi::DataType::S32 || pos.element_type() != ffi::DataType::S32 ||
       w.element_type() != ffi::DataType::F32 || w.element_count() != dest.element_count() ||
       pos.element_count() != dest.element_count()) {
-    return Failed(ffi::Error::InvalidArgument("jaxcomm.moe transport: bad operand shapes or dtypes"));
+    return Reject(c, "bad operand shapes or dtypes");
   }
   p.T = td[0];
   p.K = td[1];
@@ -177,7 +177,7 @@ ffi::Future MoeTransport(InstructionState* st, ffi::RunId run, int32_t ordinal,
       ok = false;
   }
   if (!ok) {
-    return Failed(ffi::Error::InvalidArgument("jaxcomm.moe transport: operands disagree with the mode"));
+    return Reject(c, "operands disagree with the mode");
   }
   Peer mine{src.untyped_data(), result->untyped_data()};
   mine.aux = {dest.untyped_data(), pos.untyped_data(), w.untyped_data(), g.untyped_data()};

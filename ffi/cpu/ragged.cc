@@ -189,17 +189,15 @@ ffi::Future RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal
   const ffi::AnyBuffer* idx[4] = {&input_offsets, &send_sizes, &output_offsets, &recv_sizes};
   const auto idx_type = input_offsets.element_type();
   if (idx_type != ffi::DataType::S32 && idx_type != ffi::DataType::S64) {
-    return Failed(ffi::Error::InvalidArgument("jaxcomm.ragged_all_to_all: offsets and sizes must be int32 or int64"));
+    return Reject(c, "offsets and sizes must be int32 or int64");
   }
   for (const ffi::AnyBuffer* b : idx) {
     if (b->element_type() != idx_type || static_cast<int64_t>(b->element_count()) != p.N) {
-      return Failed(ffi::Error::InvalidArgument(
-          "jaxcomm.ragged_all_to_all: offsets and sizes must share one dtype and length"));
+      return Reject(c, "offsets and sizes must share one dtype and length");
     }
   }
   if (p.N == 0 || p.N % p.R != 0) {
-    return Failed(ffi::Error::InvalidArgument(
-        "jaxcomm.ragged_all_to_all: the number of slices must be a positive multiple of the group size"));
+    return Reject(c, "the number of slices must be a positive multiple of the group size");
   }
   p.m = p.N / p.R;
   p.idx_item = idx_type == ffi::DataType::S64 ? 8 : 4;
@@ -214,11 +212,10 @@ ffi::Future RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal
   const int64_t expect_out = mode == kTransposeOperand ? src_rows : dst_rows;
   if ((mode != kZeroReceived && Rows(operand) != expect_in) || Rows(*result) != expect_out ||
       Rows(output) != expect_out) {
-    return Failed(ffi::Error::InvalidArgument("jaxcomm.ragged_all_to_all: buffer shapes disagree with the call"));
+    return Reject(c, "buffer shapes disagree with the call");
   }
   if (mode == kTransposeOperand && !ReduceSupported(p.dtype, ReduceOp::kSum)) {
-    return Failed(ffi::Error::InvalidArgument(
-        "jaxcomm.ragged_all_to_all: the transpose needs a dtype that supports addition"));
+    return Reject(c, "the transpose needs a dtype that supports addition");
   }
   // Aliasing normally makes result == output; if XLA gave a fresh buffer, start from output.
   if (result->untyped_data() != output.untyped_data() && result->size_bytes() > 0) {
