@@ -5,12 +5,16 @@
 #include <nanobind/stl/string.h>
 
 #include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <string>
 
 #include "core/registry.h"
 #include "core/rendezvous.h"
 #include "cpu/handlers.h"
 #include "cpu/moe_kernels.h"
 #include "cpu/ragged.h"
+#include "cpu/world.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -20,6 +24,17 @@ namespace {
 template <typename T>
 nb::capsule Capsule(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+// The host transports, installed in the registry when the module loads.
+jaxcomm::cpu::World& World() {
+  auto* world = static_cast<jaxcomm::cpu::World*>(jaxcomm::Registry::Get().cross_process());
+  if (world == nullptr) {
+    auto owned = std::make_unique<jaxcomm::cpu::World>();
+    world = owned.get();
+    jaxcomm::Registry::Get().set_cross_process(std::move(owned));
+  }
+  return *world;
 }
 
 const XLA_FFI_TypeInfo kInstructionStateInfo =
@@ -59,6 +74,40 @@ NB_MODULE(_jaxcomm, m) {
 
   m.def("set_process_index", [](int64_t i) { jaxcomm::Registry::Get().set_process_index(i); },
         "Tells the runtime which process of the job this is (jax.process_index()).");
+
+  m.def("transport_open", [](int64_t process, bool shared_memory) {
+    std::string error;
+    jaxcomm::cpu::Endpoint e;
+    {
+      nb::gil_scoped_release release;
+      e = World().Open(process, shared_memory, &error);
+    }
+    if (!error.empty()) throw std::runtime_error("jaxcomm: opening this process's endpoint: " + error);
+    nb::dict d;
+    d["pid"] = e.pid;
+    d["control_fd"] = e.control_fd;
+    d["control_bytes"] = e.control_bytes;
+    d["port"] = e.port;
+    return d;
+  }, nb::arg("process"), nb::arg("shared_memory"),
+     "Creates this process's endpoint (shared memory control block, TCP listener); returns "
+     "what peers need to link to it: {pid, control_fd, control_bytes, port}.");
+
+  m.def("transport_link", [](int64_t process, const std::string& host, int pid, int control_fd,
+                             size_t control_bytes, int port, bool shared_memory, int64_t timeout_ms) {
+    jaxcomm::cpu::Endpoint e{pid, control_fd, control_bytes, port};
+    std::string error;
+    {
+      nb::gil_scoped_release release;
+      error = World().Link(process, host, e, shared_memory, std::chrono::milliseconds(timeout_ms));
+    }
+    if (!error.empty()) throw std::runtime_error("jaxcomm: linking process " + std::to_string(process) + ": " + error);
+  }, nb::arg("process"), nb::arg("host"), nb::arg("pid"), nb::arg("control_fd"),
+     nb::arg("control_bytes"), nb::arg("port"), nb::arg("shared_memory"), nb::arg("timeout_ms"),
+     "Links peer `process` through shared memory or TCP (idempotent).");
+
+  m.def("transport_linked", [](int64_t process) { return World().Linked(process); },
+        "Whether peer `process` is linked.");
 
   m.def("set_spin_us", [](int64_t us) {
     jaxcomm::Registry::Get().set_spin(std::chrono::microseconds(us < 0 ? 0 : us));

@@ -35,6 +35,11 @@ Registry& Registry::Get() {
   return *registry;
 }
 
+uint64_t Registry::NextOccurrence(uint64_t attribute_hash) {
+  std::lock_guard<std::mutex> lock(occurrences_mu_);
+  return occurrences_[attribute_hash]++;
+}
+
 Watchdog& Registry::watchdog() {
   std::call_once(watchdog_once_, [this] { watchdog_ = std::make_unique<Watchdog>(); });
   return *watchdog_;

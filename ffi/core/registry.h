@@ -5,10 +5,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 
 #include "core/completion_pool.h"
+#include "core/cross_process.h"
 #include "core/watchdog.h"
 
 namespace jaxcomm {
@@ -30,6 +32,16 @@ class Registry {
   int64_t process_index() const { return process_index_.load(std::memory_order_relaxed); }
   void set_process_index(int64_t i) { process_index_.store(i, std::memory_order_relaxed); }
 
+  // Moves inputs between processes for groups that span several (null until the
+  // extension installs its host transports).
+  CrossProcess* cross_process() const { return cross_process_.get(); }
+  void set_cross_process(std::unique_ptr<CrossProcess> c) { cross_process_ = std::move(c); }
+
+  // Distinguishes instructions with identical attributes (a nested jit inlined twice):
+  // how many instructions with this attribute hash were instantiated before. Every
+  // process instantiates the programs it shares with others in the same order.
+  uint64_t NextOccurrence(uint64_t attribute_hash);
+
   // Rounds completed and failed since start (tests, stats).
   std::atomic<int64_t> rounds_completed{0};
   std::atomic<int64_t> rounds_failed{0};
@@ -41,6 +53,9 @@ class Registry {
   CompletionPool pool_;
   std::once_flag watchdog_once_;
   std::unique_ptr<Watchdog> watchdog_;
+  std::unique_ptr<CrossProcess> cross_process_;
+  std::mutex occurrences_mu_;
+  std::map<uint64_t, uint64_t> occurrences_;
 };
 
 }  // namespace jaxcomm

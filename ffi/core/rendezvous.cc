@@ -4,6 +4,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/cross_process.h"
 #include "core/registry.h"
 
 namespace jaxcomm {
@@ -27,6 +28,10 @@ struct Round {
   std::chrono::milliseconds timeout{0};
   // Copied from the first arrival: attribute storage is not ours to keep.
   std::string op, axis, call_site;
+
+  // Runs once the work is done, before the futures complete (cross-process rounds:
+  // tells the peers their inputs were read).
+  std::function<void()> after_work;
 
   std::atomic<int> parts_left{0};
   std::mutex error_mu;
@@ -74,6 +79,7 @@ void CompleteAll(Round& round, int inline_rank, ffi::ErrorCode code) {
     std::lock_guard<std::mutex> lock(round.error_mu);
     error = round.error;
   }
+  if (round.after_work) round.after_work();
   auto& registry = Registry::Get();
   (error.empty() ? registry.rounds_completed : registry.rounds_failed).fetch_add(1, std::memory_order_relaxed);
   std::vector<std::function<void()>> completions;
@@ -128,22 +134,36 @@ void Execute(const std::shared_ptr<Round>& round, const std::shared_ptr<const Wo
 
 RoundTable::RoundTable(std::vector<std::vector<int64_t>> groups,
                        const std::vector<std::pair<int64_t, int64_t>>& partition_devices,
-                       int64_t process_index)
-    : where_(partition_devices.size(), {-1, -1}), executions_(groups.size(), 0) {
+                       int64_t process_index, uint64_t instruction_key)
+    : instruction_key_(instruction_key), where_(partition_devices.size(), {-1, -1}),
+      executions_(groups.size(), 0) {
   const int64_t num_partitions = static_cast<int64_t>(partition_devices.size());
   for (int64_t p = 0; p < num_partitions; ++p) {
     auto [process, ordinal] = partition_devices[p];
     if (process != process_index || ordinal < 0) continue;
-    if (ordinal >= static_cast<int64_t>(ordinal_to_partition_.size())) {
-      ordinal_to_partition_.resize(ordinal + 1, -1);
-    }
-    ordinal_to_partition_[ordinal] = p;
+    ordinal_to_partition_.emplace_back(ordinal, p);
   }
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t r = 0; r < groups[g].size(); ++r) {
       int64_t p = groups[g][r];
       if (p >= 0 && p < num_partitions) where_[p] = {static_cast<int>(g), static_cast<int>(r)};
     }
+    Layout layout;
+    std::map<int64_t, std::vector<int>> by_process;
+    for (size_t r = 0; r < groups[g].size(); ++r) {
+      const int64_t p = groups[g][r];
+      const int64_t process = p >= 0 && p < num_partitions ? partition_devices[p].first : process_index;
+      if (process == process_index) {
+        layout.local.push_back(static_cast<int>(r));
+      } else {
+        by_process[process].push_back(static_cast<int>(r));
+      }
+    }
+    for (auto& [process, ranks] : by_process) {
+      layout.processes.push_back(process);
+      layout.remote.push_back(std::move(ranks));
+    }
+    layouts_.push_back(std::move(layout));
     groups_.push_back(std::make_shared<const std::vector<int64_t>>(std::move(groups[g])));
   }
 }
@@ -167,6 +187,8 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
   const int64_t g = call.ctx.group_index;
   const int rank = call.ctx.rank;
   const int size = static_cast<int>(groups_[g]->size());
+  // Ranks of other processes never arrive here; they meet this process in the exchange.
+  const int local = static_cast<int>(layouts_[g].local.size());
   const Key key{call.run_id, g};
 
   ffi::Promise promise;
@@ -205,7 +227,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->peers[rank] = call.mine;
         round->promises[rank].emplace(promise);
         round->partitions[rank] = call.ctx.partition;
-        if (++round->arrived == size) {
+        if (++round->arrived == local) {
           ready = round;
           rounds_.erase(key);
         }
@@ -220,9 +242,104 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
     // A false return means the watchdog is firing right now; Expire then finds the round
     // gone from the table and does nothing.
     Registry::Get().watchdog().Cancel(ready->watchdog_id);
-    Execute(ready, work, rank);
+    if (layouts_[g].cross_process()) {
+      StartCrossProcess(ready, std::move(work), rank);
+    } else {
+      Execute(ready, work, rank);
+    }
   }
   return future;
+}
+
+namespace {
+
+uint64_t Mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  return h;
+}
+
+std::string RankList(const std::vector<int>& ranks, const std::vector<int64_t>& group) {
+  std::ostringstream s;
+  s << "ranks [";
+  for (size_t i = 0; i < ranks.size(); ++i) s << (i ? " " : "") << ranks[i];
+  s << "] (partitions [";
+  for (size_t i = 0; i < ranks.size(); ++i) s << (i ? " " : "") << group[ranks[i]];
+  s << "])";
+  return s.str();
+}
+
+}  // namespace
+
+void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work,
+                                   int me) {
+  CrossProcess* world = Registry::Get().cross_process();
+  const Layout& layout = layouts_[round->group_index];
+  // Every rank's operands have one layout (SPMD); this process's first rank shows it.
+  const Peer& shape = round->peers[layout.local.front()];
+  size_t per_rank = shape.in_bytes;
+  uint64_t fingerprint = Mix(std::hash<std::string>()(round->op), shape.in_bytes);
+  for (size_t b : shape.aux_bytes) {
+    per_rank += b;
+    fingerprint = Mix(fingerprint, b);
+  }
+  ExchangeSpec spec;
+  spec.key = Mix(instruction_key_, static_cast<uint64_t>(round->group_index)) | 1;
+  spec.seq = round->execution;
+  spec.fingerprint = fingerprint;
+  for (int r : layout.local) {
+    const Peer& p = round->peers[r];
+    spec.mine.emplace_back(p.in, p.in_bytes);
+    for (int k = 0; k < 4; ++k) spec.mine.emplace_back(p.aux[k], p.aux_bytes[k]);
+  }
+  spec.peers = layout.processes;
+  for (const auto& ranks : layout.remote) {
+    spec.peer_bytes.push_back(per_rank * ranks.size());
+    spec.peer_desc.push_back(RankList(ranks, *round->group));
+  }
+  spec.deadline = Clock::now() + round->timeout;  // the local ranks' wait is already over
+  if (world == nullptr) {
+    RecordError(*round, "this group spans processes, and jaxcomm's cross-process transport is not "
+                        "available in this build");
+    CompleteAll(*round, me, ffi::ErrorCode::kUnimplemented);
+    return;
+  }
+  const auto caller = std::this_thread::get_id();
+  const uint64_t key = spec.key;
+  const int64_t seq = spec.seq;
+  world->Exchange(std::move(spec), [round, work, me, caller, key, seq, world,
+                                   remote = layout.remote, processes = layout.processes, shape](
+                                      const std::string& error, bool timed_out,
+                                      const std::vector<const char*>& blobs) {
+    const bool inline_here = std::this_thread::get_id() == caller;
+    if (!error.empty()) {
+      RecordError(*round, error);
+      // Never continue a rank's program on the transport's progress thread.
+      CompleteAll(*round, inline_here ? me : -1,
+                  timed_out ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kUnavailable);
+      return;
+    }
+    for (size_t i = 0; i < remote.size(); ++i) {
+      const char* at = blobs[i];
+      for (int r : remote[i]) {
+        Peer& p = round->peers[r];
+        p = Peer{};
+        p.in = at;
+        p.in_bytes = shape.in_bytes;
+        at += shape.in_bytes;
+        for (int k = 0; k < 4; ++k) {
+          p.aux[k] = shape.aux_bytes[k] ? at : nullptr;
+          p.aux_bytes[k] = shape.aux_bytes[k];
+          at += shape.aux_bytes[k];
+        }
+      }
+    }
+    round->after_work = [world, key, seq, processes] { world->Release(key, seq, processes); };
+    if (inline_here) {
+      Execute(round, work, me);
+    } else {
+      Registry::Get().pool().Post([round, work, me] { Execute(round, work, me); });
+    }
+  });
 }
 
 void RoundTable::Expire(const Key& key, const std::weak_ptr<Round>& expected) {

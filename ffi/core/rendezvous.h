@@ -35,11 +35,16 @@ namespace ffi = xla::ffi;
 using Clock = std::chrono::steady_clock;
 
 // One rank's buffers for one call. The peers' buffers are read and written in place.
+// A rank of another process has `out == nullptr`: its inputs are a copy (shared memory
+// or received), and its results are that process's to write.
 struct Peer {
   const void* in = nullptr;
   void* out = nullptr;
   // Further per-rank operands of ops that take several (e.g. offsets and sizes).
   std::array<const void*, 4> aux{};
+  // Sizes of `in` and `aux`: what crosses to other processes. The same on every rank.
+  size_t in_bytes = 0;
+  std::array<size_t, 4> aux_bytes{};
 };
 
 // The data movement of one op, given every rank's buffers. The work is cut into
@@ -60,9 +65,12 @@ struct Round;
 // The state of one custom-call instruction: its groups and its rounds in flight.
 class RoundTable : public std::enable_shared_from_this<RoundTable> {
  public:
-  // `partition_devices` holds (process index, local device ordinal) per partition.
+  // `partition_devices` holds (process index, device id) per partition (XLA's device
+  // ordinal of a CPU device is its id, e.g. 2048 for process 1's first device);
+  // `instruction_key` identifies this instruction identically in every process.
   RoundTable(std::vector<std::vector<int64_t>> groups,
-             const std::vector<std::pair<int64_t, int64_t>>& partition_devices, int64_t process_index);
+             const std::vector<std::pair<int64_t, int64_t>>& partition_devices, int64_t process_index,
+             uint64_t instruction_key);
   RoundTable(const RoundTable&) = delete;
   RoundTable& operator=(const RoundTable&) = delete;
 
@@ -70,8 +78,10 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   std::optional<std::pair<int, int>> Locate(int64_t partition) const;
   // The partition this process's device `ordinal` runs, or -1.
   int64_t PartitionOfOrdinal(int64_t ordinal) const {
-    return ordinal >= 0 && ordinal < static_cast<int64_t>(ordinal_to_partition_.size())
-               ? ordinal_to_partition_[ordinal] : -1;
+    for (const auto& [o, p] : ordinal_to_partition_) {
+      if (o == ordinal) return p;
+    }
+    return -1;
   }
   const std::vector<int64_t>& group(int index) const { return *groups_[index]; }
 
@@ -83,10 +93,23 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   using Key = std::pair<int64_t, int64_t>;  // (run id, group index)
   void Tombstone(const Key& key, int64_t execution);
   void Expire(const Key& key, const std::weak_ptr<Round>& expected);
+  // Exchanges the inputs of a round whose local ranks all arrived with the group's other
+  // processes, then runs its work (core/cross_process.h).
+  void StartCrossProcess(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work, int me);
 
+  // Where a group's ranks live: this process's ranks, and each other process's.
+  struct Layout {
+    std::vector<int> local;                        // ranks in this process, ascending
+    std::vector<int64_t> processes;                // the other processes, ascending
+    std::vector<std::vector<int>> remote;          // their ranks, ascending
+    bool cross_process() const { return !processes.empty(); }
+  };
+
+  uint64_t instruction_key_;
+  std::vector<Layout> layouts_;  // per group
   std::vector<std::shared_ptr<const std::vector<int64_t>>> groups_;
   std::vector<std::pair<int, int>> where_;  // by partition: (group, rank), (-1,-1) if none
-  std::vector<int64_t> ordinal_to_partition_;
+  std::vector<std::pair<int64_t, int64_t>> ordinal_to_partition_;  // this process's devices
 
   std::mutex mu_;
   std::map<Key, std::shared_ptr<Round>> rounds_;

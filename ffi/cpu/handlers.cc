@@ -27,7 +27,7 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
                       ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, int64_t reduce_op) {
   Common c{st, run, ordinal, "all_reduce", call_site, axis, timeout_ms};
-  const Peer mine{x.untyped_data(), y->untyped_data()};
+  const Peer mine = Buffers(x, y->untyped_data());
   const size_t n = x.element_count();
   if (n == 0) return Done();
   const auto dtype = x.element_type();
@@ -41,7 +41,7 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
         std::vector<void*> out;
         for (const Peer& p : peers) {
           in.push_back(p.in);
-          out.push_back(p.out);
+          if (p.out != nullptr) out.push_back(p.out);  // other processes write their own
         }
         constexpr size_t kAlign = 64;  // elements: keeps parts off each other's cache lines
         size_t chunk = ((n + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
@@ -59,7 +59,7 @@ ffi::Future AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
                       ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, int64_t gather_axis) {
   Common c{st, run, ordinal, "all_gather", call_site, axis, timeout_ms};
-  const Peer mine{x.untyped_data(), y->untyped_data()};
+  const Peer mine = Buffers(x, y->untyped_data());
   if (x.element_count() == 0) return Done();
   const auto dims = Dims(x);
   const int64_t item = x.size_bytes() / x.element_count();
@@ -68,7 +68,7 @@ ffi::Future AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   const int64_t R = group_size;
   const WorkFn work =
       [outer, inner, R](const std::vector<Peer>& peers, int part, int parts) -> std::string {
-        ForEachOwnedRank(static_cast<int>(peers.size()), part, parts, [&](int d) {
+        ForEachOwnedRank(peers, part, parts, [&](int d) {
           char* out = static_cast<char*>(peers[d].out);
           for (int64_t j = 0; j < R; ++j) {
             const char* in = static_cast<const char*>(peers[j].in);
@@ -87,7 +87,7 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
                           int64_t group_size, ffi::Span<const int64_t>, int64_t reduce_op,
                           int64_t scatter_dimension) {
   Common c{st, run, ordinal, "reduce_scatter", call_site, axis, timeout_ms};
-  const Peer mine{x.untyped_data(), y->untyped_data()};
+  const Peer mine = Buffers(x, y->untyped_data());
   if (x.element_count() == 0) return Done();
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
@@ -104,7 +104,7 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
         std::string err;
         std::vector<const void*> in(R);
         std::vector<void*> out(1);
-        ForEachOwnedRank(static_cast<int>(R), part, parts, [&](int d) {
+        ForEachOwnedRank(peers, part, parts, [&](int d) {
           for (int64_t o = 0; o < outer && err.empty(); ++o) {
             for (int64_t j = 0; j < R; ++j) {
               in[j] = static_cast<const char*>(peers[j].in) + ((o * R + d) * inner) * item;
@@ -126,7 +126,7 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
                       ffi::Span<const int64_t>, int64_t split_axis,
                      int64_t concat_axis) {
   Common c{st, run, ordinal, "all_to_all", call_site, axis, timeout_ms};
-  const Peer mine{x.untyped_data(), y->untyped_data()};
+  const Peer mine = Buffers(x, y->untyped_data());
   if (x.element_count() == 0) return Done();
   const int64_t R = group_size;
   const auto in_dims = Dims(x);
@@ -143,7 +143,7 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
   plan.Compile();
   const WorkFn work =
       [plan, src_piece, dst_piece, R](const std::vector<Peer>& peers, int part, int parts) -> std::string {
-        ForEachOwnedRank(static_cast<int>(R), part, parts, [&](int d) {
+        ForEachOwnedRank(peers, part, parts, [&](int d) {
           char* out = static_cast<char*>(peers[d].out);
           for (int64_t j = 0; j < R; ++j) {
             plan.Run(static_cast<const char*>(peers[j].in) + d * src_piece, out + j * dst_piece);
@@ -161,7 +161,7 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
                     ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, ffi::Span<const int64_t> sources) {
   Common c{st, run, ordinal, "ppermute", call_site, axis, timeout_ms};
-  const Peer mine{x.untyped_data(), y->untyped_data()};
+  const Peer mine = Buffers(x, y->untyped_data());
   if (x.element_count() == 0) return Done();
   if (static_cast<int64_t>(sources.size()) != group_size) {
     return Reject(c, "sources has the wrong length");
@@ -170,7 +170,7 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
   const size_t bytes = x.size_bytes();
   const WorkFn work =
       [src, bytes](const std::vector<Peer>& peers, int part, int parts) -> std::string {
-        ForEachOwnedRank(static_cast<int>(peers.size()), part, parts, [&](int d) {
+        ForEachOwnedRank(peers, part, parts, [&](int d) {
           if (src[d] < 0) {
             std::memset(peers[d].out, 0, bytes);
           } else {
@@ -190,13 +190,13 @@ ffi::Future Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
                       ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, int64_t root) {
   Common c{st, run, ordinal, "broadcast", call_site, axis, timeout_ms};
-  const Peer mine{x.untyped_data(), y->untyped_data()};
+  const Peer mine = Buffers(x, y->untyped_data());
   if (x.element_count() == 0) return Done();
   const size_t bytes = x.size_bytes();
   const WorkFn work =
       [root, bytes](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         const void* src = peers[root].in;
-        ForEachOwnedRank(static_cast<int>(peers.size()), part, parts, [&](int d) {
+        ForEachOwnedRank(peers, part, parts, [&](int d) {
           if (peers[d].out != src) std::memcpy(peers[d].out, src, bytes);  // root in place
         });
         return "";
@@ -205,6 +205,24 @@ ffi::Future Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
 }
 
 // --------------------------------------------------------------------------- instantiate
+
+// Identifies an instruction in every process of the job alike: its attributes that are
+// the same everywhere (not partition_devices, whose local ordinals differ by process),
+// and how many instructions with those attributes this process instantiated before.
+uint64_t InstructionKey(const ffi::Dictionary& attrs) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](std::string_view bytes) {
+    for (unsigned char ch : bytes) h = (h ^ ch) * 1099511628211ull;
+    h = (h ^ 0xff) * 1099511628211ull;
+  };
+  for (const char* name : {"call_site", "axis"}) {
+    if (auto v = attrs.get<std::string_view>(name); v.has_value()) mix(*v);
+  }
+  if (auto g = attrs.get<ffi::Span<const int64_t>>("groups"); g.has_value()) {
+    mix(std::string_view(reinterpret_cast<const char*>(g->begin()), g->size() * sizeof(int64_t)));
+  }
+  return h ^ (Registry::Get().NextOccurrence(h) * 0x9e3779b97f4a7c15ull);
+}
 
 ffi::ErrorOr<std::unique_ptr<InstructionState>> Instantiate(ffi::Dictionary attrs) {
   auto flat = attrs.get<ffi::Span<const int64_t>>("groups");
@@ -228,7 +246,7 @@ ffi::ErrorOr<std::unique_ptr<InstructionState>> Instantiate(ffi::Dictionary attr
     partition_devices.emplace_back((*devices)[i], (*devices)[i + 1]);
   }
   return std::make_unique<InstructionState>(std::make_shared<RoundTable>(
-      std::move(groups), partition_devices, Registry::Get().process_index()));
+      std::move(groups), partition_devices, Registry::Get().process_index(), InstructionKey(attrs)));
 }
 
 }  // namespace

@@ -17,6 +17,20 @@ int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to) {
   return p;
 }
 
+Peer Buffers(const ffi::AnyBuffer& in, void* out, std::initializer_list<const ffi::AnyBuffer*> aux) {
+  Peer p;
+  p.in = in.untyped_data();
+  p.in_bytes = in.size_bytes();
+  p.out = out;
+  int k = 0;
+  for (const ffi::AnyBuffer* a : aux) {
+    p.aux[k] = a->untyped_data();
+    p.aux_bytes[k] = a->size_bytes();
+    ++k;
+  }
+  return p;
+}
+
 ffi::Future Done() {
   ffi::Promise promise;
   ffi::Future future(promise);

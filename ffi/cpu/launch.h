@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -79,10 +80,18 @@ CallContext Describe(const Common& c);
 // Fails this rank's call at validation, `why` prefixed with Describe(c).
 ffi::Future Reject(const Common& c, const std::string& why);
 
-// Ranks of a group of `size` handled by `part` when work is split by destination rank.
+// This rank's buffers: operand `in`, result `out`, and up to four further operands.
+Peer Buffers(const ffi::AnyBuffer& in, void* out, std::initializer_list<const ffi::AnyBuffer*> aux = {});
+
+// The ranks whose results this process writes (those of other processes have no
+// `out`), dealt out to `num_parts` parts; calls f(rank) for part `part`'s share.
 template <typename F>
-void ForEachOwnedRank(int size, int part, int num_parts, F&& f) {
-  for (int r = part; r < size; r += num_parts) f(r);
+void ForEachOwnedRank(const std::vector<Peer>& peers, int part, int num_parts, F&& f) {
+  int index = 0;
+  for (int r = 0; r < static_cast<int>(peers.size()); ++r) {
+    if (peers[r].out == nullptr) continue;
+    if (index++ % num_parts == part) f(r);
+  }
 }
 
 }  // namespace jaxcomm::cpu

@@ -179,11 +179,10 @@ ffi::Future MoeTransport(InstructionState* st, ffi::RunId run, int32_t ordinal,
   if (!ok) {
     return Reject(c, "operands disagree with the mode");
   }
-  Peer mine{src.untyped_data(), result->untyped_data()};
-  mine.aux = {dest.untyped_data(), pos.untyped_data(), w.untyped_data(), g.untyped_data()};
+  const Peer mine = Buffers(src, result->untyped_data(), {&dest, &pos, &w, &g});
   const WorkFn work = [p](const std::vector<Peer>& peers, int part, int parts) -> std::string {
     std::string err;
-    ForEachOwnedRank(static_cast<int>(p.R), part, parts, [&](int r) {
+    ForEachOwnedRank(peers, part, parts, [&](int r) {
       if (err.empty()) err = RunMoe(p, peers, r);
     });
     return err;

@@ -221,14 +221,13 @@ ffi::Future RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal
   if (result->untyped_data() != output.untyped_data() && result->size_bytes() > 0) {
     std::memcpy(result->untyped_data(), output.untyped_data(), result->size_bytes());
   }
-  Peer mine{operand.untyped_data(), result->untyped_data()};
-  for (int k = 0; k < 4; ++k) mine.aux[k] = idx[k]->untyped_data();
+  const Peer mine = Buffers(operand, result->untyped_data(), {idx[0], idx[1], idx[2], idx[3]});
   const WorkFn work = [p](const std::vector<Peer>& peers, int part, int parts) -> std::string {
     // Every part checks everything first: all parts then agree, and nothing is written
     // unless the whole call is in bounds.
     std::string err = p.Validate(peers);
     if (!err.empty() || p.row_bytes == 0) return err;
-    ForEachOwnedRank(static_cast<int>(p.R), part, parts, [&](int r) {
+    ForEachOwnedRank(peers, part, parts, [&](int r) {
       if (!err.empty()) return;
       switch (p.mode) {
         case kForward: err = RunForward(p, peers, r); break;

@@ -8,7 +8,11 @@ JAXCOMM_BACKEND        auto       ``auto``: jaxcomm's handlers where the platfor
                                   else jax.lax; ``jaxcomm``: always (error where none);
                                   ``xla``: always lower to the jax.lax equivalent
 JAXCOMM_SPIN_US        200        how long an idle jaxcomm pool thread spins (yielding the
-                                  core) before it sleeps; read once at start (C++ runtime)
+                                  core) before it sleeps, and how long a cross-process call
+                                  spins for its peers before it hands the wait to the
+                                  progress thread; read once at start (C++ runtime)
+JAXCOMM_TRANSPORT      auto       between processes: ``auto``: shared memory on one host, TCP
+                                  across hosts; ``tcp``: TCP everywhere
 =====================  =========  ===========================================================
 
 Values are read when a program is traced, so they apply to programs traced afterwards.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import os
 
 _BACKENDS = ("auto", "jaxcomm", "xla")
+_TRANSPORTS = ("auto", "tcp")
 
 
 def timeout_ms(timeout_s: float | None = None) -> int:
@@ -39,4 +44,12 @@ def backend() -> str:
     value = os.environ.get("JAXCOMM_BACKEND", "auto").strip().lower() or "auto"
     if value not in _BACKENDS:
         raise ValueError(f"JAXCOMM_BACKEND must be one of {_BACKENDS}, got {value!r}")
+    return value
+
+
+def transport() -> str:
+    """JAXCOMM_TRANSPORT, validated."""
+    value = os.environ.get("JAXCOMM_TRANSPORT", "auto").strip().lower() or "auto"
+    if value not in _TRANSPORTS:
+        raise ValueError(f"JAXCOMM_TRANSPORT must be one of {_TRANSPORTS}, got {value!r}")
     return value

@@ -6,6 +6,8 @@ from typing import Any, Hashable
 
 import numpy as np
 
+import jax
+
 from jaxcomm._src import compat
 
 AxisName = Hashable | tuple[Hashable, ...]
@@ -52,14 +54,27 @@ def replica_groups(axis_context: Any, axes: tuple) -> tuple[tuple[int, ...], ...
 
 
 def partition_devices(axis_context: Any) -> np.ndarray:
-    """(process index, local device ordinal) of each partition, flattened, as int64.
+    """(process index, device id) of each partition, flattened, as int64.
 
-    Handlers find their rank from the device ordinal XLA gives them, since a
-    partition-id instruction is refused in partially manual shard_maps.
+    Handlers find their rank from the device ordinal XLA gives them (on CPU, the device
+    id: 2048 for process 1's first device), since a partition-id instruction is refused
+    in partially manual shard_maps.
     """
     devices = np.asarray(axis_context.mesh.devices).reshape(-1)
-    return np.asarray([(d.process_index, d.local_hardware_id) for d in devices],
-                      dtype=np.int64).reshape(-1)
+    return np.asarray([(d.process_index, d.id) for d in devices], dtype=np.int64).reshape(-1)
+
+
+def peer_processes(axis_context: Any, replica_groups: tuple[tuple[int, ...], ...]) -> set[int]:
+    """The processes that share a group with one of this process's partitions."""
+    devices = np.asarray(axis_context.mesh.devices).reshape(-1)
+    me = jax.process_index()
+    processes: set[int] = set()
+    for group in replica_groups:
+        owners = {devices[p].process_index for p in group}
+        if me in owners:
+            processes |= owners
+    processes.discard(me)
+    return processes
 
 
 def is_partially_manual(axis_context: Any) -> bool:

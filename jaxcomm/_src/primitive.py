@@ -19,7 +19,7 @@ import jax
 from jax._src import core
 from jax._src.interpreters import batching, mlir
 
-from jaxcomm._src import compat, groups, partitioning, runtime
+from jaxcomm._src import compat, groups, partitioning, runtime, transport
 
 # Params every collective primitive carries, besides the op's own.
 COMMON_PARAMS = ("axes", "call_site", "timeout_ms", "vma_checked")
@@ -99,6 +99,9 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
     axis_context = ctx.module_context.axis_context
     axes = params["axes"]
     replica_groups = groups.replica_groups(axis_context, axes)
+    peers = groups.peer_processes(axis_context, replica_groups)
+    if peers:
+        transport.ensure_linked(peers)
     extra = None
     if batch_dims is not None and groups.is_partially_manual(axis_context):
         extra = partitioning.batch_partitioning_attributes(ctx, batch_dims)

@@ -1,0 +1,56 @@
+// Moving a round's inputs between processes, for groups whose ranks live in several
+// processes of a job (jax.distributed).
+//
+// Within a process the ranks of a group meet in the rendezvous and read each other's
+// buffers in place (core/rendezvous.h). Across processes, the last local rank to arrive
+// hands this process's inputs (every local rank's operands, in rank order) to an
+// Exchange; once every other process's inputs are visible here (in shared memory, or
+// received over TCP), the same data movement runs with the remote ranks' inputs in place
+// of their buffers, and each process writes only its own ranks' results. Release then
+// tells the peers that this process has finished reading their inputs.
+//
+// Implemented by the host transports (cpu/world.h); the rendezvous only sees this
+// interface, so the core stays free of sockets and shared memory.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace jaxcomm {
+
+struct ExchangeSpec {
+  uint64_t key = 0;          // (instruction, group): the same in every process of the job
+  int64_t seq = 0;           // which execution of that instruction by that group (from 1)
+  uint64_t fingerprint = 0;  // op and per-rank operand layout: every process must agree
+  // This process's contribution, in order: what the peers read.
+  std::vector<std::pair<const void*, size_t>> mine;
+  std::vector<int64_t> peers;          // the other processes of the group
+  std::vector<size_t> peer_bytes;      // the size of each peer's contribution
+  std::vector<std::string> peer_desc;  // each peer's ranks, for messages ("ranks [1] ...")
+  std::string what;                    // the call, for messages (CallContext::Describe)
+  std::chrono::steady_clock::time_point deadline;
+};
+
+// Called once: with the peers' contributions (same order as spec.peers) or an error.
+// `timed_out` tells a deadline from a failure (dead peer, mismatch, transport error).
+using ExchangeDone =
+    std::function<void(const std::string& error, bool timed_out, const std::vector<const char*>& blobs)>;
+
+class CrossProcess {
+ public:
+  virtual ~CrossProcess() = default;
+  // Publishes spec.mine to the peers and gathers theirs. `done` may run on this thread
+  // (when the peers were already there) or later on another.
+  virtual void Exchange(ExchangeSpec spec, ExchangeDone done) = 0;
+  // This process no longer reads the peers' contributions to round (key, seq).
+  virtual void Release(uint64_t key, int64_t seq, const std::vector<int64_t>& peers) = 0;
+  // Whether process `p` is reachable (connected); false until the bootstrap linked it.
+  virtual bool Linked(int64_t p) const = 0;
+};
+
+}  // namespace jaxcomm

@@ -1,0 +1,182 @@
+#include "cpu/shm_link.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace jaxcomm::cpu {
+namespace {
+
+constexpr uint64_t kMagic = 0x6a6178636f6d6d31ull;  // "jaxcomm1"
+// Data segments grow by at least this much, so that a program of many small collectives
+// maps a handful of segments, not one per call.
+constexpr size_t kMinGeneration = size_t{64} << 20;
+constexpr size_t kAlign = 4096;
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+size_t Slot0(uint64_t key) { return static_cast<size_t>(key % kMaxSlots); }
+
+}  // namespace
+
+std::unique_ptr<Segment> Segment::Create(const std::string& name, size_t bytes, std::string* error) {
+  int fd = memfd_create(name.c_str(), MFD_CLOEXEC);
+  if (fd < 0) {
+    *error = Errno("memfd_create(" + name + ")");
+    return nullptr;
+  }
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    *error = Errno("ftruncate(" + name + ", " + std::to_string(bytes) + ")");
+    close(fd);
+    return nullptr;
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    *error = Errno("mmap(" + name + ")");
+    close(fd);
+    return nullptr;
+  }
+  return std::unique_ptr<Segment>(new Segment(fd, static_cast<char*>(p), bytes));
+}
+
+std::unique_ptr<Segment> Segment::Open(int pid, int fd, size_t bytes, std::string* error) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  int mine = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (mine < 0) {
+    *error = Errno("open(" + path + ")");
+    return nullptr;
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0);
+  if (p == MAP_FAILED) {
+    *error = Errno("mmap(" + path + ")");
+    close(mine);
+    return nullptr;
+  }
+  return std::unique_ptr<Segment>(new Segment(mine, static_cast<char*>(p), bytes));
+}
+
+Segment::~Segment() {
+  munmap(data_, size_);
+  close(fd_);
+}
+
+std::unique_ptr<ShmOwner> ShmOwner::Create(int64_t process, std::string* error) {
+  auto owner = std::unique_ptr<ShmOwner>(new ShmOwner());
+  owner->control_ = Segment::Create("jaxcomm-control", sizeof(ControlBlock), error);
+  if (!owner->control_) return nullptr;
+  ControlBlock& b = owner->block();
+  b.magic = kMagic;
+  b.pid = static_cast<int32_t>(getpid());
+  b.process = static_cast<int32_t>(process);
+  return owner;
+}
+
+SlotEntry* ShmOwner::Slot(uint64_t key, uint64_t fingerprint, size_t bytes, std::string* error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = slots_.find(key); it != slots_.end()) {
+    if (it->second->bytes != bytes || it->second->fingerprint != fingerprint) {
+      *error = "the call's operands changed size between executions (" +
+               std::to_string(it->second->bytes) + " then " + std::to_string(bytes) + " bytes)";
+      return nullptr;
+    }
+    return it->second;
+  }
+  ControlBlock& b = block();
+  size_t index = Slot0(key);
+  for (int probe = 0; probe < kMaxSlots; ++probe, index = (index + 1) % kMaxSlots) {
+    if (b.slots[index].key.load(std::memory_order_relaxed) == 0) break;
+    if (probe == kMaxSlots - 1) {
+      *error = "more than " + std::to_string(kMaxSlots) +
+               " distinct cross-process collective calls in this process";
+      return nullptr;
+    }
+  }
+  const size_t need = (std::max<size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
+  if (generations_.empty() || used_ + need > generations_.back()->size()) {
+    if (generations_.size() == kMaxGenerations) {
+      *error = "shared memory for cross-process collectives exhausted";
+      return nullptr;
+    }
+    auto seg = Segment::Create("jaxcomm-data", std::max(need, kMinGeneration), error);
+    if (!seg) return nullptr;
+    GenerationEntry& g = b.generations[generations_.size()];
+    g.bytes = seg->size();
+    g.fd_plus_one.store(seg->fd() + 1, std::memory_order_release);
+    generations_.push_back(std::move(seg));
+    used_ = 0;
+  }
+  SlotEntry& s = b.slots[index];
+  s.fingerprint = fingerprint;
+  s.offset = used_;
+  s.bytes = bytes;
+  s.generation = static_cast<uint32_t>(generations_.size() - 1);
+  s.published.store(0, std::memory_order_relaxed);
+  s.done.store(0, std::memory_order_relaxed);
+  s.key.store(key, std::memory_order_release);
+  used_ += need;
+  slots_.emplace(key, &s);
+  return &s;
+}
+
+SlotEntry* ShmOwner::Find(uint64_t key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = slots_.find(key);
+  return it == slots_.end() ? nullptr : it->second;
+}
+
+char* ShmOwner::Data(const SlotEntry& slot) const {
+  return generations_[slot.generation]->data() + slot.offset;
+}
+
+std::unique_ptr<ShmPeer> ShmPeer::Open(int pid, int fd, size_t bytes, std::string* error) {
+  auto peer = std::unique_ptr<ShmPeer>(new ShmPeer());
+  peer->pid_ = pid;
+  peer->control_ = Segment::Open(pid, fd, bytes, error);
+  if (!peer->control_) return nullptr;
+  if (peer->block().magic != kMagic || peer->block().pid != pid) {
+    *error = "the shared control block of process pid " + std::to_string(pid) + " is not jaxcomm's";
+    return nullptr;
+  }
+  return peer;
+}
+
+const SlotEntry* ShmPeer::Find(uint64_t key) {
+  if (auto it = found_.find(key); it != found_.end()) return it->second;
+  const ControlBlock& b = block();
+  size_t index = Slot0(key);
+  for (int probe = 0; probe < kMaxSlots; ++probe, index = (index + 1) % kMaxSlots) {
+    const uint64_t k = b.slots[index].key.load(std::memory_order_acquire);
+    if (k == 0) return nullptr;
+    if (k == key) {
+      found_.emplace(key, &b.slots[index]);
+      return &b.slots[index];
+    }
+  }
+  return nullptr;
+}
+
+const char* ShmPeer::Data(const SlotEntry& slot, std::string* error) {
+  const uint32_t g = slot.generation;
+  if (g >= kMaxGenerations) {
+    *error = "corrupt shared slot";
+    return nullptr;
+  }
+  if (g >= generations_.size()) generations_.resize(g + 1);
+  if (!generations_[g]) {
+    const GenerationEntry& e = block().generations[g];
+    const int fd = e.fd_plus_one.load(std::memory_order_acquire) - 1;
+    if (fd < 0) {
+      *error = "shared data segment not published";
+      return nullptr;
+    }
+    generations_[g] = Segment::Open(pid_, fd, e.bytes, error);
+    if (!generations_[g]) return nullptr;
+  }
+  return generations_[g]->data() + slot.offset;
+}
+
+}  // namespace jaxcomm::cpu

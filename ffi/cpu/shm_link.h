@@ -1,0 +1,117 @@
+// Shared memory between processes of one host.
+//
+// Each process owns anonymous segments (memfd): one control block and data segments that
+// grow by generations. Peers map them through /proc/<pid>/fd/<fd>, so no segment ever
+// has a name in /dev/shm and nothing outlives the processes, however they exit.
+//
+// The control block holds a table of slots, one per (instruction, group) the process
+// ran across processes. The owner copies its inputs for a round into the slot's data
+// and publishes the round's sequence number; readers find the slot by key, wait for the
+// number, read, and then publish in their own slot for that key that they are done, so
+// the owner may overwrite the data for the next round.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace jaxcomm::cpu {
+
+// An owned mapping of a memfd, this process's or a peer's.
+class Segment {
+ public:
+  // A new segment of `bytes` (zero-filled), or nullptr with `error` set.
+  static std::unique_ptr<Segment> Create(const std::string& name, size_t bytes, std::string* error);
+  // Maps a peer's segment, open as file descriptor `fd` in process `pid`.
+  static std::unique_ptr<Segment> Open(int pid, int fd, size_t bytes, std::string* error);
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+  int fd() const { return fd_; }
+
+ private:
+  Segment(int fd, char* data, size_t size) : fd_(fd), data_(data), size_(size) {}
+  int fd_;
+  char* data_;
+  size_t size_;
+};
+
+constexpr int kMaxSlots = 4096;
+constexpr int kMaxGenerations = 64;
+
+struct SlotEntry {
+  std::atomic<uint64_t> key;  // 0 while free; stored last, with release
+  uint64_t fingerprint;
+  uint64_t offset;
+  uint64_t bytes;
+  uint32_t generation;
+  std::atomic<int64_t> published;  // the last round whose data is in place
+  std::atomic<int64_t> done;       // the last round whose peers' data this process read
+};
+
+struct GenerationEntry {
+  std::atomic<int32_t> fd_plus_one;  // 0 until the segment exists
+  uint64_t bytes;
+};
+
+struct ControlBlock {
+  uint64_t magic;
+  int32_t pid;
+  int32_t process;
+  GenerationEntry generations[kMaxGenerations];
+  SlotEntry slots[kMaxSlots];
+};
+
+// This process's side: its control block and data segments.
+class ShmOwner {
+ public:
+  static std::unique_ptr<ShmOwner> Create(int64_t process, std::string* error);
+  int control_fd() const { return control_->fd(); }
+  size_t control_bytes() const { return control_->size(); }
+  ControlBlock& block() const { return *reinterpret_cast<ControlBlock*>(control_->data()); }
+
+  // The slot of `key`, created with `bytes` of data on first use; nullptr and `error` when
+  // it cannot be (full table, out of memory, or an existing slot of another size).
+  SlotEntry* Slot(uint64_t key, uint64_t fingerprint, size_t bytes, std::string* error);
+  // The slot of `key` if this process created it, else nullptr.
+  SlotEntry* Find(uint64_t key);
+  // Where a slot's data lives in this process.
+  char* Data(const SlotEntry& slot) const;
+
+ private:
+  std::mutex mu_;
+  std::unique_ptr<Segment> control_;
+  std::vector<std::unique_ptr<Segment>> generations_;
+  size_t used_ = 0;  // bytes allocated in the newest generation
+  std::unordered_map<uint64_t, SlotEntry*> slots_;
+};
+
+// A peer's side, as this process sees it: its control block and the data segments
+// mapped so far. Used by one thread at a time (the world's lock).
+class ShmPeer {
+ public:
+  static std::unique_ptr<ShmPeer> Open(int pid, int fd, size_t bytes, std::string* error);
+  int pid() const { return pid_; }
+  ControlBlock& block() const { return *reinterpret_cast<ControlBlock*>(control_->data()); }
+  // The peer's slot of `key`, or nullptr while the peer has not created it.
+  const SlotEntry* Find(uint64_t key);
+  // The slot's data, mapping its generation on first use; nullptr and `error` on failure.
+  const char* Data(const SlotEntry& slot, std::string* error);
+
+ private:
+  int pid_ = 0;
+  std::unique_ptr<Segment> control_;
+  std::vector<std::unique_ptr<Segment>> generations_;
+  std::unordered_map<uint64_t, const SlotEntry*> found_;
+};
+
+}  // namespace jaxcomm::cpu

@@ -1,0 +1,121 @@
+"""Links this process to the other processes of a jax.distributed job.
+
+A group whose ranks live in several processes moves data between them through jaxcomm's
+own transports (ffi/cpu/world.h): shared memory between processes of one host, TCP
+between hosts. They are set up lazily, when a program with such a group is first lowered
+(every process of the job lowers it), only for the processes that program's groups
+reach, through the job's key-value store (the jax.distributed coordination service): each
+process publishes its endpoint once (a shared-memory control block, a TCP listener on an
+ephemeral port) and links each peer it needs.
+
+``JAXCOMM_TRANSPORT=tcp`` makes every link TCP, so that the cross-host path runs on one
+machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import threading
+from typing import Any, Iterable
+
+import jax
+
+from jaxcomm import _jaxcomm
+from jaxcomm._src import config
+
+_KEY = "jaxcomm/endpoint/{}"
+_lock = threading.Lock()
+_linked: set[int] = set()
+
+
+@functools.cache
+def host_identity() -> str:
+    """Names this host for the purpose of sharing memory: same string, same machine."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            pass
+    try:  # processes in different pid namespaces cannot open each other's /proc/<pid>/fd
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        pass
+    return "/".join(parts)
+
+
+def _reachable_address(coordinator: str | None) -> str:
+    """An address of this host that the coordinator's host (and so the job) can reach."""
+    if coordinator:
+        host = coordinator.rsplit(":", 1)[0].strip("[]")
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((host, 9))  # no packet is sent: this only picks the route
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "jaxcomm: this program's groups span processes, but jax.distributed is not "
+            "initialized in this process (call jaxcomm.init() or jax.distributed.initialize())")
+    return client
+
+
+@functools.cache
+def _endpoint() -> dict[str, Any]:
+    """Opens this process's endpoint and publishes it through the key-value store."""
+    from jax._src import distributed
+
+    tcp_only = config.transport() == "tcp"
+    me = jax.process_index()
+    endpoint = dict(_jaxcomm.transport_open(me, not tcp_only))
+    endpoint.update(host=host_identity(), tcp_only=tcp_only,
+                    address=_reachable_address(distributed.global_state.coordinator_address))
+    _client().key_value_set(_KEY.format(me), json.dumps(endpoint))
+    return endpoint
+
+
+def ensure_linked(processes: Iterable[int]) -> None:
+    """Links this process to each of ``processes`` (other than itself), once.
+
+    Blocks until each peer has published its endpoint (it lowers the same program), at
+    most the collective timeout (JAXCOMM_TIMEOUT_S).
+    """
+    me = jax.process_index()
+    wanted = sorted(set(processes) - {me} - _linked)
+    if not wanted:
+        return
+    with _lock:
+        mine = _endpoint()
+        timeout_ms = config.timeout_ms()
+        for peer in wanted:
+            if peer in _linked:
+                continue
+            try:
+                raw = _client().blocking_key_value_get(_KEY.format(peer), timeout_ms)
+            except Exception as e:  # the coordination service reports a timeout as an error
+                raise RuntimeError(
+                    f"jaxcomm: process {me} waited {timeout_ms / 1000:g} s for process {peer} "
+                    f"to publish its endpoint (does it run the same program?): {e}") from e
+            theirs = json.loads(raw)
+            shared = (theirs["host"] == mine["host"] and not theirs["tcp_only"]
+                      and not mine["tcp_only"])
+            _jaxcomm.transport_link(peer, theirs["address"], theirs["pid"], theirs["control_fd"],
+                                    theirs["control_bytes"], theirs["port"], shared, timeout_ms)
+            _linked.add(peer)
+
+
+def linked_processes() -> frozenset[int]:
+    """The peers this process is linked to."""
+    return frozenset(_linked)
