@@ -17,22 +17,27 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace jaxcomm {
 
-struct ExchangeSpec {
+// What stays the same across the executions of one instruction by one group.
+struct ExchangePlan {
   uint64_t key = 0;          // (instruction, group): the same in every process of the job
-  int64_t seq = 0;           // which execution of that instruction by that group (from 1)
   uint64_t fingerprint = 0;  // op and per-rank operand layout: every process must agree
-  // This process's contribution, in order: what the peers read.
-  std::vector<std::pair<const void*, size_t>> mine;
   std::vector<int64_t> peers;          // the other processes of the group
   std::vector<size_t> peer_bytes;      // the size of each peer's contribution
   std::vector<std::string> peer_desc;  // each peer's ranks, for messages ("ranks [1] ...")
-  std::string what;                    // the call, for messages (CallContext::Describe)
+};
+
+struct ExchangeSpec {
+  std::shared_ptr<const ExchangePlan> plan;
+  int64_t seq = 0;  // which execution of the instruction by the group (from 1)
+  // This process's contribution, in order: what the peers read.
+  std::vector<std::pair<const void*, size_t>> mine;
   std::chrono::steady_clock::time_point deadline;
 };
 
@@ -48,7 +53,7 @@ class CrossProcess {
   // (when the peers were already there) or later on another.
   virtual void Exchange(ExchangeSpec spec, ExchangeDone done) = 0;
   // This process no longer reads the peers' contributions to round (key, seq).
-  virtual void Release(uint64_t key, int64_t seq, const std::vector<int64_t>& peers) = 0;
+  virtual void Release(const ExchangePlan& plan, int64_t seq) = 0;
   // Whether process `p` is reachable (connected); false until the bootstrap linked it.
   virtual bool Linked(int64_t p) const = 0;
 };

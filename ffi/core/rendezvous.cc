@@ -209,7 +209,9 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->execution = ++executions_[g];
         round->group = groups_[g];
         round->group_index = g;
-        round->parts = call.work_bytes >= kSplitBytes ? std::min(size, kMaxParts) : 1;
+        // This process does its own ranks' share of the work.
+        const size_t my_bytes = call.work_bytes / size * local;
+        round->parts = my_bytes < kSplitBytes ? 1 : std::min(call.split_by_rank ? local : size, kMaxParts);
         round->timeout = call.timeout;
         round->op = std::string(call.ctx.op);
         round->axis = std::string(call.ctx.axis);
@@ -273,41 +275,53 @@ std::string RankList(const std::vector<int>& ranks, const std::vector<int64_t>& 
 void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work,
                                    int me) {
   CrossProcess* world = Registry::Get().cross_process();
-  const Layout& layout = layouts_[round->group_index];
-  // Every rank's operands have one layout (SPMD); this process's first rank shows it.
-  const Peer& shape = round->peers[layout.local.front()];
-  size_t per_rank = shape.in_bytes;
-  uint64_t fingerprint = Mix(std::hash<std::string>()(round->op), shape.in_bytes);
-  for (size_t b : shape.aux_bytes) {
-    per_rank += b;
-    fingerprint = Mix(fingerprint, b);
-  }
-  ExchangeSpec spec;
-  spec.key = Mix(instruction_key_, static_cast<uint64_t>(round->group_index)) | 1;
-  spec.seq = round->execution;
-  spec.fingerprint = fingerprint;
-  for (int r : layout.local) {
-    const Peer& p = round->peers[r];
-    spec.mine.emplace_back(p.in, p.in_bytes);
-    for (int k = 0; k < 4; ++k) spec.mine.emplace_back(p.aux[k], p.aux_bytes[k]);
-  }
-  spec.peers = layout.processes;
-  for (const auto& ranks : layout.remote) {
-    spec.peer_bytes.push_back(per_rank * ranks.size());
-    spec.peer_desc.push_back(RankList(ranks, *round->group));
-  }
-  spec.deadline = Clock::now() + round->timeout;  // the local ranks' wait is already over
   if (world == nullptr) {
     RecordError(*round, "this group spans processes, and jaxcomm's cross-process transport is not "
                         "available in this build");
     CompleteAll(*round, me, ffi::ErrorCode::kUnimplemented);
     return;
   }
+  const Layout& layout = layouts_[round->group_index];
+  std::shared_ptr<const ExchangePlan> plan;
+  Peer shape;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Layout& l = layouts_[round->group_index];
+    if (!l.plan) {
+      // Every rank's operands have one layout (SPMD); this process's first rank shows it.
+      l.shape = round->peers[l.local.front()];
+      size_t per_rank = l.shape.in_bytes;
+      uint64_t fingerprint = Mix(std::hash<std::string>()(round->op), l.shape.in_bytes);
+      for (size_t b : l.shape.aux_bytes) {
+        per_rank += b;
+        fingerprint = Mix(fingerprint, b);
+      }
+      auto p = std::make_shared<ExchangePlan>();
+      p->key = Mix(instruction_key_, static_cast<uint64_t>(round->group_index)) | 1;
+      p->fingerprint = fingerprint;
+      p->peers = l.processes;
+      for (const auto& ranks : l.remote) {
+        p->peer_bytes.push_back(per_rank * ranks.size());
+        p->peer_desc.push_back(RankList(ranks, *round->group));
+      }
+      l.plan = std::move(p);
+    }
+    plan = l.plan;
+    shape = l.shape;
+  }
+  ExchangeSpec spec;
+  spec.plan = plan;
+  spec.seq = round->execution;
+  for (int r : layout.local) {
+    const Peer& p = round->peers[r];
+    spec.mine.emplace_back(p.in, p.in_bytes);
+    for (int k = 0; k < 4; ++k) spec.mine.emplace_back(p.aux[k], p.aux_bytes[k]);
+  }
+  spec.deadline = Clock::now() + round->timeout;  // the local ranks' wait is already over
   const auto caller = std::this_thread::get_id();
-  const uint64_t key = spec.key;
   const int64_t seq = spec.seq;
-  world->Exchange(std::move(spec), [round, work, me, caller, key, seq, world,
-                                   remote = layout.remote, processes = layout.processes, shape](
+  // `layout` lives as long as the table, which the round's instruction state keeps alive.
+  world->Exchange(std::move(spec), [round, work, me, caller, seq, world, plan, shape, &layout](
                                       const std::string& error, bool timed_out,
                                       const std::vector<const char*>& blobs) {
     const bool inline_here = std::this_thread::get_id() == caller;
@@ -318,9 +332,9 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
                   timed_out ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kUnavailable);
       return;
     }
-    for (size_t i = 0; i < remote.size(); ++i) {
+    for (size_t i = 0; i < layout.remote.size(); ++i) {
       const char* at = blobs[i];
-      for (int r : remote[i]) {
+      for (int r : layout.remote[i]) {
         Peer& p = round->peers[r];
         p = Peer{};
         p.in = at;
@@ -333,7 +347,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
         }
       }
     }
-    round->after_work = [world, key, seq, processes] { world->Release(key, seq, processes); };
+    round->after_work = [world, plan, seq] { world->Release(*plan, seq); };
     if (inline_here) {
       Execute(round, work, me);
     } else {

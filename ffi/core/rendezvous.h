@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "core/call_context.h"
+#include "core/cross_process.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm {
@@ -58,6 +59,9 @@ struct CollectiveCall {
   Peer mine;
   std::chrono::milliseconds timeout{300000};
   size_t work_bytes = 0;         // bytes the whole op reads and writes: decides the split
+  // Whether the work splits by destination rank (parts beyond this process's ranks would
+  // idle) or by element ranges (any number of parts helps, e.g. all_reduce).
+  bool split_by_rank = true;
 };
 
 struct Round;
@@ -103,6 +107,9 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
     std::vector<int64_t> processes;                // the other processes, ascending
     std::vector<std::vector<int>> remote;          // their ranks, ascending
     bool cross_process() const { return !processes.empty(); }
+    // Made by the first cross-process round (it needs the operands' sizes), under mu_.
+    std::shared_ptr<const ExchangePlan> plan;
+    Peer shape;  // the sizes every rank's operands have
   };
 
   uint64_t instruction_key_;

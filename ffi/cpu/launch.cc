@@ -63,7 +63,7 @@ ffi::Future Reject(const Common& c, const std::string& why) {
   return Failed(ffi::Error::InvalidArgument(Describe(c).Describe() + ": " + why));
 }
 
-ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work) {
+ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, bool split_by_rank) {
   CollectiveCall call;
   call.ctx = Describe(c);
   if (call.ctx.rank < 0) {
@@ -75,6 +75,7 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work) {
   call.mine = mine;
   call.timeout = std::chrono::milliseconds(std::max<int64_t>(c.timeout_ms, 1));
   call.work_bytes = work_bytes;
+  call.split_by_rank = split_by_rank;
   return c.state->table->Arrive(call, std::make_shared<const WorkFn>(std::move(work)));
 }
 

@@ -69,7 +69,8 @@ int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to);
 
 // Locates this rank and joins the call with this rank's buffers `mine`; the future
 // completes when this rank's result is written (see core/rendezvous.h).
-ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work);
+// `split_by_rank`: see CollectiveCall.
+ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, bool split_by_rank = true);
 
 // Futures for handlers that finish (or fail validation) without meeting their peers.
 ffi::Future Done();

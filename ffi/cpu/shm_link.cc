@@ -95,7 +95,8 @@ SlotEntry* ShmOwner::Slot(uint64_t key, uint64_t fingerprint, size_t bytes, std:
       return nullptr;
     }
   }
-  const size_t need = (std::max<size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
+  // Two buffers: a round may be written while the peers still read the previous one.
+  const size_t need = (2 * std::max<size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
   if (generations_.empty() || used_ + need > generations_.back()->size()) {
     if (generations_.size() == kMaxGenerations) {
       *error = "shared memory for cross-process collectives exhausted";

@@ -8,7 +8,7 @@
 // ran across processes. The owner copies its inputs for a round into the slot's data
 // and publishes the round's sequence number; readers find the slot by key, wait for the
 // number, read, and then publish in their own slot for that key that they are done, so
-// the owner may overwrite the data for the next round.
+// the owner may overwrite that buffer two rounds later (each slot has two buffers).
 #pragma once
 
 #include <atomic>
@@ -79,7 +79,8 @@ class ShmOwner {
   size_t control_bytes() const { return control_->size(); }
   ControlBlock& block() const { return *reinterpret_cast<ControlBlock*>(control_->data()); }
 
-  // The slot of `key`, created with `bytes` of data on first use; nullptr and `error` when
+  // The slot of `key`, created with two buffers of `bytes` on first use (round n uses
+  // buffer n % 2); nullptr and `error` when
   // it cannot be (full table, out of memory, or an existing slot of another size).
   SlotEntry* Slot(uint64_t key, uint64_t fingerprint, size_t bytes, std::string* error);
   // The slot of `key` if this process created it, else nullptr.

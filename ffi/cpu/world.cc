@@ -35,6 +35,9 @@ std::string ProcessGone(int pid) {
   return "";
 }
 
+// Which of a slot's two buffers a round uses.
+size_t Parity(int64_t seq) { return static_cast<size_t>(seq & 1); }
+
 }  // namespace
 
 struct World::PeerLink {
@@ -97,14 +100,14 @@ Endpoint World::Open(int64_t process, bool shared_memory, std::string* error) {
   return e;
 }
 
-std::string World::Link(int64_t process, const std::string& host, const Endpoint& peer,
-                        bool shared_memory, std::chrono::milliseconds timeout) {
+std::string World::Link(int64_t process, const std::string& host, const std::string& label,
+                        const Endpoint& peer, bool shared_memory, std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   if (process_ < 0) return "jaxcomm's endpoint is not open";
   if (Peer(process)) return "";
   auto link = std::make_shared<PeerLink>();
   link->process = process;
-  link->host = host;
+  link->host = label;
   link->pid = peer.pid;
   std::string error;
   if (shared_memory) {
@@ -127,6 +130,7 @@ std::string World::Link(int64_t process, const std::string& host, const Endpoint
       }
       auto other = from == process ? link : std::make_shared<PeerLink>();
       other->process = from;
+      if (from != process) other->host = "(not yet linked)";
       other->tcp = std::make_unique<TcpLink>(fd, [this] { Wake(); });
       std::lock_guard<std::mutex> lock(mu_);
       peers_[from] = other;
@@ -150,8 +154,8 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
   auto p = std::make_unique<Pending>();
   p->spec = std::move(spec);
   p->done = std::move(done);
-  p->blobs.assign(p->spec.peers.size(), nullptr);
-  for (int64_t q : p->spec.peers) {
+  p->blobs.assign(p->spec.plan->peers.size(), nullptr);
+  for (int64_t q : p->spec.plan->peers) {
     auto link = Peer(q);
     if (!link) {
       p->done("process " + std::to_string(q) +
@@ -178,6 +182,7 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
 
 bool World::Advance(Pending& p) {
   const ExchangeSpec& s = p.spec;
+  const ExchangePlan& plan = *s.plan;
   std::string error;
   if (!p.published) {
     bool any_shm = false;
@@ -185,18 +190,19 @@ bool World::Advance(Pending& p) {
     if (any_shm) {
       size_t bytes = 0;
       for (const auto& [ptr, n] : s.mine) bytes += n;
-      SlotEntry* slot = shm_->Slot(s.key, s.fingerprint, bytes, &error);
+      SlotEntry* slot = shm_->Slot(plan.key, plan.fingerprint, bytes, &error);
       if (!slot) {
         p.done(error, false, {});
         return true;
       }
-      // The peers must have read the previous round before it is overwritten.
-      if (s.seq > 1) {
+      // Slots are double-buffered by the round's parity: the peers must have read the
+      // round before the previous one before its buffer is overwritten.
+      if (s.seq > 2) {
         for (auto& link : p.links) {
           if (!link->shm) continue;
           std::lock_guard<std::mutex> lock(link->mu);
-          const SlotEntry* theirs = link->shm->Find(s.key);
-          if (!theirs || theirs->done.load(std::memory_order_acquire) < s.seq - 1) {
+          const SlotEntry* theirs = link->shm->Find(plan.key);
+          if (!theirs || theirs->done.load(std::memory_order_acquire) < s.seq - 2) {
             error = Failure(p);
             if (!error.empty()) {
               p.done(error, Clock::now() >= s.deadline, {});
@@ -206,7 +212,7 @@ bool World::Advance(Pending& p) {
           }
         }
       }
-      char* dst = shm_->Data(*slot);
+      char* dst = shm_->Data(*slot) + Parity(s.seq) * bytes;
       for (const auto& [ptr, n] : s.mine) {
         if (n > 0) std::memcpy(dst, ptr, n);
         dst += n;
@@ -215,9 +221,9 @@ bool World::Advance(Pending& p) {
     }
     for (auto& link : p.links) {
       if (!link->tcp) continue;
-      error = link->tcp->Send(s.key, s.seq, s.fingerprint, s.mine, s.deadline);
+      error = link->tcp->Send(plan.key, s.seq, plan.fingerprint, s.mine, s.deadline);
       if (!error.empty()) {
-        p.done("sending to " + link->Describe() + " " + s.peer_desc[&link - p.links.data()] + ": " + error,
+        p.done("sending to " + link->Describe() + " with " + plan.peer_desc[&link - p.links.data()] + ": " + error,
                false, {});
         return true;
       }
@@ -231,27 +237,28 @@ bool World::Advance(Pending& p) {
     const char* data = nullptr;
     if (link.shm) {
       std::lock_guard<std::mutex> lock(link.mu);
-      const SlotEntry* e = link.shm->Find(s.key);
+      const SlotEntry* e = link.shm->Find(plan.key);
       if (!e || e->published.load(std::memory_order_acquire) < s.seq) continue;
       fingerprint = e->fingerprint;
       bytes = e->bytes;
       data = link.shm->Data(*e, &error);
+      if (data) data += Parity(s.seq) * bytes;
       if (!data) {
         p.done("reading the shared memory of " + link.Describe() + ": " + error, false, {});
         return true;
       }
     } else {
-      const TcpLink::Frame* f = link.tcp->Find(s.key, s.seq);
+      const TcpLink::Frame* f = link.tcp->Find(plan.key, s.seq);
       if (!f) continue;
       fingerprint = f->fingerprint;
       bytes = f->bytes.size();
       data = f->bytes.data();
     }
-    if (fingerprint != s.fingerprint || bytes != s.peer_bytes[i]) {
-      p.done(link.Describe() + " with " + s.peer_desc[i] +
+    if (fingerprint != plan.fingerprint || bytes != plan.peer_bytes[i]) {
+      p.done(link.Describe() + " with " + plan.peer_desc[i] +
                  " runs a different collective at this call (op, dtype or shape differ: " +
                  std::to_string(bytes) + " bytes of operands where this process expects " +
-                 std::to_string(s.peer_bytes[i]) + "); the processes run different programs",
+                 std::to_string(plan.peer_bytes[i]) + "); the processes run different programs",
              false, {});
       return true;
     }
@@ -273,6 +280,7 @@ bool World::Advance(Pending& p) {
 std::string World::Failure(Pending& p) {
   const auto now = Clock::now();
   const ExchangeSpec& s = p.spec;
+  const ExchangePlan& plan = *s.plan;
   if (now < p.next_check && now < s.deadline) return "";
   p.next_check = now + kLivenessPeriod;
   for (size_t i = 0; i < p.links.size(); ++i) {
@@ -281,7 +289,7 @@ std::string World::Failure(Pending& p) {
     if (link.tcp) gone = link.tcp->failure();
     if (gone.empty() && link.shm) gone = ProcessGone(link.pid);
     if (!gone.empty()) {
-      return link.Describe() + " with " + s.peer_desc[i] + " failed: " + gone +
+      return link.Describe() + " with " + plan.peer_desc[i] + " failed: " + gone +
              (p.blobs[i] ? " after it arrived at this call" : " before it arrived at this call");
     }
   }
@@ -291,7 +299,7 @@ std::string World::Failure(Pending& p) {
   bool first = true;
   for (size_t i = 0; i < p.links.size(); ++i) {
     if (p.blobs[i]) continue;
-    msg << (first ? "" : "; ") << p.links[i]->Describe() << " with " << s.peer_desc[i];
+    msg << (first ? "" : "; ") << p.links[i]->Describe() << " with " << plan.peer_desc[i];
     first = false;
   }
   if (first) {
@@ -302,9 +310,10 @@ std::string World::Failure(Pending& p) {
   return msg.str();
 }
 
-void World::Release(uint64_t key, int64_t seq, const std::vector<int64_t>& peers) {
+void World::Release(const ExchangePlan& plan, int64_t seq) {
+  const uint64_t key = plan.key;
   bool any_shm = false;
-  for (int64_t q : peers) {
+  for (int64_t q : plan.peers) {
     auto link = Peer(q);
     if (!link) continue;
     if (link->tcp) link->tcp->Drop(key, seq);

@@ -47,11 +47,12 @@ class World : public CrossProcess {
   Endpoint Open(int64_t process, bool shared_memory, std::string* error);
   // Links peer `process`: through its shared memory when `peer.control_fd >= 0` and both
   // ends agreed on it, else TCP to host:port (the lower process index connects).
-  std::string Link(int64_t process, const std::string& host, const Endpoint& peer, bool shared_memory,
-                   std::chrono::milliseconds timeout);
+  // `label` names the peer's host in messages.
+  std::string Link(int64_t process, const std::string& host, const std::string& label,
+                   const Endpoint& peer, bool shared_memory, std::chrono::milliseconds timeout);
 
   void Exchange(ExchangeSpec spec, ExchangeDone done) override;
-  void Release(uint64_t key, int64_t seq, const std::vector<int64_t>& peers) override;
+  void Release(const ExchangePlan& plan, int64_t seq) override;
   bool Linked(int64_t p) const override;
 
  private:

@@ -80,7 +80,7 @@ def _endpoint() -> dict[str, Any]:
     tcp_only = config.transport() == "tcp"
     me = jax.process_index()
     endpoint = dict(_jaxcomm.transport_open(me, not tcp_only))
-    endpoint.update(host=host_identity(), tcp_only=tcp_only,
+    endpoint.update(host=host_identity(), hostname=socket.gethostname(), tcp_only=tcp_only,
                     address=_reachable_address(distributed.global_state.coordinator_address))
     _client().key_value_set(_KEY.format(me), json.dumps(endpoint))
     return endpoint
@@ -111,7 +111,8 @@ def ensure_linked(processes: Iterable[int]) -> None:
             theirs = json.loads(raw)
             shared = (theirs["host"] == mine["host"] and not theirs["tcp_only"]
                       and not mine["tcp_only"])
-            _jaxcomm.transport_link(peer, theirs["address"], theirs["pid"], theirs["control_fd"],
+            label = f"{theirs['hostname']} ({theirs['address']})"
+            _jaxcomm.transport_link(peer, theirs["address"], label, theirs["pid"], theirs["control_fd"],
                                     theirs["control_bytes"], theirs["port"], shared, timeout_ms)
             _linked.add(peer)
 
