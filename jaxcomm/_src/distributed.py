@@ -30,9 +30,21 @@ JAXCOMM_INIT_TIMEOUT_S         60         how long to wait for all processes to 
 JAXCOMM_HEARTBEAT_TIMEOUT_S    10         after this long without a heartbeat, JAX's
                                           coordination service declares a process dead and
                                           aborts all the others (SIGABRT)
-JAXCOMM_SHUTDOWN_TIMEOUT_S     5          how long an exiting process waits in JAX's
-                                          shutdown barrier for the others
+JAXCOMM_SHUTDOWN_TIMEOUT_S     60         how long an exiting process waits in JAX's
+                                          shutdown barrier for the others to exit too; when
+                                          it expires JAX aborts every process of the job
 =============================  =========  ====================================================
+
+How processes of a jax.distributed job end (jax 0.10.2, checked): at exit each process
+waits in a shutdown barrier until all have reached it. A process that dies (crash,
+SIGKILL, ``os._exit``) stops sending heartbeats; once the coordination service notices
+(the heartbeat timeout), it aborts all the others with SIGABRT, wherever they are. When
+process 0, which hosts the service, dies, the others abort at once. So after
+:func:`init`, a process ending with an uncaught exception skips the barrier and exits at
+once (status 1; 130 for KeyboardInterrupt): the launcher sees the failure where it
+happened, instead of all processes aborting together a barrier timeout later. A
+non-zero ``sys.exit(n)`` cannot be told from a normal exit at that point and still waits
+in the barrier.
 
 This module is the one place in jaxcomm that reaches into ``jax.distributed``'s private
 state (the coordination service's client, whose key-value store the transports bootstrap
@@ -41,6 +53,7 @@ through); it imports jax only when called, so the launcher can use its names wit
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 import os
@@ -75,9 +88,11 @@ _DEFAULT_INIT_TIMEOUT_S = 60
 # process's heartbeats for this long; it must exceed the time jaxcomm's transports need to
 # notice the dead peer and raise their own, more precise error (a few seconds).
 _DEFAULT_HEARTBEAT_TIMEOUT_S = 10
-# JAX's default (300 s) holds a survivor that exits normally in the shutdown barrier for
-# five minutes waiting for a peer that is already dead.
-_DEFAULT_SHUTDOWN_TIMEOUT_S = 5
+# A dead peer is caught by the heartbeat timeout, so this only bounds the wait for live
+# peers that have not finished: ranks legitimately finish apart (process 0 writing a
+# checkpoint), and expiry aborts the whole job, so it cannot be seconds; JAX's 300 s
+# holds a process behind a hung peer for five minutes.
+_DEFAULT_SHUTDOWN_TIMEOUT_S = 60
 
 
 def is_valid_job_id(job_id: str) -> bool:
@@ -242,8 +257,40 @@ def _use_gloo() -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
+_failed_with: int | None = None
+
+
+def _install_fail_fast() -> None:
+    """After an uncaught exception, exit at once instead of in JAX's shutdown barrier.
+
+    Python calls ``sys.excepthook`` for an uncaught exception (not for ``SystemExit``),
+    then runs the atexit handlers last registered first; this one is registered after
+    jax's (which enters the barrier), so it runs before it.
+    """
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        global _failed_with
+        _failed_with = 128 + int(signal.SIGINT) if issubclass(tp, KeyboardInterrupt) else 1
+        previous(tp, value, tb)
+
+    def exit_now() -> None:
+        if _failed_with is None:
+            return
+        try:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(_failed_with)
+
+    sys.excepthook = hook
+    atexit.register(exit_now)
+
+
 def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = None,
-         shutdown_timeout_s: float | None = None, cluster_detection: bool = True) -> bool:
+         shutdown_timeout_s: float | None = None, cluster_detection: bool = True,
+         fail_fast: bool = True) -> bool:
     """Joins the multi-process job this process was started in, if any.
 
     Call it at the top of a script, before anything creates a JAX backend (computations,
@@ -251,8 +298,9 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
     coordinator, process count and process id that ``python -m jaxcomm.launch`` put into
     the environment (``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES``,
     ``JAXCOMM_PROCESS_ID``), selects gloo for XLA:CPU's own collectives, and sets JAX's
-    heartbeat and shutdown timeouts short, so a process whose peer died is not held for
-    minutes in JAX's shutdown barrier.
+    heartbeat and shutdown timeouts shorter than JAX's (10 s and 60 s, not 100 s and
+    300 s), so a process whose peer died is not held for minutes in JAX's shutdown
+    barrier; a process ending with an uncaught exception skips that barrier.
 
     Without the launcher's variables, and with ``cluster_detection`` (the default), a job
     started by ``srun`` (SLURM) or ``mpirun`` with more than one process is joined
@@ -266,8 +314,11 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
         heartbeat, and then aborts all the others (default ``JAXCOMM_HEARTBEAT_TIMEOUT_S``
         or 10 s).
       shutdown_timeout_s: how long an exiting process waits for the others in JAX's
-        shutdown barrier (default ``JAXCOMM_SHUTDOWN_TIMEOUT_S`` or 5 s).
+        shutdown barrier; on expiry JAX aborts the whole job (default
+        ``JAXCOMM_SHUTDOWN_TIMEOUT_S`` or 60 s).
       cluster_detection: join SLURM / MPI jobs detected from their environment.
+      fail_fast: a process ending with an uncaught exception exits at once, skipping
+        JAX's shutdown barrier (see the module docstring).
 
     Returns:
       True if this process is part of a multi-process job (joined now or before), False
@@ -313,6 +364,10 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
     _use_gloo()
     if spec is not None:
         _set_parent_death_signal(os.environ.get(ENV_LAUNCHER_PID))
+        # JAX's preemption service catches SIGTERM to let a job checkpoint before a
+        # scheduler stops it; from the launcher, SIGTERM means "stop now" (it follows a
+        # failure elsewhere), and caught, it only delays the SIGKILL that follows.
+        jax.config.update("jax_enable_preemption_service", False)
         # "deactivate": everything is given; do not let a surrounding SLURM/MPI
         # environment (say, pytest run inside an allocation) override the launcher's.
         kwargs = _initialize_kwargs(coordinator_address=spec["coordinator"],
@@ -329,6 +384,8 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
                  f"{spec['coordinator']}" if spec is not None else f"{cluster} job")
         raise RuntimeError(f"jaxcomm.init(): jax.distributed.initialize failed ({where}): "
                            f"{exc}") from exc
+    if fail_fast:
+        _install_fail_fast()
     _ensure_job_id()
     return True
 
