@@ -252,6 +252,54 @@ def test_ctrl_c_is_forwarded_to_every_rank(tmp_path):
     assert "[0] interrupted 0" in text and "[1] interrupted 1" in text, text + stderr
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+WAITER = """\
+import os, time, jaxcomm
+jaxcomm.init()
+print("pid", os.getpid(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_ranks_stop_when_the_launcher_is_killed(tmp_path):
+    script = tmp_path / "waiter.py"
+    script.write_text(WAITER)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxcomm.launch", "-n", "2", "--timeout",
+                             "60", str(script)], env=_child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    pids: list[int] = []
+    try:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout],
+                         daemon=True).start()
+        deadline = time.monotonic() + 60
+        while len(pids) < 2:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if " pid " in line:
+                pids.append(int(line.split()[-1]))
+        proc.kill()  # SIGKILL: the launcher cannot clean up
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), f"ranks {pids} outlived their launcher"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 # ----------------------------------------------------------------------------- jaxcomm.init()
 
 def test_init_is_a_no_op_outside_a_job(monkeypatch):

@@ -216,11 +216,12 @@ def detected_cluster(env: dict[str, str] | None = None) -> str | None:
 
 
 def _set_parent_death_signal(launcher_pid: str | None) -> None:
-    """Asks Linux to send SIGTERM to this process when the launcher dies.
+    """Asks Linux to send SIGTERM to this process when its parent dies.
 
     Without it, a launcher killed with SIGKILL leaves its ranks running, often blocked
-    forever in a collective. Best effort: Linux only, and only if the launcher is still
-    our parent (it may already have died between fork and this call).
+    forever in a collective. The parent is the launcher, or a wrapper the launcher started
+    (``bash run.sh``), whose death is as good a reason to stop. If the launcher died
+    before this call, the signal would never come: stop now. Best effort, Linux only.
     """
     if not sys.platform.startswith("linux") or not launcher_pid:
         return
@@ -229,8 +230,12 @@ def _set_parent_death_signal(launcher_pid: str | None) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
         libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-        if str(os.getppid()) != launcher_pid:
+        try:
+            os.kill(int(launcher_pid), 0)
+        except ProcessLookupError:
             os.kill(os.getpid(), signal.SIGTERM)
+        except PermissionError:
+            pass  # it exists (as another user's process: pid reuse, or a setuid launcher)
     except (OSError, AttributeError, ValueError):
         pass
 
