@@ -5,6 +5,7 @@ semantics of their ``jax.lax`` namesakes; on CPU they are jaxcomm's own XLA FFI
 handlers. See README.md for the API table and configuration.
 """
 
+from jaxcomm._src.distributed import init
 from jaxcomm._src.ops.alltoall import all_to_all
 from jaxcomm._src.ops.broadcast import broadcast
 from jaxcomm._src.ops.gather import all_gather
@@ -21,6 +22,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "init",
     "moe",
     "ppermute",
     "ragged_all_to_all",

@@ -2,6 +2,7 @@
 
     python -m jaxcomm.bench [collective options]   collectives vs XLA (jaxcomm.bench.collectives)
     python -m jaxcomm.bench collectives [options]  the same, named explicitly
+    python -m jaxcomm.bench --processes N [...]    the same across N processes (multiprocess)
     python -m jaxcomm.bench moe [moe options]      MoE dispatch/combine (jaxcomm.bench.moe)
 
 Subcommands parse their own arguments before anything creates a JAX backend, so they can
@@ -30,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(moe.main(argv[1:]) or 0)
     if argv and argv[0] == "collectives":
         argv = argv[1:]
+    if any(a == "--processes" or a.startswith("--processes=") for a in argv):
+        from jaxcomm.bench import multiprocess
+        return multiprocess.main(argv)
     from jaxcomm.bench import collectives
     return collectives.main(argv)
 

@@ -268,7 +268,8 @@ def run(ops: Sequence[str] = ALL_OPS,
         check: bool = True,
         inplace: bool = False,
         progress: bool = False,
-        title: str = "") -> list[dict[str, Any]]:
+        title: str = "",
+        sync: Sync | None = None) -> list[dict[str, Any]]:
     """Measures each op at each size, jaxcomm against XLA, in this process.
 
     Works in a process where jax is already initialised: it uses the first ``devices``
@@ -295,9 +296,13 @@ def run(ops: Sequence[str] = ALL_OPS,
         each timed call then gets a freshly made operand (made outside the timing).
       progress: show a progress bar on stderr.
       title: label shown on the progress bar.
+      sync: in a multi-process job, how the processes agree on failures and combine
+        their timings (:class:`Sync`; see :mod:`jaxcomm.bench.multiprocess`). Every
+        process must then call :func:`run` with the same arguments.
 
     Returns:
-      One record per (op, size): ``op, bytes, count, dtype, devices, hugetlb, mode``
+      One record per (op, size): ``op, bytes, count, dtype, devices, processes,
+      hugetlb, mode``
       (``"loop"`` or ``"call"``), ``inplace`` (whether the operand was donated),
       ``jaxcomm_us, xla_us`` (median per collective),
       ``ratio`` (xla_us / jaxcomm_us), ``algbw_gbps, busbw_gbps`` (jaxcomm),
@@ -330,7 +335,7 @@ def run(ops: Sequence[str] = ALL_OPS,
         for op, nbytes, count in cases:
             bar.step(f"{op} {common.format_bytes(nbytes)}")
             rec = _measure(OPS[op], mesh, n, nbytes, count, dtype, iters, warmup,
-                           loop_threshold, loop_count, timeout_s, check, inplace)
+                           loop_threshold, loop_count, timeout_s, check, inplace, sync)
             rec["hugetlb"] = hugetlb
             if rec["error"]:
                 bar.note(f"{op} {common.format_bytes(nbytes)}: {rec['error']}")
@@ -350,9 +355,30 @@ def _warn_if_not_jaxcomm() -> None:
               f"platform {jax.default_backend()}): both sides measure XLA", file=sys.stderr)
 
 
+class Sync:
+    """How the processes of a multi-process benchmark stay in step (see :func:`run`).
+
+    A single process needs none of it: these defaults keep its own view.
+    """
+
+    def agree(self, failures: dict[str, str]) -> dict[str, str]:
+        """All processes' failures per side ("jaxcomm"/"xla" -> message), merged.
+
+        A side that failed anywhere is dropped everywhere, so no process waits in a
+        collective that another one skips.
+        """
+        return failures
+
+    def combine(self, samples: dict[str, list[float]], errors: list[str]
+                ) -> tuple[dict[str, list[float]], list[str]]:
+        """All processes' timings merged into one series per side, and their errors."""
+        return samples, errors
+
+
 def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: np.dtype,
              iters: int, warmup: int, loop_threshold: int, loop_count: int,
-             timeout_s: float | None, check: bool, inplace: bool) -> dict[str, Any]:
+             timeout_s: float | None, check: bool, inplace: bool,
+             sync: Sync | None = None) -> dict[str, Any]:
     """Compiles, checks and times one case on both sides; returns its record."""
     loop = nbytes <= loop_threshold
     # A loop's carry is updated in place anyway; donation matters for one-call programs.
@@ -361,8 +387,10 @@ def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: n
     def jc_collective(x: jax.Array, n: int) -> jax.Array:
         return spec.jaxcomm(x, n, timeout_s)
     feedback = spec.feedback if loop else None
+    sync = sync or Sync()
     rec: dict[str, Any] = dict(op=spec.name, bytes=nbytes, count=count, dtype=dtype.name,
-                               devices=n, hugetlb=None, mode="loop" if loop else "call",
+                               devices=n, processes=jax.process_count(), hugetlb=None,
+                               mode="loop" if loop else "call",
                                inplace=donate,
                                jaxcomm_us=None, xla_us=None, ratio=None, algbw_gbps=None,
                                busbw_gbps=None, xla_busbw_gbps=None, match=None, error=None)
@@ -373,13 +401,29 @@ def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: n
     operand: Callable[[], jax.Array] = make_input if donate else (lambda: x)
     sides: dict[str, Callable[[jax.Array], jax.Array]] = {}
     first_out: dict[str, jax.Array] = {}
+    failures: dict[str, str] = {}
+    # Compile both sides, agree, then run: in a multi-process job a side that failed to
+    # compile in one process must not be run by the others (they would wait for it).
     for side, collective in (("jaxcomm", jc_collective), ("xla", spec.xla)):
         try:
-            fn = _program(mesh, collective, n, feedback, loop_count, donate).lower(x).compile()
-            first_out[side] = jax.block_until_ready(fn(operand()))
-            sides[side] = fn
+            sides[side] = _program(mesh, collective, n, feedback, loop_count,
+                                   donate).lower(x).compile()
         except Exception as exc:  # a failing side is reported, the other still measured
-            errors.append(f"{side}: {_short(exc)}")
+            failures[side] = _short(exc)
+    failures = sync.agree(failures)
+    for side in list(sides):
+        if side in failures:
+            del sides[side]
+            continue
+        try:
+            first_out[side] = jax.block_until_ready(sides[side](operand()))
+        except Exception as exc:
+            failures[side] = _short(exc)
+    failures = sync.agree(failures)
+    for side, message in failures.items():
+        sides.pop(side, None)
+        first_out.pop(side, None)
+        errors.append(f"{side}: {message}")
     if check and len(first_out) == 2:
         rec["match"] = _agree(first_out["jaxcomm"], first_out["xla"], _tolerance(dtype, loop))
     first_out.clear()
@@ -394,6 +438,7 @@ def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: n
     except Exception as exc:
         errors.append(f"while timing: {_short(exc)}")
         samples = {}
+    samples, errors = sync.combine(samples, errors)
     per = loop_count if loop else 1
     med = {side: statistics.median(s) / per for side, s in samples.items() if s}
     factor = spec.bus_factor(n)

@@ -63,7 +63,10 @@ def _groups(records: Iterable[Record]) -> list[tuple[tuple[Any, str], list[Recor
 def _title(rec: Record) -> str:
     """A table's caption, from any record of its group."""
     huge = {True: "on", False: "off"}.get(rec.get("hugetlb"), "?")
-    return (f"{rec['op']}  ({rec['devices']} devices, {rec['dtype']}, hugetlb {huge}; "
+    procs = rec.get("processes") or 1
+    where = (f"{procs} processes x {rec['devices'] // procs} devices" if procs > 1
+             else f"{rec['devices']} devices")
+    return (f"{rec['op']}  ({where}, {rec['dtype']}, hugetlb {huge}; "
             f"ratio = xla time / jaxcomm time)")
 
 
@@ -126,11 +129,15 @@ def _verdict(rec: Record) -> str:
     return f"{rec['ratio']:.2f}x" + (" (wrong result)" if rec.get("match") is False else "")
 
 
-def target_lines(records: Sequence[Record]) -> list[str]:
-    """One line per DESIGN target and hugetlb setting: met, or the cases that miss it."""
+def target_lines(records: Sequence[Record],
+                 targets: Sequence[tuple[str, Any, float]] = TARGETS) -> list[str]:
+    """One line per target and hugetlb setting: met, or the cases that miss it.
+
+    ``targets``: (label, predicate on a record, minimum ratio) each; default: DESIGN's.
+    """
     lines = []
     settings = sorted({r.get("hugetlb") for r in records}, key=lambda s: (s is None, s))
-    for label, applies, minimum in TARGETS:
+    for label, applies, minimum in targets:
         for setting in settings:
             cases = [r for r in records if r.get("hugetlb") == setting and applies(r)]
             if not cases:
@@ -147,12 +154,13 @@ def target_lines(records: Sequence[Record]) -> list[str]:
     return lines
 
 
-def print_targets(records: Sequence[Record], file: TextIO | None = None) -> None:
+def print_targets(records: Sequence[Record], file: TextIO | None = None,
+                  targets: Sequence[tuple[str, Any, float]] = TARGETS) -> None:
     """Prints :func:`target_lines` under a heading (nothing if no record applies)."""
-    lines = target_lines(records)
+    lines = target_lines(records, targets)
     if lines:
         file = sys.stdout if file is None else file
-        print("# DESIGN targets (ratio = xla time / jaxcomm time)", file=file)
+        print("# targets (ratio = xla time / jaxcomm time)", file=file)
         for line in lines:
             print("  " + line, file=file)
 

@@ -1,0 +1,451 @@
+"""Starts a multi-process JAX job on this machine: ``python -m jaxcomm.launch``.
+
+    python -m jaxcomm.launch -n 4 [--devices-per-process 2] script.py [args ...]
+    python -m jaxcomm.launch -n 2 -m jaxcomm.bench.multiprocess [args ...]
+
+Each of the ``n`` processes gets its place in the job through environment variables
+(``JAXCOMM_COORDINATOR=127.0.0.1:<free port>``, ``JAXCOMM_NUM_PROCESSES``,
+``JAXCOMM_PROCESS_ID``, ``JAXCOMM_LOCAL_DEVICES``, ``JAXCOMM_JOB_ID``,
+``JAXCOMM_LAUNCHER_PID``; see :mod:`jaxcomm._src.distributed`), which ``jaxcomm.init()``
+in the script turns into ``jax.distributed.initialize(...)``. ``XLA_FLAGS`` gets
+``--xla_force_host_platform_device_count=<devices per process>``.
+
+Every line a process prints is prefixed with its rank (``[1] ...``), on the stream it was
+printed to. When a process fails (non-zero exit or a signal), the others get a grace
+period to report their own errors, then are terminated (SIGTERM, then SIGKILL); the
+launcher exits with the first failing process's status (128 + N for signal N). Ctrl-C is
+forwarded to the processes (twice: they are killed). Afterwards, shared-memory segments
+``/dev/shm/jaxcomm-<job id>-*`` left by the job are removed and reported.
+
+From Python (the launcher itself never imports jax)::
+
+    from jaxcomm import launch
+    code = launch.run(["train.py", "--steps", "10"], 2, devices_per_process=4)
+    res = launch.launch(["check.py"], 4, capture=True, timeout_s=60)
+    res.returncode, res.output(1)     # exit status, rank 1's lines
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Callable, Sequence
+
+import jaxcomm
+from jaxcomm._src import distributed as _dist
+
+__all__ = ["LaunchResult", "free_port", "launch", "main", "run"]
+
+#: Seconds the other processes get to report their own errors after one failed.
+DEFAULT_GRACE_S = 10.0
+#: Seconds between SIGTERM and SIGKILL when terminating processes.
+TERM_TIMEOUT_S = 5.0
+#: Seconds to wait for output to drain and killed processes to be reaped.
+_DRAIN_TIMEOUT_S = 5.0
+_POLL_S = 0.05
+#: Exit status when the job ran past ``timeout_s`` (as coreutils ``timeout``).
+TIMEOUT_EXIT = 124
+
+_SHM_DIR = "/dev/shm"
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    """What happened to a launched job.
+
+    Attributes:
+      returncode: the launcher's exit status: 0 if every process exited 0; else the first
+        failing process's status (128 + N if it died of signal N), 124 if the job ran
+        past its timeout, 128 + N if the launcher was interrupted by signal N.
+      returncodes: each rank's ``Popen.returncode`` (negative: killed by that signal).
+      failed_rank: the first rank seen to fail, or None.
+      terminated: ranks the launcher had to terminate.
+      timed_out: the job ran past ``timeout_s``.
+      removed_shm: leftover shared-memory files the launcher removed.
+      job_id: the job's ``JAXCOMM_JOB_ID``.
+      lines: with ``capture=True``, every output line as (rank, "stdout"/"stderr", text),
+        in the order received; rank -1 holds the launcher's own notes.
+    """
+
+    returncode: int
+    returncodes: list[int | None]
+    failed_rank: int | None = None
+    terminated: list[int] = dataclasses.field(default_factory=list)
+    timed_out: bool = False
+    removed_shm: list[str] = dataclasses.field(default_factory=list)
+    job_id: str = ""
+    lines: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+
+    def output(self, rank: int, stream: str | None = None) -> str:
+        """Rank ``rank``'s captured lines (both streams, or ``"stdout"``/``"stderr"``)."""
+        return "".join(text + "\n" for r, s, text in self.lines
+                       if r == rank and (stream is None or s == stream))
+
+    def format(self) -> str:
+        """All captured output as the terminal would have shown it, for error messages."""
+        return "".join((f"[{r}] " if r >= 0 else "jaxcomm.launch: ") + f"{text}\n"
+                       for r, _, text in self.lines)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (the OS picks it).
+
+    Another program may take it before the coordinator binds it; the job then fails at
+    startup with JAX's bind error, and a rerun picks another port.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _with_device_count(xla_flags: str, count: int) -> str:
+    """``xla_flags`` with its host device count replaced by ``count`` (other flags kept)."""
+    flags = [f for f in xla_flags.split()
+             if not f.startswith("--xla_force_host_platform_device_count=")]
+    return " ".join(flags + [f"--xla_force_host_platform_device_count={int(count)}"])
+
+
+def _package_root() -> str:
+    """The directory holding the ``jaxcomm`` package the launcher itself runs from."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
+
+
+def _command(argv: Sequence[str], module: bool) -> list[str]:
+    """The command line of each process: scripts and modules run by this Python."""
+    argv = list(argv)
+    if not argv:
+        raise ValueError("nothing to launch: give a script (or -m module) and its arguments")
+    if module:
+        return [sys.executable, "-m", *argv]
+    if argv[0].endswith(".py"):
+        return [sys.executable, *argv]
+    return argv
+
+
+def _rank_env(base: dict[str, str], n: int, rank: int, devices: int, coordinator: str,
+              job_id: str) -> dict[str, str]:
+    env = dict(base)
+    env["XLA_FLAGS"] = _with_device_count(env.get("XLA_FLAGS", ""), devices)
+    # Lines must reach the launcher as they are printed, not when a buffer fills.
+    env["PYTHONUNBUFFERED"] = "1"
+    # The processes must import the same jaxcomm as the launcher, wherever the script is.
+    root = _package_root()
+    path = env.get("PYTHONPATH", "")
+    if root not in path.split(os.pathsep):
+        env["PYTHONPATH"] = root + (os.pathsep + path if path else "")
+    env.update({
+        _dist.ENV_COORDINATOR: coordinator,
+        _dist.ENV_NUM_PROCESSES: str(n),
+        _dist.ENV_PROCESS_ID: str(rank),
+        _dist.ENV_LOCAL_DEVICES: str(devices),
+        _dist.ENV_JOB_ID: job_id,
+        _dist.ENV_LAUNCHER_PID: str(os.getpid()),
+    })
+    return env
+
+
+class _Output:
+    """Forwards the processes' output line by line, each line prefixed with its rank.
+
+    One reader thread per pipe; a line is written with a single write under a lock, so
+    lines of different processes never interleave mid-line. A last line without a
+    newline is completed with one.
+    """
+
+    def __init__(self, capture: bool, stdout: IO[str] | None, stderr: IO[str] | None) -> None:
+        self.capture = capture
+        self.sinks = {"stdout": stdout or sys.stdout, "stderr": stderr or sys.stderr}
+        self.lines: list[tuple[int, str, str]] = []
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def start(self, rank: int, stream_name: str, pipe: IO[bytes]) -> None:
+        t = threading.Thread(target=self._pump, args=(rank, stream_name, pipe),
+                             name=f"jaxcomm-launch-{rank}-{stream_name}", daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def _pump(self, rank: int, stream_name: str, pipe: IO[bytes]) -> None:
+        try:
+            for raw in iter(pipe.readline, b""):
+                self.emit(rank, stream_name, raw.decode("utf-8", "replace").rstrip("\r\n"))
+        except (OSError, ValueError):
+            pass  # the pipe was closed under us while giving up on a stuck process
+        finally:
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+    def emit(self, rank: int, stream_name: str, text: str) -> None:
+        with self.lock:
+            if self.capture:
+                self.lines.append((rank, stream_name, text))
+                return
+            prefix = f"[{rank}] " if rank >= 0 else "jaxcomm.launch: "
+            sink = self.sinks[stream_name]
+            try:
+                sink.write(prefix + text + "\n")
+                sink.flush()
+            except (OSError, ValueError):
+                pass  # our own stdout went away (a closed pipe): keep running the job
+
+    def note(self, text: str) -> None:
+        """A message of the launcher itself (stderr, or rank -1 when capturing)."""
+        self.emit(-1, "stderr", text)
+
+    def join(self, deadline: float) -> bool:
+        """Waits for every pipe to reach end of file until ``deadline``; True if all did."""
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self.threads)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _exit_status(code: int) -> int:
+    """A process's ``Popen.returncode`` as a shell reports it (signal N -> 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Sends ``sig`` to the process and everything it started (its own session)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except (ProcessLookupError, OSError):
+            pass
+
+
+def _remove_shm(job_id: str) -> list[str]:
+    """Removes ``/dev/shm/jaxcomm-<job id>-*``; returns the paths it removed."""
+    removed = []
+    for path in sorted(glob.glob(os.path.join(_SHM_DIR, glob.escape(_dist.shm_prefix(job_id)))
+                                 + "*")):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass  # unlinked by its owner meanwhile
+        except OSError:
+            pass  # not ours to remove (permissions): left, and not reported as removed
+    return removed
+
+
+def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
+           grace_s: float = DEFAULT_GRACE_S, timeout_s: float | None = None,
+           module: bool = False, env: dict[str, str] | None = None,
+           capture: bool = False, stdout: IO[str] | None = None,
+           stderr: IO[str] | None = None, job_id: str | None = None,
+           port: int | None = None, cwd: str | None = None,
+           forward_signals: bool = False) -> LaunchResult:
+    """Runs ``argv`` as ``n`` processes of one JAX job on this machine and waits for them.
+
+    Args:
+      argv: a script and its arguments (``["train.py", "--lr", "3e-4"]``, run with this
+        Python), a module and its arguments with ``module=True``, or any command.
+      n: number of processes.
+      devices_per_process: CPU devices each process gets (``XLA_FLAGS``).
+      grace_s: after a process fails, how long the others may keep running to report
+        their own errors before they are terminated.
+      timeout_s: terminate the job after this many seconds (None: no limit; the job's
+        own length is the caller's to bound). Status 124 then.
+      module: ``argv[0]`` names a module (``python -m``).
+      env: the processes' base environment (default: this process's).
+      capture: collect the output in the result's ``lines`` instead of printing it.
+      stdout, stderr: where to print the prefixed lines (default: sys.stdout/stderr).
+      job_id: ``JAXCOMM_JOB_ID`` (default: a fresh random one).
+      port: the coordinator's port on 127.0.0.1 (default: a free one).
+      cwd: the processes' working directory.
+      forward_signals: install SIGINT/SIGTERM/SIGHUP handlers for the duration that pass
+        the signal on to the processes (the command line does; needs the main thread).
+
+    Returns:
+      A :class:`LaunchResult`.
+
+    Example::
+
+        res = launch(["hello.py"], 2, capture=True, timeout_s=60)
+        assert res.returncode == 0, res.format()
+    """
+    if n < 1:
+        raise ValueError(f"need at least one process, got n={n}")
+    if devices_per_process < 1:
+        raise ValueError(f"need at least one device per process, got {devices_per_process}")
+    if grace_s < 0:
+        raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    job_id = job_id or _dist.new_job_id()
+    if not _dist.is_valid_job_id(job_id):
+        raise ValueError(f"job id {job_id!r} must be 1-64 letters or digits")
+    cmd = _command(argv, module)
+    coordinator = f"127.0.0.1:{port or free_port()}"
+    base = dict(os.environ if env is None else env)
+    out = _Output(capture, stdout, stderr)
+
+    procs: list[subprocess.Popen] = []
+    interrupts: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        interrupts.append(signum)
+        # A second Ctrl-C means "now": no more grace for anyone.
+        sig = signal.SIGKILL if len(interrupts) > 1 else signum
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, sig)
+
+    previous: dict[int, object] = {}
+    if forward_signals:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, forward)
+    try:
+        for rank in range(n):
+            try:
+                # A session of its own: the launcher can signal everything a rank started,
+                # and a terminal's Ctrl-C reaches the launcher only, which forwards it.
+                p = subprocess.Popen(cmd, env=_rank_env(base, n, rank, devices_per_process,
+                                                        coordinator, job_id),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, cwd=cwd, start_new_session=True)
+            except OSError as exc:
+                for q in procs:
+                    _signal_group(q, signal.SIGKILL)
+                    q.wait()
+                raise RuntimeError(f"jaxcomm.launch: could not start rank {rank} "
+                                   f"({' '.join(cmd)}): {exc}") from exc
+            procs.append(p)
+            out.start(rank, "stdout", p.stdout)
+            out.start(rank, "stderr", p.stderr)
+        result = _supervise(procs, out, grace_s, timeout_s, interrupts)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        for p in procs:  # only reached with live processes if the launcher itself failed
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+
+    drained = out.join(time.monotonic() + _DRAIN_TIMEOUT_S)
+    if not drained:
+        # Something a rank started outlived it and holds its output pipe open.
+        for p in procs:
+            _signal_group(p, signal.SIGKILL)
+        drained = out.join(time.monotonic() + _DRAIN_TIMEOUT_S)
+        out.note("processes started by the job kept its output open after it ended; "
+                 "killed them" + ("" if drained else " (some output may be lost)"))
+    result.job_id = job_id
+    result.removed_shm = _remove_shm(job_id)
+    if result.removed_shm:
+        out.note(f"removed {len(result.removed_shm)} shared-memory segment(s) the job left "
+                 f"behind: {', '.join(result.removed_shm)}")
+    result.lines = out.lines
+    return result
+
+
+def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
+               timeout_s: float | None, interrupts: list[int]) -> LaunchResult:
+    """Waits for the processes; on a failure, grace, then terminates the rest."""
+    n = len(procs)
+    start = time.monotonic()
+    job_deadline = start + timeout_s if timeout_s is not None else None
+    failed_rank: int | None = None
+    grace_deadline: float | None = None
+    timed_out = False
+    seen_interrupts = 0
+    while True:
+        codes = [p.poll() for p in procs]
+        now = time.monotonic()
+        if seen_interrupts < len(interrupts):
+            seen_interrupts = len(interrupts)
+            out.note(f"got {signal.Signals(interrupts[-1]).name}; passed it on to the "
+                     f"processes" + (" as SIGKILL" if seen_interrupts > 1 else ""))
+        for rank, code in enumerate(codes):
+            if failed_rank is None and code is not None and code != 0:
+                failed_rank = rank
+                grace_deadline = now + grace_s
+                running = [r for r, c in enumerate(codes) if c is None]
+                out.note(f"rank {rank} {_describe(code)}" + (
+                    f"; giving ranks {running} {grace_s:g} s to finish" if running else ""))
+        if all(c is not None for c in codes):
+            break
+        if grace_deadline is not None and now >= grace_deadline:
+            break
+        if job_deadline is not None and now >= job_deadline:
+            timed_out = True
+            out.note(f"the job ran past its timeout of {timeout_s:g} s")
+            break
+        time.sleep(_POLL_S)
+
+    terminated = _terminate([p for p in procs if p.poll() is None], out)
+    codes = [p.returncode for p in procs]
+    terminated_ranks = [procs.index(p) for p in terminated]
+    if terminated_ranks:
+        out.note(f"terminated ranks {terminated_ranks}")
+    if interrupts:
+        status = 128 + interrupts[0]
+    elif failed_rank is not None:
+        status = _exit_status(codes[failed_rank])  # type: ignore[arg-type]
+    elif timed_out:
+        status = TIMEOUT_EXIT
+    else:
+        # All exited 0, or one failed only while being terminated at the deadline.
+        bad = [r for r, c in enumerate(codes) if c not in (0, None)]
+        status = _exit_status(codes[bad[0]]) if bad else 0  # type: ignore[arg-type]
+    return LaunchResult(returncode=status, returncodes=codes, failed_rank=failed_rank,
+                        terminated=terminated_ranks, timed_out=timed_out)
+
+
+def _terminate(live: list[subprocess.Popen], out: _Output) -> list[subprocess.Popen]:
+    """SIGTERM, then after TERM_TIMEOUT_S SIGKILL; returns the processes it signalled."""
+    if not live:
+        return []
+    for p in live:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + TERM_TIMEOUT_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in live):
+        time.sleep(_POLL_S)
+    stubborn = [p for p in live if p.poll() is None]
+    for p in stubborn:
+        _signal_group(p, signal.SIGKILL)
+    for p in stubborn:
+        try:
+            p.wait(_DRAIN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            out.note(f"pid {p.pid} survived SIGKILL for {_DRAIN_TIMEOUT_S:g} s "
+                     f"(uninterruptible sleep?); not waiting for it")
+    return live
+
+
+def run(argv: str | Sequence[str], n: int, **kwargs: object) -> int:
+    """Runs a job like :func:`launch` and returns the launcher's exit status.
+
+    ``argv`` may be a script path alone. Output is printed with rank prefixes.
+
+    Example::
+
+        from jaxcomm import launch
+        assert launch.run("examples/multiprocess_psum.py", 2, devices_per_process=2) == 0
+    """
+    if isinstance(argv, str):
+        argv = [argv]
+    return launch(argv, n, **kwargs).returncode  # type: ignore[arg-type]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m jaxcomm.launch``; returns the exit status."""
+    from jaxcomm.launch.__main__ import main as cli_main
+    return cli_main(argv)
