@@ -255,9 +255,13 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
 
 namespace {
 
+// Combines two 64-bit values so that any change of either changes every output bit
+// with probability 1/2 (splitmix64's finalizer).
 uint64_t Mix(uint64_t h, uint64_t v) {
-  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-  return h;
+  uint64_t z = h ^ (v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
 }
 
 std::string RankList(const std::vector<int>& ranks, const std::vector<int64_t>& group) {
@@ -297,7 +301,8 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
         fingerprint = Mix(fingerprint, b);
       }
       auto p = std::make_shared<ExchangePlan>();
-      p->key = Mix(instruction_key_, static_cast<uint64_t>(round->group_index)) | 1;
+      p->key = Mix(instruction_key_, static_cast<uint64_t>(round->group_index));
+      if (p->key == 0) p->key = 1;  // 0 marks a free shared slot
       p->fingerprint = fingerprint;
       p->peers = l.processes;
       for (const auto& ranks : l.remote) {

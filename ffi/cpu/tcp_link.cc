@@ -57,7 +57,9 @@ std::string ReadAll(int fd, void* buf, size_t n, Clock::time_point deadline, con
       n -= static_cast<size_t>(r);
       continue;
     }
-    if (r == 0) return "connection closed by the peer (its process exited?)";
+    if (r == 0 || (r < 0 && errno == ECONNRESET)) {
+      return "connection closed by the peer (its process exited?)";
+    }
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) return Errno("recv");
     if (stop && stop->load()) return "link closed";

@@ -1,0 +1,90 @@
+"""Runs every jaxcomm collective over meshes that span processes, checked against NumPy.
+
+Run by tests/test_multiprocess.py as the body of a launched job (tests/mp_util.py's
+prologue defines RANK, NPROC, LOCAL, np, jax, jnp, P, jaxcomm). Each device holds a
+(4, 6) block of a global array X of shape (partitions, 4, 6) that every process can
+rebuild from the seed, so each process checks its own devices' results with NumPy.
+Prints "CHECKED <name>" per case and raises on the first mismatch.
+"""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxcomm
+
+
+def groups_of(mesh, axes):
+    """partition -> (group as partitions in rank order, rank), for a collective over axes."""
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    names = list(mesh.axis_names)
+    order = [names.index(a) for a in axes] 
+    rest = [i for i in range(len(names)) if i not in order]
+    moved = np.transpose(ids, rest + order).reshape(-1, int(np.prod([ids.shape[i] for i in order])))
+    where = {}
+    for g in moved:
+        for r, p in enumerate(g):
+            where[int(p)] = (list(map(int, g)), r)
+    return where
+
+
+def run_case(name, mesh, axes, f, expected):
+    """Runs f per device under shard_map; expected(X, group, rank) gives one block."""
+    n = mesh.devices.size
+    X = np.random.default_rng(7).standard_normal((n, 4, 6)).astype(np.float32)
+    spec = P(tuple(mesh.axis_names))
+    sharding = NamedSharding(mesh, spec)
+    flat = list(mesh.devices.reshape(-1))
+    local = {d: X[flat.index(d)] for d in jax.local_devices() if d in flat}
+    arr = jax.make_array_from_single_device_arrays(
+        (n * 4, 6), sharding, [jax.device_put(local[d], d) for d in local])
+    out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))(arr)
+    where = groups_of(mesh, axes)
+    for shard in out.addressable_shards:
+        p = flat.index(shard.device)
+        group, rank = where[p]
+        want = expected(X, group, rank)
+        np.testing.assert_allclose(np.asarray(shard.data), want, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{name} on partition {p} (rank {rank} of {group})")
+    print("CHECKED", name, flush=True)
+
+
+def check_all(mesh, axes, tag):
+    a = axes if len(axes) > 1 else axes[0]
+    G = int(np.prod([mesh.shape[x] for x in axes]))
+    run_case(f"{tag} all_reduce sum", mesh, axes, lambda x: jaxcomm.all_reduce(x, a),
+             lambda X, g, r: X[g].sum(0))
+    run_case(f"{tag} all_reduce max", mesh, axes, lambda x: jaxcomm.all_reduce(x, a, op="max"),
+             lambda X, g, r: X[g].max(0))
+    run_case(f"{tag} all_gather", mesh, axes,
+             lambda x: jaxcomm.all_gather(x, a, tiled=True).reshape(G, 4, 6).sum(0) + jaxcomm.all_gather(x, a, tiled=True)[:4],
+             lambda X, g, r: X[g].sum(0) + X[g[0]])
+    chunks = lambda x: jnp.concatenate([x * (k + 1) + k for k in range(G)])
+    run_case(f"{tag} reduce_scatter", mesh, axes,
+             lambda x: jaxcomm.reduce_scatter(chunks(x), a, scatter_dimension=0, tiled=True),
+             lambda X, g, r: (X[g] * (r + 1) + r).sum(0))
+    run_case(f"{tag} all_to_all", mesh, axes,
+             lambda x: jaxcomm.all_to_all(chunks(x), a, 0, 0, tiled=True).reshape(G, 4, 6)[::-1].sum(0) * 0 + jaxcomm.all_to_all(chunks(x), a, 0, 0, tiled=True)[-4:],
+             lambda X, g, r: X[g[-1]] * (r + 1) + r)
+    perm = [(i, (i + 1) % G) for i in range(G)]
+    run_case(f"{tag} ppermute", mesh, axes, lambda x: jaxcomm.ppermute(x, a, perm),
+             lambda X, g, r: X[g[(r - 1) % G]])
+    run_case(f"{tag} broadcast", mesh, axes, lambda x: jaxcomm.broadcast(x, a, root=G - 1),
+             lambda X, g, r: X[g[-1]])
+
+
+devices = np.asarray(jax.devices()).reshape(NPROC, LOCAL)
+if LOCAL > 1:
+    # "p" crosses processes, "l" stays in one; the pair mixes both.
+    mesh2 = jax.sharding.Mesh(devices, ("p", "l"))
+    check_all(mesh2, ("p",), "p")
+    check_all(mesh2, ("l",), "l")
+    check_all(mesh2, ("p", "l"), "pl")
+    # Groups that hold one device of each process, in an order unlike the processes'.
+    mesh_t = jax.sharding.Mesh(devices.T[:, ::-1], ("l", "p"))
+    check_all(mesh_t, ("p",), "transposed p")
+else:
+    mesh1 = jax.sharding.Mesh(devices.reshape(-1)[::-1], ("x",))
+    check_all(mesh1, ("x",), "x")
+print("ALL CHECKED", flush=True)

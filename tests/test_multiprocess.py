@@ -1,0 +1,150 @@
+"""jaxcomm collectives across processes (jax.distributed jobs started by jaxcomm.launch).
+
+Each test launches a small job on 127.0.0.1 (tests/mp_util.py) and checks every rank's
+results against NumPy (tests/multiprocess/check_ops.py), or the errors the survivors of a
+failing job raise: they must name the missing process, its ranks, the op and the call.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+
+import pytest
+
+from mp_util import assert_ok, run_script
+
+HERE = pathlib.Path(__file__).parent
+CHECK_OPS = (HERE / "multiprocess" / "check_ops.py").read_text()
+
+
+def jaxcomm_segments() -> set[str]:
+    """Names in /dev/shm that a jaxcomm job could have left behind."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if "jaxcomm" in n}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.mark.parametrize("processes,devices,transport", [
+    (2, 1, "auto"),
+    (2, 2, "auto"),
+    (4, 1, "auto"),
+    (2, 2, "tcp"),
+    (4, 2, "tcp"),
+])
+def test_every_op_matches_numpy_across_processes(processes: int, devices: int, transport: str) -> None:
+    before = jaxcomm_segments()
+    res = run_script(CHECK_OPS, processes, devices, env={"JAXCOMM_TRANSPORT": transport},
+                     timeout_s=180)
+    assert_ok(res)
+    for rank in range(processes):
+        assert "ALL CHECKED" in res.output[rank], res.format()
+        # Seven ops per mesh axis case: none silently skipped.
+        assert res.output[rank].count("CHECKED") >= 8
+    assert jaxcomm_segments() <= before
+
+
+KILLED_MID_COLLECTIVE = """
+import threading, signal
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
+step = jax.jit(jax.shard_map(
+    lambda v: jax.lax.fori_loop(0, 50, lambda i, a: jaxcomm.all_reduce(a, "x") * 0.5, v),
+    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+x = jax.device_put(np.ones((jax.device_count() * 65536,), np.float32), NamedSharding(mesh, P("x")))
+step(x).block_until_ready()
+print("WARM", flush=True)
+if RANK == 1:
+    # Dies while the others are inside the loop's collectives.
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+try:
+    for _ in range(10000):
+        step(x).block_until_ready()
+    print("NO ERROR", flush=True)
+except Exception as e:
+    print("ERROR", str(e).replace("\\n", " "), flush=True)
+    os._exit(3)
+"""
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_killed_process_is_named_by_the_survivors(transport: str) -> None:
+    before = jaxcomm_segments()
+    res = run_script(KILLED_MID_COLLECTIVE, 2, 1, env={"JAXCOMM_TRANSPORT": transport,
+                                                       "JAXCOMM_TIMEOUT_S": "60"},
+                     timeout_s=90, grace_s=20)
+    assert res.returncode != 0
+    out = res.output[0]
+    assert "WARM" in out and "NO ERROR" not in out, res.format()
+    line = next(l for l in out.splitlines() if "ERROR" in l)
+    # Detected directly (the process is gone / its connection closed), long before the
+    # 60 s deadline, and named with its host, ranks, the op and the call.
+    assert "timed out" not in line, line
+    assert re.search(r"process 1 \(host \S+ \(127\.0\.0\.1\), pid \d+\) with ranks \[1\]", line), line
+    assert "jaxcomm.all_reduce over axis 'x'" in line and re.search(r"execution #\d+", line), line
+    assert ("exited" in line) if transport == "auto" else ("connection closed" in line), line
+    assert jaxcomm_segments() <= before
+
+
+LATE_PROCESS = """
+import time
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
+f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_gather(v, "x", tiled=True, timeout_s=2.0),
+                          mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+x = jax.device_put(np.arange(jax.device_count(), dtype=np.float32), NamedSharding(mesh, P("x")))
+f.lower(x).compile()
+if RANK == 1:
+    time.sleep(6)   # alive, but never arrives within the deadline
+    os._exit(0)
+try:
+    f(x).block_until_ready()
+    print("NO ERROR", flush=True)
+except Exception as e:
+    print("ERROR", str(e).replace("\\n", " "), flush=True)
+os._exit(0)
+"""
+
+
+def test_timeout_names_the_process_that_did_not_arrive() -> None:
+    res = run_script(LATE_PROCESS, 2, 1, timeout_s=60, grace_s=10)
+    line = next((l for l in res.output[0].splitlines() if "ERROR" in l), "")
+    assert line.startswith("ERROR DEADLINE_EXCEEDED"), res.format()
+    assert "timed out" in line and "process 1" in line and "ranks [1]" in line, line
+    assert "did not arrive at this call" in line and "jaxcomm.all_gather" in line, line
+
+
+TWO_MESHES = """
+devices = np.asarray(jax.devices())
+dp = jax.sharding.Mesh(devices.reshape(NPROC, LOCAL), ("dp", "ep"))
+ep = jax.sharding.Mesh(devices.reshape(NPROC, LOCAL).T, ("ep", "dp"))
+def program(mesh):
+    def body(v):
+        a = jaxcomm.all_reduce(v, "dp")
+        b = jaxcomm.all_gather(v, "ep", tiled=True)
+        return a + b.reshape(-1, *v.shape).sum(0)
+    spec = P(("dp", "ep") if mesh is dp else ("ep", "dp"))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)), spec
+X = np.arange(jax.device_count() * 3, dtype=np.float32).reshape(-1, 3)
+for it in range(3):
+    for mesh in (dp, ep):
+        f, spec = program(mesh)
+        out = f(jax.device_put(X, NamedSharding(mesh, spec)))
+        flat = list(mesh.devices.reshape(-1))
+        grid = np.arange(len(flat)).reshape(mesh.devices.shape)
+        for shard in out.addressable_shards:
+            p = flat.index(shard.device)
+            i, j = map(int, np.argwhere(grid == p)[0])
+            dp_axis = mesh.axis_names.index("dp")
+            dp_group = grid[:, j] if dp_axis == 0 else grid[i, :]
+            ep_group = grid[i, :] if dp_axis == 0 else grid[:, j]
+            want = X[dp_group].sum(0) + X[ep_group].sum(0)
+            np.testing.assert_allclose(np.asarray(shard.data)[0], want, err_msg=f"iteration {it}")
+print("ALTERNATED", flush=True)
+"""
+
+
+def test_two_meshes_used_alternately_never_mix() -> None:
+    res = run_script(TWO_MESHES, 2, 2, timeout_s=120)
+    assert_ok(res)
+    assert all("ALTERNATED" in res.output[r] for r in range(2))
