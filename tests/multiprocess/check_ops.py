@@ -73,6 +73,24 @@ def check_all(mesh, axes, tag):
     run_case(f"{tag} broadcast", mesh, axes, lambda x: jaxcomm.broadcast(x, a, root=G - 1),
              lambda X, g, r: X[g[-1]])
 
+    # Rank s sends rows [0, (s + d) % 3 + 1) of its block to rank d, at rows 4 s of d's output.
+    def ragged(x):
+        r = jax.lax.axis_index(a)
+        ks = jnp.arange(G, dtype=jnp.int32)
+        sizes = (r + ks) % 3 + 1
+        return jaxcomm.ragged_all_to_all(
+            jnp.tile(x, (G, 1)), jnp.zeros((4 * G, 6), x.dtype), 4 * ks, sizes,
+            jnp.full((G,), 4 * r, jnp.int32), sizes, axis_name=a)
+
+    def ragged_expected(X, g, d):
+        out = np.zeros((4 * G, 6), np.float32)
+        for s, p in enumerate(g):
+            n = (s + d) % 3 + 1
+            out[4 * s:4 * s + n] = X[p][:n]
+        return out
+
+    run_case(f"{tag} ragged_all_to_all", mesh, axes, ragged, ragged_expected)
+
 
 devices = np.asarray(jax.devices()).reshape(NPROC, LOCAL)
 if LOCAL > 1:
