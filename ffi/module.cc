@@ -3,6 +3,7 @@
 // reach XLA only through the FFI C API table passed at call time.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <chrono>
 #include <memory>
@@ -11,6 +12,7 @@
 
 #include "core/registry.h"
 #include "core/rendezvous.h"
+#include "cpu/ft.h"
 #include "cpu/handlers.h"
 #include "cpu/moe_kernels.h"
 #include "cpu/ragged.h"
@@ -61,6 +63,7 @@ NB_MODULE(_jaxcomm, m) {
     targets["broadcast"] = stages(jaxcomm::cpu::kBroadcast);
     targets["ragged_all_to_all"] = stages(jaxcomm::cpu::kRaggedAllToAll);
     targets["moe_transport"] = stages(jaxcomm::cpu::kMoeTransport);
+    targets["ft_all_reduce"] = stages(jaxcomm::cpu::kFtAllReduce);
     return targets;
   }, "Maps op name -> {stage: handler capsule} for platform 'cpu'.");
 
@@ -106,6 +109,9 @@ NB_MODULE(_jaxcomm, m) {
   }, nb::arg("process"), nb::arg("host"), nb::arg("label"), nb::arg("pid"), nb::arg("control_fd"),
      nb::arg("control_bytes"), nb::arg("port"), nb::arg("shared_memory"), nb::arg("timeout_ms"),
      "Links peer `process` through shared memory or TCP (idempotent).");
+
+  m.def("excluded_processes", [] { return World().excluded(); },
+        "Processes left out after they failed in a fault-tolerant collective.");
 
   m.def("transport_linked", [](int64_t process) { return World().Linked(process); },
         "Whether peer `process` is linked.");

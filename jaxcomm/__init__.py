@@ -13,7 +13,7 @@ from jaxcomm._src.ops.permute import ppermute
 from jaxcomm._src.ops.ragged import ragged_all_to_all
 from jaxcomm._src.ops.reduce import all_reduce, reduce_scatter
 
-from jaxcomm import moe  # noqa: E402  (jaxcomm.moe.dispatch / combine)
+from jaxcomm import ft, moe  # noqa: E402  (jaxcomm.ft.all_reduce, jaxcomm.moe.dispatch / combine)
 
 __version__ = "0.1.0"
 
@@ -22,6 +22,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "ft",
     "init",
     "moe",
     "ppermute",

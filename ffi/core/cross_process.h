@@ -31,6 +31,9 @@ struct ExchangePlan {
   std::vector<int64_t> peers;          // the other processes of the group
   std::vector<size_t> peer_bytes;      // the size of each peer's contribution
   std::vector<std::string> peer_desc;  // each peer's ranks, for messages ("ranks [1] ...")
+  // Fault-tolerant calls: the plan of the second phase, in which the survivors agree on
+  // whose contributions count (each sends one byte per process of the group).
+  std::shared_ptr<const ExchangePlan> agreement;
 };
 
 struct ExchangeSpec {
@@ -39,6 +42,10 @@ struct ExchangeSpec {
   // This process's contribution, in order: what the peers read.
   std::vector<std::pair<const void*, size_t>> mine;
   std::chrono::steady_clock::time_point deadline;
+  // Fault tolerant: a peer that dies or misses the deadline is left out (its blob is
+  // nullptr) instead of failing the exchange, the survivors agree on who is left out,
+  // and those stay out of every later exchange (the group shrinks).
+  bool tolerant = false;
 };
 
 // Called once: with the peers' contributions (same order as spec.peers) or an error.

@@ -21,6 +21,7 @@ struct Round {
   std::vector<int64_t> partitions;
   int arrived = 0;
   int parts = 1;
+  bool tolerant = false;
   int64_t execution = 0;
   int64_t group_index = 0;
   std::shared_ptr<const std::vector<int64_t>> group;
@@ -213,6 +214,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         const size_t my_bytes = call.work_bytes / size * local;
         round->parts = my_bytes < kSplitBytes ? 1 : std::min(call.split_by_rank ? local : size, kMaxParts);
         round->timeout = call.timeout;
+        round->tolerant = call.tolerant;
         round->op = std::string(call.ctx.op);
         round->axis = std::string(call.ctx.axis);
         round->call_site = std::string(call.ctx.call_site);
@@ -309,6 +311,13 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
         p->peer_bytes.push_back(per_rank * ranks.size());
         p->peer_desc.push_back(RankList(ranks, *round->group));
       }
+      if (round->tolerant) {
+        auto agreement = std::make_shared<ExchangePlan>(*p);
+        agreement->key = Mix(p->key, 0x61677265656d656eull);  // "agreemen"
+        agreement->fingerprint = Mix(p->fingerprint, 1);
+        agreement->peer_bytes.assign(l.processes.size(), l.processes.size() + 1);
+        p->agreement = std::move(agreement);
+      }
       l.plan = std::move(p);
     }
     plan = l.plan;
@@ -317,6 +326,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
   ExchangeSpec spec;
   spec.plan = plan;
   spec.seq = round->execution;
+  spec.tolerant = round->tolerant;
   for (int r : layout.local) {
     const Peer& p = round->peers[r];
     spec.mine.emplace_back(p.in, p.in_bytes);
@@ -342,6 +352,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
       for (int r : layout.remote[i]) {
         Peer& p = round->peers[r];
         p = Peer{};
+        if (at == nullptr) continue;  // left out of a fault-tolerant call
         p.in = at;
         p.in_bytes = shape.in_bytes;
         at += shape.in_bytes;

@@ -43,6 +43,8 @@ struct Peer {
   void* out = nullptr;
   // Further per-rank operands of ops that take several (e.g. offsets and sizes).
   std::array<const void*, 4> aux{};
+  // A second result, where an op has one (ft all_reduce's contributor mask).
+  void* out_aux = nullptr;
   // Sizes of `in` and `aux`: what crosses to other processes. The same on every rank.
   size_t in_bytes = 0;
   std::array<size_t, 4> aux_bytes{};
@@ -62,6 +64,9 @@ struct CollectiveCall {
   // Whether the work splits by destination rank (parts beyond this process's ranks would
   // idle) or by element ranges (any number of parts helps, e.g. all_reduce).
   bool split_by_rank = true;
+  // Fault tolerant (ft.all_reduce): ranks of processes that die or miss the deadline are
+  // left out (their Peer has no `in`) instead of failing the call.
+  bool tolerant = false;
 };
 
 struct Round;

@@ -48,7 +48,7 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
         size_t begin = std::min(n, chunk * part), end = std::min(n, begin + chunk);
         return Reduce(dtype, op, in, out, begin, end);
       };
-  return Launch(c, mine, 2 * x.size_bytes() * group_size, std::move(work), /*split_by_rank=*/false);
+  return Launch(c, mine, 2 * x.size_bytes() * group_size, std::move(work), LaunchOptions{/*split_by_rank=*/false});
 }
 
 // ---------------------------------------------------------------------------- all_gather

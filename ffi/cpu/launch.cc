@@ -63,7 +63,7 @@ ffi::Future Reject(const Common& c, const std::string& why) {
   return Failed(ffi::Error::InvalidArgument(Describe(c).Describe() + ": " + why));
 }
 
-ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, bool split_by_rank) {
+ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options) {
   CollectiveCall call;
   call.ctx = Describe(c);
   if (call.ctx.rank < 0) {
@@ -75,7 +75,8 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, b
   call.mine = mine;
   call.timeout = std::chrono::milliseconds(std::max<int64_t>(c.timeout_ms, 1));
   call.work_bytes = work_bytes;
-  call.split_by_rank = split_by_rank;
+  call.split_by_rank = options.split_by_rank;
+  call.tolerant = options.tolerant;
   return c.state->table->Arrive(call, std::make_shared<const WorkFn>(std::move(work)));
 }
 

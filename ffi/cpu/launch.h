@@ -69,8 +69,12 @@ int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to);
 
 // Locates this rank and joins the call with this rank's buffers `mine`; the future
 // completes when this rank's result is written (see core/rendezvous.h).
-// `split_by_rank`: see CollectiveCall.
-ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, bool split_by_rank = true);
+// How a call's work may be split and whether it tolerates failed peers (see CollectiveCall).
+struct LaunchOptions {
+  bool split_by_rank = true;
+  bool tolerant = false;
+};
+ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options = {});
 
 // Futures for handlers that finish (or fail validation) without meeting their peers.
 ffi::Future Done();

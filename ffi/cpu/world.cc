@@ -60,7 +60,8 @@ struct World::Pending {
   ExchangeDone done;
   std::vector<std::shared_ptr<PeerLink>> links;
   std::vector<const char*> blobs;
-  size_t gathered = 0;
+  std::vector<bool> left_out;  // tolerant exchanges: peers given up on
+  size_t settled = 0;          // peers gathered or left out
   bool published = false;
   Clock::time_point next_check{};
 };
@@ -154,17 +155,41 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
   auto p = std::make_unique<Pending>();
   p->spec = std::move(spec);
   p->done = std::move(done);
-  p->blobs.assign(p->spec.plan->peers.size(), nullptr);
-  for (int64_t q : p->spec.plan->peers) {
-    auto link = Peer(q);
+  const auto& peers = p->spec.plan->peers;
+  p->blobs.assign(peers.size(), nullptr);
+  p->left_out.assign(peers.size(), false);
+  for (size_t i = 0; i < peers.size(); ++i) {
+    auto link = Peer(peers[i]);
     if (!link) {
-      p->done("process " + std::to_string(q) +
+      p->done("process " + std::to_string(peers[i]) +
                   " is not linked to this one (jaxcomm links the processes of a group when a "
                   "program using it is lowered, through jax.distributed)",
               false, {});
       return;
     }
+    if (Excluded(peers[i])) {
+      if (!p->spec.tolerant) {
+        p->done(link->Describe() + " with " + p->spec.plan->peer_desc[i] +
+                    " was left out of the job after it failed in a fault-tolerant collective",
+                false, {});
+        return;
+      }
+      p->left_out[i] = true;
+      ++p->settled;
+    }
     p->links.push_back(std::move(link));
+  }
+  if (p->spec.tolerant && p->spec.plan->agreement) {
+    // Phase 1 gathers what arrives; phase 2 makes the survivors agree on it.
+    auto then = std::move(p->done);
+    const int64_t seq = p->spec.seq;
+    const auto deadline = p->spec.deadline;
+    std::shared_ptr<const ExchangePlan> plan = p->spec.plan;
+    p->done = [this, then, plan, seq, deadline](const std::string& error, bool timed_out,
+                                                const std::vector<const char*>& blobs) {
+      if (!error.empty()) return then(error, timed_out, blobs);
+      Agree(plan, seq, deadline, blobs, then);
+    };
   }
   // The peers are often there already, or within microseconds: finish on this thread.
   const auto spin_until = Clock::now() + Registry::Get().spin();
@@ -178,6 +203,66 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
     pending_.push_back(std::move(p));
   }
   Wake();
+}
+
+void World::Agree(std::shared_ptr<const ExchangePlan> plan, int64_t seq,
+                  std::chrono::steady_clock::time_point deadline, std::vector<const char*> blobs,
+                  ExchangeDone then) {
+  // Every process states whom it heard from, over the group's processes in one order
+  // (sorted, this one included); a process counts when every survivor heard from it.
+  std::vector<int64_t> all = plan->peers;
+  all.push_back(process_);
+  std::sort(all.begin(), all.end());
+  auto heard = std::make_shared<std::vector<uint8_t>>(all.size(), 0);
+  for (size_t k = 0; k < all.size(); ++k) {
+    if (all[k] == process_) {
+      (*heard)[k] = 1;
+      continue;
+    }
+    const size_t i = std::find(plan->peers.begin(), plan->peers.end(), all[k]) - plan->peers.begin();
+    (*heard)[k] = blobs[i] != nullptr;
+    if (!blobs[i]) Exclude(all[k]);
+  }
+  ExchangeSpec spec;
+  spec.plan = plan->agreement;
+  spec.seq = seq;
+  spec.tolerant = true;
+  spec.mine = {{heard->data(), heard->size()}};
+  // The survivors are all here already, or gone: a second full timeout is not needed,
+  // but a slow one gets the same margin as the first phase had.
+  spec.deadline = std::max(deadline, Clock::now()) + std::chrono::seconds(1);
+  Exchange(std::move(spec), [this, plan, blobs, heard, all, then](
+                                const std::string& error, bool timed_out,
+                                const std::vector<const char*>& views) mutable {
+    if (!error.empty()) return then(error, timed_out, {});
+    for (size_t i = 0; i < plan->peers.size(); ++i) {
+      const size_t k = std::find(all.begin(), all.end(), plan->peers[i]) - all.begin();
+      bool counted = blobs[i] != nullptr && views[i] != nullptr;
+      for (size_t j = 0; j < views.size() && counted; ++j) {
+        if (views[j] != nullptr && views[j][k] == 0) counted = false;
+      }
+      if (!counted) {
+        blobs[i] = nullptr;
+        Exclude(plan->peers[i]);
+      }
+    }
+    then("", false, blobs);
+  });
+}
+
+bool World::Excluded(int64_t process) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return excluded_.count(process) > 0;
+}
+
+void World::Exclude(int64_t process) {
+  std::lock_guard<std::mutex> lock(mu_);
+  excluded_.insert(process);
+}
+
+std::vector<int64_t> World::excluded() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::vector<int64_t>(excluded_.begin(), excluded_.end());
 }
 
 bool World::Advance(Pending& p) {
@@ -198,13 +283,13 @@ bool World::Advance(Pending& p) {
       // Slots are double-buffered by the round's parity: the peers must have read the
       // round before the previous one before its buffer is overwritten.
       if (s.seq > 2) {
-        for (auto& link : p.links) {
-          if (!link->shm) continue;
-          std::lock_guard<std::mutex> lock(link->mu);
-          const SlotEntry* theirs = link->shm->Find(plan.key);
+        for (size_t i = 0; i < p.links.size(); ++i) {
+          PeerLink& link = *p.links[i];
+          if (!link.shm || p.left_out[i]) continue;
+          std::lock_guard<std::mutex> lock(link.mu);
+          const SlotEntry* theirs = link.shm->Find(plan.key);
           if (!theirs || theirs->done.load(std::memory_order_acquire) < s.seq - 2) {
-            error = Failure(p);
-            if (!error.empty()) {
+            if (Failure(p, &error)) {
               p.done(error, Clock::now() >= s.deadline, {});
               return true;
             }
@@ -219,19 +304,23 @@ bool World::Advance(Pending& p) {
       }
       slot->published.store(s.seq, std::memory_order_release);
     }
-    for (auto& link : p.links) {
-      if (!link->tcp) continue;
-      error = link->tcp->Send(plan.key, s.seq, plan.fingerprint, s.mine, s.deadline);
-      if (!error.empty()) {
-        p.done("sending to " + link->Describe() + " with " + plan.peer_desc[&link - p.links.data()] + ": " + error,
-               false, {});
-        return true;
+    for (size_t i = 0; i < p.links.size(); ++i) {
+      PeerLink& link = *p.links[i];
+      if (!link.tcp || p.left_out[i]) continue;
+      error = link.tcp->Send(plan.key, s.seq, plan.fingerprint, s.mine, s.deadline);
+      if (error.empty()) continue;
+      if (s.tolerant) {
+        p.left_out[i] = true;
+        ++p.settled;
+        continue;
       }
+      p.done("sending to " + link.Describe() + " with " + plan.peer_desc[i] + ": " + error, false, {});
+      return true;
     }
     p.published = true;
   }
   for (size_t i = 0; i < p.links.size(); ++i) {
-    if (p.blobs[i]) continue;
+    if (p.blobs[i] || p.left_out[i]) continue;
     PeerLink& link = *p.links[i];
     uint64_t fingerprint = 0, bytes = 0;
     const char* data = nullptr;
@@ -242,17 +331,17 @@ bool World::Advance(Pending& p) {
       fingerprint = e->fingerprint;
       bytes = e->bytes;
       data = link.shm->Data(*e, &error);
-      if (data) data += Parity(s.seq) * bytes;
       if (!data) {
         p.done("reading the shared memory of " + link.Describe() + ": " + error, false, {});
         return true;
       }
+      data += Parity(s.seq) * bytes;
     } else {
       const TcpLink::Frame* f = link.tcp->Find(plan.key, s.seq);
       if (!f) continue;
       fingerprint = f->fingerprint;
       bytes = f->bytes.size();
-      data = f->bytes.data();
+      data = f->bytes.empty() ? "" : f->bytes.data();  // non-null: it arrived
     }
     if (fingerprint != plan.fingerprint || bytes != plan.peer_bytes[i]) {
       p.done(link.Describe() + " with " + plan.peer_desc[i] +
@@ -262,38 +351,60 @@ bool World::Advance(Pending& p) {
              false, {});
       return true;
     }
-    p.blobs[i] = data == nullptr ? "" : data;
-    ++p.gathered;
+    p.blobs[i] = data;
+    ++p.settled;
   }
-  if (p.gathered == p.links.size()) {
+  if (p.settled == p.links.size()) {
     p.done("", false, p.blobs);
     return true;
   }
-  error = Failure(p);
-  if (!error.empty()) {
+  if (Failure(p, &error)) {
     p.done(error, Clock::now() >= s.deadline, {});
+    return true;
+  }
+  // A tolerant exchange may have given up on its last missing peer just now.
+  if (p.settled == p.links.size()) {
+    p.done("", false, p.blobs);
     return true;
   }
   return false;
 }
 
-std::string World::Failure(Pending& p) {
+bool World::Failure(Pending& p, std::string* error) {
   const auto now = Clock::now();
   const ExchangeSpec& s = p.spec;
   const ExchangePlan& plan = *s.plan;
-  if (now < p.next_check && now < s.deadline) return "";
+  if (now < p.next_check && now < s.deadline) return false;
   p.next_check = now + kLivenessPeriod;
   for (size_t i = 0; i < p.links.size(); ++i) {
+    if (p.left_out[i]) continue;
     PeerLink& link = *p.links[i];
     std::string gone;
     if (link.tcp) gone = link.tcp->failure();
     if (gone.empty() && link.shm) gone = ProcessGone(link.pid);
-    if (!gone.empty()) {
-      return link.Describe() + " with " + plan.peer_desc[i] + " failed: " + gone +
-             (p.blobs[i] ? " after it arrived at this call" : " before it arrived at this call");
+    if (gone.empty()) continue;
+    if (s.tolerant) {
+      // Its contribution counts if it arrived before the end (shared memory outlives it).
+      if (!p.blobs[i]) {
+        p.left_out[i] = true;
+        ++p.settled;
+      }
+      continue;
     }
+    *error = link.Describe() + " with " + plan.peer_desc[i] + " failed: " + gone +
+             (p.blobs[i] ? " after it arrived at this call" : " before it arrived at this call");
+    return true;
   }
-  if (now < s.deadline) return "";
+  if (now < s.deadline) return false;
+  if (s.tolerant) {
+    for (size_t i = 0; i < p.links.size(); ++i) {
+      if (!p.blobs[i] && !p.left_out[i]) {
+        p.left_out[i] = true;
+        ++p.settled;
+      }
+    }
+    return false;
+  }
   std::ostringstream msg;
   msg << "timed out (timeout_s / JAXCOMM_TIMEOUT_S) waiting for ";
   bool first = true;
@@ -307,7 +418,8 @@ std::string World::Failure(Pending& p) {
   } else {
     msg << ", which did not arrive at this call";
   }
-  return msg.str();
+  *error = msg.str();
+  return true;
 }
 
 void World::Release(const ExchangePlan& plan, int64_t seq) {
@@ -325,6 +437,7 @@ void World::Release(const ExchangePlan& plan, int64_t seq) {
       slot->done.store(seq, std::memory_order_release);
     }
   }
+  if (plan.agreement) Release(*plan.agreement, seq);
 }
 
 void World::Wake() {
@@ -345,12 +458,12 @@ void World::Progress() {
     }
     bool progressed = false;
     for (auto& p : mine) {
-      const size_t before = p->gathered;
+      const size_t before = p->settled;
       if (Advance(*p)) {
         p.reset();
         progressed = true;
       } else {
-        progressed |= p->gathered != before;
+        progressed |= p->settled != before;
       }
     }
     mine.erase(std::remove(mine.begin(), mine.end(), nullptr), mine.end());

@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -54,15 +55,26 @@ class World : public CrossProcess {
   void Exchange(ExchangeSpec spec, ExchangeDone done) override;
   void Release(const ExchangePlan& plan, int64_t seq) override;
   bool Linked(int64_t p) const override;
+  // Processes left out after they failed in a fault-tolerant exchange.
+  std::vector<int64_t> excluded() const;
 
  private:
   struct PeerLink;
   struct Pending;
 
   std::shared_ptr<PeerLink> Peer(int64_t process) const;
-  // Advances `p` as far as it goes now; true when finished (done called or to be called).
+  // Advances `p` as far as it goes now; true when finished (done called).
   bool Advance(Pending& p);
-  std::string Failure(Pending& p);
+  // Checks the missing peers' health and the deadline (at most every 100 ms): true with
+  // `error` when the exchange fails; a tolerant exchange leaves such peers out instead.
+  bool Failure(Pending& p, std::string* error);
+  // Phase 2 of a tolerant exchange: the survivors tell each other whom they heard from,
+  // and keep the contributions that all of them received.
+  void Agree(std::shared_ptr<const ExchangePlan> plan, int64_t seq,
+             std::chrono::steady_clock::time_point deadline, std::vector<const char*> blobs,
+             ExchangeDone then);
+  bool Excluded(int64_t process) const;
+  void Exclude(int64_t process);
   void Progress();
   void Wake();
 
@@ -72,6 +84,7 @@ class World : public CrossProcess {
   std::unique_ptr<ShmOwner> shm_;
   std::unique_ptr<TcpListener> listener_;
   std::map<int64_t, std::shared_ptr<PeerLink>> peers_;
+  std::set<int64_t> excluded_;
   std::vector<std::unique_ptr<Pending>> pending_;
   std::atomic<int> wakes_{0};
   std::atomic<bool> stop_{false};

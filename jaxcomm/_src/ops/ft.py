@@ -1,0 +1,91 @@
+"""ft.all_reduce: a sum over the ranks that are still there, for data-parallel replicas.
+
+Handler: ffi/cpu/ft.cc; the tolerance itself lives in the cross-process exchange
+(ExchangeSpec::tolerant in ffi/core/cross_process.h, ffi/cpu/world.cc): a process that dies
+or misses the deadline is left out of the call, the survivors agree on who contributed,
+and the ones left out stay out of every later fault-tolerant call (the group shrinks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+from jax._src.interpreters import batching, mlir
+
+from jaxcomm._src import compat, groups, primitive
+from jaxcomm._src.ops import common
+
+ft_all_reduce_p = core.Primitive("jaxcomm_ft_all_reduce")
+ft_all_reduce_p.multiple_results = True
+ft_all_reduce_p.def_impl(primitive._outside_shard_map("ft.all_reduce"))
+
+
+def _abstract_eval(x: core.ShapedArray, *, axes: tuple, vma_checked: bool, **_: Any):
+    total = x.update(weak_type=False)
+    mask = core.ShapedArray((groups.group_size(axes),), jnp.bool_)
+    if vma_checked:  # the same on every survivor: invariant over the group's axes
+        varying = compat.vma(x) - frozenset(axes)
+        total, mask = compat.with_vma(total, varying), compat.with_vma(mask, varying)
+    return [total, mask], {compat.NamedAxisEffect(a) for a in axes}
+
+
+ft_all_reduce_p.def_effectful_abstract_eval(_abstract_eval)
+
+
+def _lowering(ctx: mlir.LoweringRuleContext, x: Any, **params: Any):
+    return primitive.lower_collective(ctx, "ft_all_reduce", [x], params, {})
+
+
+mlir.register_lowering(ft_all_reduce_p, _lowering, platform="cpu")
+
+
+def _batcher(axis_data: Any, vals_in: Any, dims_in: Any, **params: Any):
+    raise NotImplementedError("jaxcomm.ft.all_reduce under jax.vmap: call it on the batched "
+                              "array inside shard_map instead")
+
+
+batching.fancy_primitive_batchers[ft_all_reduce_p] = _batcher
+
+
+def all_reduce(x: jax.Array, axis_name: Any, *, timeout_s: float | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """Sums ``x`` over the ranks of ``axis_name`` that are alive and on time.
+
+    For data-parallel replicas in a multi-process job (one or more devices per process):
+    a process that died, or did not arrive within ``timeout_s``, is left out of this call
+    and of every later ``ft.all_reduce`` (the group shrinks); the survivors agree on who
+    contributed, so they all get the same sum and mask. Other jaxcomm collectives that
+    involve a process left out fail at once, naming it.
+
+    Args:
+      x: this rank's array, any shape, a dtype that supports addition.
+      axis_name: the mesh axis (or tuple of axes) of the replicas, bound by shard_map.
+      timeout_s: how long to wait for a silent (alive but stuck) process before leaving
+        it out; default JAXCOMM_TIMEOUT_S. Dead processes are detected within ~0.1 s.
+
+    Returns:
+      ``(total, contributed)``: ``total`` has x's shape and dtype, the sum over the ranks
+      whose ``contributed`` entry (bool ``[group size]``, in rank order) is True. Average a
+      gradient as ``total / contributed.sum()``.
+
+    Not differentiable (apply it to gradients, not through them). With
+    ``JAXCOMM_BACKEND=xla`` it is ``jax.lax.psum`` with an all-True mask (no tolerance).
+
+    Example::
+
+        def step(params, batch):
+            grads = jax.grad(loss)(params, batch)
+            total, alive = jaxcomm.ft.all_reduce(grads, "dp")
+            return params - lr * total / alive.sum()
+    """
+    x, params = common.prepare("ft.all_reduce", x, axis_name, timeout_s)
+    if not jnp.issubdtype(x.dtype, jnp.number):
+        raise TypeError(f"jaxcomm.ft.all_reduce: x must have a numeric dtype, got {x.dtype}")
+    if common.use_xla("ft.all_reduce", x.dtype):
+        size = groups.group_size(params["axes"])
+        return jax.lax.psum(x, params["axes"]), jnp.ones((size,), jnp.bool_)
+    total, mask = ft_all_reduce_p.bind(x, **params)
+    return total, mask
