@@ -22,7 +22,7 @@ import pytest
 
 from jaxcomm import launch
 from jaxcomm._src import distributed
-from mp_util import assert_ok, launch_script, results, run_script
+from mp_util import assert_ok, results, run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCH_VARS = distributed.LAUNCH_ENV + ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID",

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from typing import Any, Sequence
 
 from jaxcomm.bench import collectives, common, report
@@ -179,7 +180,8 @@ def _launch_once(argv: Sequence[str], args: argparse.Namespace, hugetlb: bool
         # The ranks' output (progress, errors) goes to stderr: stdout is for the tables.
         res = launch.launch(worker_argv, args.processes, devices_per_process=args.devices,
                             module=True, env=common.hugetlb_env(hugetlb), grace_s=args.grace,
-                            stdout=sys.stderr, stderr=sys.stderr)
+                            stdout=sys.stderr, stderr=sys.stderr,
+                            forward_signals=threading.current_thread() is threading.main_thread())
         try:
             with open(path) as f:
                 records = json.load(f)

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, Sequence
+from typing import IO, Sequence
 
 import jaxcomm
 from jaxcomm._src import distributed as _dist
@@ -315,6 +315,8 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
             previous[sig] = signal.signal(sig, forward)
     try:
         for rank in range(n):
+            if interrupts:
+                break  # interrupted while starting: the ranks started have the signal
             try:
                 # A session of its own: the launcher can signal everything a rank started,
                 # and a terminal's Ctrl-C reaches the launcher only, which forwards it.
@@ -359,7 +361,6 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
 def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
                timeout_s: float | None, interrupts: list[int]) -> LaunchResult:
     """Waits for the processes; on a failure, grace, then terminates the rest."""
-    n = len(procs)
     start = time.monotonic()
     job_deadline = start + timeout_s if timeout_s is not None else None
     failed_rank: int | None = None
@@ -438,7 +439,7 @@ def run(argv: str | Sequence[str], n: int, **kwargs: object) -> int:
     Example::
 
         from jaxcomm import launch
-        assert launch.run("examples/multiprocess_psum.py", 2, devices_per_process=2) == 0
+        status = launch.run("train.py", 2, devices_per_process=4)   # 0: all ranks exited 0
     """
     if isinstance(argv, str):
         argv = [argv]
