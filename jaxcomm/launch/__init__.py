@@ -233,6 +233,19 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    """SIGKILLs every live process (and what it started) and reaps it, within a deadline."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal_group(p, signal.SIGKILL)
+    deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass  # uninterruptible sleep: the kernel reaps it when it can
+
+
 def _remove_shm(job_id: str) -> list[str]:
     """Removes ``/dev/shm/jaxcomm-<job id>-*``; returns the paths it removed."""
     removed = []
@@ -325,9 +338,7 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, cwd=cwd, start_new_session=True)
             except OSError as exc:
-                for q in procs:
-                    _signal_group(q, signal.SIGKILL)
-                    q.wait()
+                _kill_all(procs)
                 raise RuntimeError(f"jaxcomm.launch: could not start rank {rank} "
                                    f"({' '.join(cmd)}): {exc}") from exc
             procs.append(p)
@@ -337,9 +348,7 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
-        for p in procs:  # only reached with live processes if the launcher itself failed
-            if p.poll() is None:
-                _signal_group(p, signal.SIGKILL)
+        _kill_all(procs)  # only finds live processes if the launcher itself failed
 
     drained = out.join(time.monotonic() + _DRAIN_TIMEOUT_S)
     if not drained:
