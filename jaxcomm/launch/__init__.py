@@ -339,7 +339,7 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
                                      stderr=subprocess.PIPE, cwd=cwd, start_new_session=True)
             except OSError as exc:
                 _kill_all(procs)
-                raise RuntimeError(f"jaxcomm.launch: could not start rank {rank} "
+                raise RuntimeError(f"could not start rank {rank} of {n} "
                                    f"({' '.join(cmd)}): {exc}") from exc
             procs.append(p)
             out.start(rank, "stdout", p.stdout)
