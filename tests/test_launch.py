@@ -22,7 +22,7 @@ import pytest
 
 from jaxcomm import launch
 from jaxcomm._src import distributed
-from mp_util import assert_ok, launch_script, results, run_script
+from mp_util import assert_ok, results, run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCH_VARS = distributed.LAUNCH_ENV + ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID",
@@ -417,3 +417,15 @@ def test_bench_latency_mode_reports_failing_sides_per_row(tmp_path):
             assert r["error"].startswith("jaxcomm: ") and r["jaxcomm_us"] is None, r
     assert proc.returncode == (1 if any(r["error"] for r in records) else 0), proc.stderr
     assert "all_reduce  (2 processes x 1 devices" in proc.stdout
+
+
+def test_single_process_bench_is_unchanged_by_the_sync_hook():
+    # The in-process suite has 8 devices; run() with no Sync keeps its own view.
+    from jaxcomm.bench import collectives
+    records = collectives.run(["all_reduce", "all_gather"], "64B", devices=4, iters=1,
+                              warmup=1)
+    assert [(r["op"], r["bytes"], r["processes"], r["devices"]) for r in records] == [
+        ("all_reduce", 64, 1, 4), ("all_gather", 64, 1, 4)]
+    for r in records:
+        assert r["error"] is None and r["match"] is True, r
+        assert r["jaxcomm_us"] > 0 and r["xla_us"] > 0

@@ -18,7 +18,7 @@ JAXCOMM_JOB_ID             identifies the job: letters and digits only. Shared-m
                            segments are named ``jaxcomm-<job id>-...`` (see
                            :func:`shm_prefix`); the launcher removes any left over
 JAXCOMM_LAUNCHER_PID       the launcher's pid; :func:`init` asks Linux to terminate the
-                           process if the launcher dies
+                           process when its parent (the launcher) dies
 =========================  ==================================================================
 
 Settings :func:`init` reads (keyword arguments take precedence):

@@ -549,14 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             records = records or []
         report.print_tables(records)
         all_records.extend(records)
-    report.print_targets(all_records)
-    if args.json:
-        report.write_json(all_records, args.json)
-        print(f"wrote {args.json}")
-    if args.plot and all_records:
-        report.plot(all_records, args.plot)
-        print(f"wrote {args.plot}")
-    bad_records = [r for r in all_records if r["error"] or r["match"] is False]
+    bad_records = report.finish(all_records, args.json, args.plot)
     return 1 if bad_records or failed_children else 0
 
 

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from typing import Any, Sequence
 
 from jaxcomm.bench import collectives, common, report
@@ -179,7 +180,8 @@ def _launch_once(argv: Sequence[str], args: argparse.Namespace, hugetlb: bool
         # The ranks' output (progress, errors) goes to stderr: stdout is for the tables.
         res = launch.launch(worker_argv, args.processes, devices_per_process=args.devices,
                             module=True, env=common.hugetlb_env(hugetlb), grace_s=args.grace,
-                            stdout=sys.stderr, stderr=sys.stderr)
+                            stdout=sys.stderr, stderr=sys.stderr,
+                            forward_signals=threading.current_thread() is threading.main_thread())
         try:
             with open(path) as f:
                 records = json.load(f)
@@ -239,14 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed |= not ok
         report.print_tables(records)
         all_records.extend(records)
-    report.print_targets(all_records, targets=TARGETS)
-    if args.json:
-        report.write_json(all_records, args.json)
-        print(f"wrote {args.json}")
-    if args.plot and all_records:
-        report.plot(all_records, args.plot)
-        print(f"wrote {args.plot}")
-    bad_records = [r for r in all_records if r["error"] or r["match"] is False]
+    bad_records = report.finish(all_records, args.json, args.plot, targets=TARGETS)
     return 1 if bad_records or failed else 0
 
 

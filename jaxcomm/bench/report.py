@@ -165,6 +165,23 @@ def print_targets(records: Sequence[Record], file: TextIO | None = None,
             print("  " + line, file=file)
 
 
+def finish(records: Sequence[Record], json_path: str | None = None,
+           plot_path: str | None = None,
+           targets: Sequence[tuple[str, Any, float]] = TARGETS) -> bool:
+    """Ends a benchmark run: the target summary, then JSON and plot files if asked.
+
+    Returns whether some record failed or disagreed with XLA (the run's exit status 1).
+    """
+    print_targets(records, targets=targets)
+    if json_path:
+        write_json(records, json_path)
+        print(f"wrote {json_path}")
+    if plot_path and records:
+        plot(records, plot_path)
+        print(f"wrote {plot_path}")
+    return any(r["error"] or r["match"] is False for r in records)
+
+
 def write_json(records: Sequence[Record], path: str) -> None:
     """Writes the records as one JSON list (NaN-free: missing figures are null)."""
     with open(path, "w") as f:

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, Sequence
+from typing import IO, Sequence
 
 import jaxcomm
 from jaxcomm._src import distributed as _dist
@@ -233,6 +233,19 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    """SIGKILLs every live process (and what it started) and reaps it, within a deadline."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _signal_group(p, signal.SIGKILL)
+    deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass  # uninterruptible sleep: the kernel reaps it when it can
+
+
 def _remove_shm(job_id: str) -> list[str]:
     """Removes ``/dev/shm/jaxcomm-<job id>-*``; returns the paths it removed."""
     removed = []
@@ -315,6 +328,8 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
             previous[sig] = signal.signal(sig, forward)
     try:
         for rank in range(n):
+            if interrupts:
+                break  # interrupted while starting: the ranks started have the signal
             try:
                 # A session of its own: the launcher can signal everything a rank started,
                 # and a terminal's Ctrl-C reaches the launcher only, which forwards it.
@@ -323,10 +338,8 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, cwd=cwd, start_new_session=True)
             except OSError as exc:
-                for q in procs:
-                    _signal_group(q, signal.SIGKILL)
-                    q.wait()
-                raise RuntimeError(f"jaxcomm.launch: could not start rank {rank} "
+                _kill_all(procs)
+                raise RuntimeError(f"could not start rank {rank} of {n} "
                                    f"({' '.join(cmd)}): {exc}") from exc
             procs.append(p)
             out.start(rank, "stdout", p.stdout)
@@ -335,9 +348,7 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
-        for p in procs:  # only reached with live processes if the launcher itself failed
-            if p.poll() is None:
-                _signal_group(p, signal.SIGKILL)
+        _kill_all(procs)  # only finds live processes if the launcher itself failed
 
     drained = out.join(time.monotonic() + _DRAIN_TIMEOUT_S)
     if not drained:
@@ -359,7 +370,6 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
 def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
                timeout_s: float | None, interrupts: list[int]) -> LaunchResult:
     """Waits for the processes; on a failure, grace, then terminates the rest."""
-    n = len(procs)
     start = time.monotonic()
     job_deadline = start + timeout_s if timeout_s is not None else None
     failed_rank: int | None = None
@@ -438,7 +448,7 @@ def run(argv: str | Sequence[str], n: int, **kwargs: object) -> int:
     Example::
 
         from jaxcomm import launch
-        assert launch.run("examples/multiprocess_psum.py", 2, devices_per_process=2) == 0
+        status = launch.run("train.py", 2, devices_per_process=4)   # 0: all ranks exited 0
     """
     if isinstance(argv, str):
         argv = [argv]
