@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     def step(w, x, y):
         g = jax.grad(loss)(w, x[0], y[0])
         total, contributed = jaxcomm.ft.all_reduce(g, "dp", timeout_s=5.0)
-        return w - LR * total / contributed.sum(), contributed, loss(w, x[0], y[0])
+        return w - LR * total / contributed.sum(), contributed, loss(w, x[0], y[0])[None]
 
     train = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("dp"), P("dp")),
                                   out_specs=(P(), P(), P("dp")), check_vma=False))

@@ -7,9 +7,12 @@ failing job raise: they must name the missing process, its ranks, the op and the
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
+
+import numpy as np
 
 import pytest
 
@@ -148,3 +151,37 @@ def test_two_meshes_used_alternately_never_mix() -> None:
     res = run_script(TWO_MESHES, 2, 2, timeout_s=120)
     assert_ok(res)
     assert all("ALTERNATED" in res.output[r] for r in range(2))
+
+
+FT_ALL_REDUCE = """
+import signal
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("dp",))
+f = jax.jit(jax.shard_map(lambda v: jaxcomm.ft.all_reduce(v, "dp", timeout_s=10.0), mesh=mesh,
+                          in_specs=P("dp"), out_specs=(P(), P()), check_vma=False))
+x = jax.make_array_from_process_local_data(
+    NamedSharding(mesh, P("dp")), np.full((LOCAL, 3), 10.0 ** RANK, np.float32))
+for step in range(5):
+    if RANK == 2 and step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    total, mask = f(x)
+    print("RESULT", json.dumps({"step": step,
+          "total": np.asarray(total.addressable_shards[0].data).tolist(),
+          "mask": np.asarray(mask.addressable_shards[0].data).tolist(),
+          "excluded": jaxcomm.ft.excluded()}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_ft_all_reduce_leaves_a_killed_process_out_and_keeps_going(transport: str) -> None:
+    res = run_script("import json\n" + FT_ALL_REDUCE, 4, 1, env={"JAXCOMM_TRANSPORT": transport},
+                     keep_going=True, timeout_s=120)
+    assert res.launch.returncodes[2] == -9 and res.launch.terminated == [], res.format()
+    for rank in (0, 1, 3):
+        steps = [json.loads(l.split(" ", 1)[1]) for l in res.output[rank].splitlines()
+                 if l.startswith("RESULT ")]
+        assert [s["step"] for s in steps] == list(range(5)), res.format()
+        for s in steps:
+            alive = [r for r in range(4) if not (r == 2 and s["step"] >= 2)]
+            assert s["mask"] == [r in alive for r in range(4)], s
+            np.testing.assert_allclose(s["total"], [[sum(10.0 ** r for r in alive)] * 3])
+        assert steps[-1]["excluded"] == [2]

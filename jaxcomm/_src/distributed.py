@@ -71,6 +71,9 @@ ENV_PROCESS_ID = "JAXCOMM_PROCESS_ID"
 ENV_LOCAL_DEVICES = "JAXCOMM_LOCAL_DEVICES"
 ENV_JOB_ID = "JAXCOMM_JOB_ID"
 ENV_LAUNCHER_PID = "JAXCOMM_LAUNCHER_PID"
+#: Set to 1 by ``jaxcomm.launch --keep-going``: the job outlives a failed process, so
+#: :func:`init` turns on JAX's recoverability (survivors are not aborted).
+ENV_KEEP_GOING = "JAXCOMM_KEEP_GOING"
 
 #: Every variable the launcher sets for its processes.
 LAUNCH_ENV = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DEVICES,
@@ -373,6 +376,10 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
         # scheduler stops it; from the launcher, SIGTERM means "stop now" (it follows a
         # failure elsewhere), and caught, it only delays the SIGKILL that follows.
         jax.config.update("jax_enable_preemption_service", False)
+        if os.environ.get(ENV_KEEP_GOING) == "1":
+            # Survivors of a dead process keep running (jaxcomm.ft); JAX's coordination
+            # service would otherwise abort them at its heartbeat timeout.
+            jax.config.update("jax_enable_recoverability", True)
         # "deactivate": everything is given; do not let a surrounding SLURM/MPI
         # environment (say, pytest run inside an allocation) override the launcher's.
         kwargs = _initialize_kwargs(coordinator_address=spec["coordinator"],

@@ -130,8 +130,10 @@ def _command(argv: Sequence[str], module: bool) -> list[str]:
 
 
 def _rank_env(base: dict[str, str], n: int, rank: int, devices: int, coordinator: str,
-              job_id: str) -> dict[str, str]:
+              job_id: str, keep_going: bool = False) -> dict[str, str]:
     env = dict(base)
+    if keep_going:
+        env[_dist.ENV_KEEP_GOING] = "1"
     env["XLA_FLAGS"] = _with_device_count(env.get("XLA_FLAGS", ""), devices)
     # Lines must reach the launcher as they are printed, not when a buffer fills.
     env["PYTHONUNBUFFERED"] = "1"
@@ -267,7 +269,7 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
            capture: bool = False, stdout: IO[str] | None = None,
            stderr: IO[str] | None = None, job_id: str | None = None,
            port: int | None = None, cwd: str | None = None,
-           forward_signals: bool = False) -> LaunchResult:
+           forward_signals: bool = False, keep_going: bool = False) -> LaunchResult:
     """Runs ``argv`` as ``n`` processes of one JAX job on this machine and waits for them.
 
     Args:
@@ -288,6 +290,9 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
       cwd: the processes' working directory.
       forward_signals: install SIGINT/SIGTERM/SIGHUP handlers for the duration that pass
         the signal on to the processes (the command line does; needs the main thread).
+      keep_going: a failed process does not stop the others (for jobs that survive a
+        failure, with jaxcomm.ft); :func:`jaxcomm.init` then enables JAX's
+        recoverability. The exit status still reports the first failure.
 
     Returns:
       A :class:`LaunchResult`.
@@ -334,7 +339,7 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
                 # A session of its own: the launcher can signal everything a rank started,
                 # and a terminal's Ctrl-C reaches the launcher only, which forwards it.
                 p = subprocess.Popen(cmd, env=_rank_env(base, n, rank, devices_per_process,
-                                                        coordinator, job_id),
+                                                        coordinator, job_id, keep_going),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, cwd=cwd, start_new_session=True)
             except OSError as exc:
@@ -344,7 +349,7 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
             procs.append(p)
             out.start(rank, "stdout", p.stdout)
             out.start(rank, "stderr", p.stderr)
-        result = _supervise(procs, out, grace_s, timeout_s, interrupts)
+        result = _supervise(procs, out, grace_s, timeout_s, interrupts, keep_going)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
@@ -368,8 +373,10 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
 
 
 def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
-               timeout_s: float | None, interrupts: list[int]) -> LaunchResult:
-    """Waits for the processes; on a failure, grace, then terminates the rest."""
+               timeout_s: float | None, interrupts: list[int],
+               keep_going: bool = False) -> LaunchResult:
+    """Waits for the processes; on a failure, grace, then terminates the rest (unless
+    ``keep_going``: then it waits for the survivors)."""
     start = time.monotonic()
     job_deadline = start + timeout_s if timeout_s is not None else None
     failed_rank: int | None = None
@@ -386,8 +393,12 @@ def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
         for rank, code in enumerate(codes):
             if failed_rank is None and code is not None and code != 0:
                 failed_rank = rank
-                grace_deadline = now + grace_s
                 running = [r for r, c in enumerate(codes) if c is None]
+                if keep_going:
+                    out.note(f"rank {rank} {_describe(code)}" + (
+                        f"; ranks {running} keep going" if running else ""))
+                    continue
+                grace_deadline = now + grace_s
                 out.note(f"rank {rank} {_describe(code)}" + (
                     f"; giving ranks {running} {grace_s:g} s to finish" if running else ""))
         if all(c is not None for c in codes):

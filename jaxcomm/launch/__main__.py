@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=_launch.DEFAULT_GRACE_S, metavar="SECONDS",
                    help="after a process fails, how long the others may run on to report "
                         "their own errors (default %(default)g)")
+    p.add_argument("--keep-going", action="store_true",
+                   help="a failed process does not stop the others (fault-tolerant jobs, "
+                        "jaxcomm.ft); the exit status still reports the first failure")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help=f"terminate the job after this long, exit status "
                         f"{_launch.TIMEOUT_EXIT} (default: no limit)")
@@ -58,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         res = _launch.launch([args.target, *args.args], args.n,
                              devices_per_process=args.devices, grace_s=args.grace,
                              timeout_s=args.timeout, module=args.module, job_id=args.job_id,
-                             port=args.port, forward_signals=True)
+                             port=args.port, forward_signals=True,
+                             keep_going=args.keep_going)
     except (ValueError, RuntimeError) as exc:
         print(f"jaxcomm.launch: {exc}", file=sys.stderr)
         return 2
