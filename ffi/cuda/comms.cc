@@ -51,6 +51,22 @@ ffi::ErrorOr<std::shared_ptr<Communicator>> CommRegistry::Acquire(
   std::string load_error;
   const NcclApi* api = NcclApi::Get(&load_error);
   if (api == nullptr) return ffi::Unexpected(ffi::Error::Internal(where + ": " + load_error));
+  std::shared_ptr<std::timed_mutex> creating;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = comms_.find({key, rank});
+    if (found != comms_.end()) return found->second;
+    auto& slot = creating_[{key, rank}];
+    if (!slot) slot = std::make_shared<std::timed_mutex>();
+    creating = slot;
+  }
+  std::unique_lock<std::timed_mutex> one_at_a_time(*creating, std::defer_lock);
+  if (!one_at_a_time.try_lock_for(timeout)) {
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                                      where + ": another creation of the NCCL communicator of group " +
+                                          key + " for rank " + std::to_string(rank) +
+                                          " did not finish within " + std::to_string(timeout.count()) + " ms"));
+  }
   ncclUniqueId id{};
   {
     std::lock_guard<std::mutex> lock(mu_);

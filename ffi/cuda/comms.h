@@ -84,6 +84,9 @@ class CommRegistry {
   std::mutex mu_;
   std::map<std::pair<std::string, int>, std::shared_ptr<Communicator>> comms_;
   std::map<std::string, ncclUniqueId> ids_;
+  // One creation at a time per (group, rank): two instructions initializing on one device
+  // at once must not both join NCCL with the same id for the same rank.
+  std::map<std::pair<std::string, int>, std::shared_ptr<std::timed_mutex>> creating_;
 };
 
 // Op-specific attributes the handlers read, parsed once at instantiation.

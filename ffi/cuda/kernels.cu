@@ -430,7 +430,8 @@ size_t RoutingWorkBytes(int R, int64_t T, int64_t K, int64_t E) {
 cudaError_t LaunchRouting(const int32_t* ids, int R, int64_t T, int64_t K, int64_t E,
                           int64_t rows, bool padded, int32_t* dest, int32_t* pos, int32_t* sizes,
                           int32_t* stats, void* work, cudaStream_t stream) {
-  if (R <= 0 || E % R != 0 || E > 12288 || rows <= 0) return cudaErrorInvalidValue;
+  // RankKernel keeps one counter per expert in shared memory (48 KiB without opt-in).
+  if (R <= 0 || E % R != 0 || E > 8192 || rows <= 0) return cudaErrorInvalidValue;
   const int64_t TK = T * K;
   RoutingWork w = Carve(work, R, TK, E);
   cudaError_t err = cudaMemsetAsync(stats, 0, sizeof(int32_t) * 3 * R, stream);
