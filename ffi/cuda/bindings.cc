@@ -102,7 +102,7 @@ void RegisterCuda(nb::module_& m) {
   m.def("cuda_moe_loopback",
         [](nb::bytes x, nb::bytes ids, nb::bytes w, int R, int64_t T, int64_t H, int64_t K,
            int64_t E, int64_t capacity, bool padded, bool bf16, int iters, bool return_expert_x,
-           int device) {
+           int device, bool per_rank) {
           LoopbackConfig cfg;
           cfg.device = device;
           cfg.R = R;
@@ -115,6 +115,7 @@ void RegisterCuda(nb::module_& m) {
           cfg.bf16 = bf16;
           cfg.iters = iters;
           cfg.return_expert_x = return_expert_x;
+          cfg.per_rank = per_rank;
           const size_t item = bf16 ? 2 : 4;
           if (x.size() != R * T * H * item || ids.size() != R * T * K * 4 || w.size() != R * T * K * 4) {
             throw std::invalid_argument("cuda_moe_loopback: x, ids or w has the wrong size");
@@ -145,7 +146,7 @@ void RegisterCuda(nb::module_& m) {
         },
         nb::arg("x"), nb::arg("ids"), nb::arg("w"), nb::arg("R"), nb::arg("T"), nb::arg("H"),
         nb::arg("K"), nb::arg("E"), nb::arg("capacity"), nb::arg("padded"), nb::arg("bf16"),
-        nb::arg("iters"), nb::arg("return_expert_x"), nb::arg("device") = 0,
+        nb::arg("iters"), nb::arg("return_expert_x"), nb::arg("device") = 0, nb::arg("per_rank") = false,
         "Runs MoE routing, dispatch and combine for R logical ranks on one GPU (see "
         "ffi/cuda/loopback.h); raw little-endian bytes in and out.");
 }

@@ -198,7 +198,24 @@ CallContext CudaState::Context(const Placement& p, int64_t execution) const {
   return ctx;
 }
 
+bool CudaState::UsesPeers(int group_index) const {
+  return (op_ == "ppermute" || op_ == "moe_transport") && groups_[group_index].size() > 1 &&
+         !SpansProcesses(group_index) && !one_rank_nccl_;
+}
+
+std::vector<int> CudaState::LocalDevices(int group_index) const {
+  std::vector<int> out;
+  for (int64_t partition : groups_[group_index]) {
+    out.push_back(static_cast<int>(partition_devices_[partition].second));
+  }
+  return out;
+}
+
 ffi::Error CudaState::Initialize(int64_t ordinal) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (initialized_[ordinal]) return ffi::Error::Success();
+  }
   const Placement p = Locate(ordinal);
   const CallContext ctx = Context(p);
   if (p.rank < 0) {
@@ -206,27 +223,32 @@ ffi::Error CudaState::Initialize(int64_t ordinal) {
                                 ") is in none of the instruction's replica groups");
   }
   const int size = static_cast<int>(groups_[p.group_index].size());
-  if (size == 1 && !one_rank_nccl_) return ffi::Error::Success();  // copies on the stream
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (comms_.count(ordinal)) return ffi::Error::Success();
-  }
-  auto comm = CommRegistry::Get().Acquire(GroupKey(p.group_index), p.rank, size,
-                                          static_cast<int>(ordinal), SpansProcesses(p.group_index),
-                                          timeout_, ctx.Describe());
-  if (comm.has_error()) return comm.error();
+  DeviceSlot slot;
+  if (UsesPeers(p.group_index)) {
+    std::string why = EnablePeerAccess(static_cast<int>(ordinal), LocalDevices(p.group_index));
+    auto events = std::make_shared<DeviceEvents>();
+    if (why.empty()) why = events->Create(static_cast<int>(ordinal));
+    if (!why.empty()) return ffi::Error::Internal(ctx.Describe() + ": " + why);
+    slot.events = std::move(events);
+  } else if (size > 1 || one_rank_nccl_) {
+    auto comm = CommRegistry::Get().Acquire(GroupKey(p.group_index), p.rank, size,
+                                            static_cast<int>(ordinal), SpansProcesses(p.group_index),
+                                            timeout_, ctx.Describe());
+    if (comm.has_error()) return comm.error();
+    slot.comm = *comm;
+  }  // else: a one-rank group, served by copies on the stream
   std::lock_guard<std::mutex> lock(mu_);
-  comms_[ordinal] = *comm;
+  slots_[ordinal] = std::move(slot);
+  initialized_[ordinal] = true;
   return ffi::Error::Success();
 }
 
-ffi::Error CudaState::Lookup(int64_t ordinal, std::shared_ptr<Communicator>* comm,
-                             int64_t* execution) {
+DeviceSlot CudaState::Lookup(int64_t ordinal) {
   std::lock_guard<std::mutex> lock(mu_);
-  *execution = executions_[ordinal]++;
-  auto it = comms_.find(ordinal);
-  *comm = it == comms_.end() ? nullptr : it->second;
-  return ffi::Error::Success();
+  DeviceSlot& slot = slots_[ordinal];
+  DeviceSlot out = slot;
+  ++slot.execution;
+  return out;
 }
 
 std::string Where(const CallContext& ctx, const char* what, const char* file, int line) {

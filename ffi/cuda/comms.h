@@ -21,6 +21,7 @@
 
 #include "core/call_context.h"
 #include "cuda/nccl.h"
+#include "cuda/peers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cuda {
@@ -103,6 +104,13 @@ struct Placement {
   int rank = -1;
 };
 
+// What the execute stage of one device finds ready for it.
+struct DeviceSlot {
+  std::shared_ptr<Communicator> comm;   // NCCL, or null (one-rank copies, peer path)
+  std::shared_ptr<DeviceEvents> events; // set when the group takes the peer path
+  int64_t execution = 0;                // this device's calls of the instruction so far
+};
+
 // The FFI state of one CUDA custom-call instruction.
 class CudaState {
  public:
@@ -127,11 +135,18 @@ class CudaState {
   // Context for messages; `execution` counts this device's calls of the instruction.
   CallContext Context(const Placement& p, int64_t execution = 0) const;
 
-  // Initialize stage: makes sure this device's communicator exists when it needs one.
+  // Whether a group moves data by direct peer access (peers.h) rather than NCCL: ppermute
+  // and the MoE transport over a group of several GPUs, all in this process.
+  bool UsesPeers(int group_index) const;
+  // The group members' local device ordinals.
+  std::vector<int> LocalDevices(int group_index) const;
+
+  // Initialize stage: makes sure this device's communicator (or peer access and events)
+  // exists when it needs one.
   ffi::Error Initialize(int64_t ordinal);
-  // Execute stage: the communicator made by Initialize (nullptr for one-rank copies) and
-  // this device's execution number of the instruction.
-  ffi::Error Lookup(int64_t ordinal, std::shared_ptr<Communicator>* comm, int64_t* execution);
+  // Execute stage: what Initialize made for this device, and its execution number.
+  DeviceSlot Lookup(int64_t ordinal);
+  PeerExchange& peers() { return peers_; }
 
  private:
   std::string op_, call_site_, axis_;
@@ -143,8 +158,9 @@ class CudaState {
   bool one_rank_nccl_;
 
   std::mutex mu_;
-  std::map<int64_t, std::shared_ptr<Communicator>> comms_;  // by device ordinal
-  std::map<int64_t, int64_t> executions_;                   // by device ordinal
+  std::map<int64_t, DeviceSlot> slots_;  // by device ordinal
+  std::map<int64_t, bool> initialized_;  // by device ordinal
+  PeerExchange peers_;
 };
 
 // "<what> failed at <file>:<line>: <why>", prefixed with the call's context.

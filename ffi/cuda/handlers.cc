@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -99,7 +100,8 @@ struct Call {
   cudaStream_t stream;
   Placement where;
   CallContext ctx;
-  std::shared_ptr<Communicator> comm;  // null: one-rank group served by copies
+  std::shared_ptr<Communicator> comm;   // null: one-rank copies or the peer path
+  std::shared_ptr<DeviceEvents> events; // set: the group takes the peer path (peers.h)
   int size = 0;
 };
 
@@ -107,16 +109,16 @@ ffi::Error Begin(CudaState* st, cudaStream_t stream, int32_t ordinal, Call* c) {
   c->st = st;
   c->stream = stream;
   c->where = st->Locate(ordinal);
-  int64_t execution = 0;
-  ffi::Error e = st->Lookup(ordinal, &c->comm, &execution);
-  c->ctx = st->Context(c->where, execution);
-  if (e.failure()) return e;
+  DeviceSlot slot = st->Lookup(ordinal);
+  c->comm = std::move(slot.comm);
+  c->events = std::move(slot.events);
+  c->ctx = st->Context(c->where, slot.execution);
   if (c->where.rank < 0) {
     return ffi::Error::Internal(c->ctx.Describe() + ": this device (ordinal " + std::to_string(ordinal) +
                                 ") is in none of the instruction's replica groups");
   }
   c->size = static_cast<int>(st->group(c->where.group_index).size());
-  if (c->size > 1 && c->comm == nullptr) {
+  if (c->size > 1 && c->comm == nullptr && c->events == nullptr) {
     return ffi::Error::Internal(c->ctx.Describe() +
                                 ": no NCCL communicator (the initialize stage did not run)");
   }
@@ -345,10 +347,53 @@ ffi::Error AllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal,
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------- peer path
+
+// Runs `enqueue` between the two phases of a peer exchange (peers.h): after every rank's
+// buffers are published and this stream waits for the ranks in `wait_ready`, and before
+// this stream waits for the `done` of the ranks in `wait_done` (those that read this
+// rank's buffers). Phase 2 is joined even when `enqueue` fails, so peers never hang.
+ffi::Error PeerCall(const Call& c, ffi::RunId run, const PeerInfo& mine,
+                    const std::function<std::vector<int>(const std::vector<PeerInfo>&)>& wait_ready,
+                    const std::function<ffi::Error(const std::vector<PeerInfo>&)>& enqueue,
+                    const std::vector<int>& wait_done) {
+  PeerInfo me = mine;
+  me.ready = c.events->ready();
+  me.done = c.events->done();
+  JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(me.ready, c.stream));
+  const int group = c.where.group_index, rank = c.where.rank;
+  auto all = c.st->peers().Exchange(run.run_id, group, rank, c.size, me, c.st->timeout(), c.ctx);
+  if (all.has_error()) return all.error();
+  ffi::Error result = [&]() -> ffi::Error {
+    for (int d : wait_ready(*all)) {
+      if (d == rank) continue;
+      JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(c.stream, (*all)[d].ready, 0));
+    }
+    ffi::Error e = enqueue(*all);
+    if (e.failure()) return e;
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(me.done, c.stream));
+    return ffi::Error::Success();
+  }();
+  ffi::Error finished = c.st->peers().Finish(run.run_id, group, rank, c.st->timeout(), c.ctx);
+  if (result.failure()) return result;
+  if (finished.failure()) return finished;
+  for (int d : wait_done) {
+    if (d == rank) continue;
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(c.stream, (*all)[d].done, 0));
+  }
+  return ffi::Error::Success();
+}
+
+std::vector<int> AllRanks(int size) {
+  std::vector<int> v(size);
+  for (int i = 0; i < size; ++i) v[i] = i;
+  return v;
+}
+
 // ------------------------------------------------------------------------------ ppermute
 
-ffi::Error Permute(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::AnyBuffer x,
-                   ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary) {
+ffi::Error Permute(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
+                   ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary) {
   Call c;
   JAXCOMM_TRY(Begin(st, stream, ordinal, &c));
   if (x.element_count() == 0) return ffi::Error::Success();
@@ -358,6 +403,28 @@ ffi::Error Permute(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::Any
   const size_t bytes = x.size_bytes();
   if (src[r] < 0) {
     JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(y->untyped_data(), 0, bytes, stream));
+  }
+  if (c.events) {
+    // GPUs of this process: the receiver pulls with the copy engine (no SM), from the
+    // source's buffer, once the source's stream has produced it.
+    PeerInfo mine;
+    mine.ptr[0] = x.untyped_data();
+    std::vector<int> readers;
+    for (int d = 0; d < c.size; ++d) {
+      if (src[d] == r) readers.push_back(d);
+    }
+    return PeerCall(
+        c, run, mine,
+        [&](const std::vector<PeerInfo>&) {
+          return src[r] >= 0 ? std::vector<int>{static_cast<int>(src[r])} : std::vector<int>{};
+        },
+        [&](const std::vector<PeerInfo>& all) -> ffi::Error {
+          if (src[r] < 0) return ffi::Error::Success();
+          JAXCOMM_CUDA_CHECK(c.ctx, cudaMemcpyAsync(y->untyped_data(), all[src[r]].ptr[0], bytes,
+                                                    cudaMemcpyDefault, stream));
+          return ffi::Error::Success();
+        },
+        readers);
   }
   if (!c.comm) {
     return src[r] == r ? CopyOnStream(c, y->untyped_data(), x.untyped_data(), bytes)
@@ -468,16 +535,17 @@ ffi::Error RaggedAllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal,
 
 // ------------------------------------------------------------------------ moe_transport
 
-ffi::Error MoeTransport(cudaStream_t stream, CudaState* st, int32_t ordinal,
+ffi::Error MoeTransport(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
                         ffi::ScratchAllocator scratch, ffi::AnyBuffer src, ffi::AnyBuffer dest,
                         ffi::AnyBuffer pos, ffi::AnyBuffer w, ffi::AnyBuffer g,
                         ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary) {
   Call c;
   JAXCOMM_TRY(Begin(st, stream, ordinal, &c));
-  if (c.size != 1) {
-    return Reject(c, "the CUDA MoE transport serves one-rank groups; larger groups take the "
-                     "composed transport");
+  if (c.size != 1 && !c.events) {
+    return Reject(c, "the CUDA MoE transport serves groups inside one process; groups spanning "
+                     "processes take the composed transport");
   }
+  if (c.size > kMaxPeers) return Reject(c, "more ranks than the MoE kernels address (16)");
   const int64_t mode = st->attrs().mode;
   auto sd = src.dimensions(), td = dest.dimensions(), od = result->dimensions();
   if (sd.size() != 2 || td.size() != 2 || od.size() != 2 || pos.dimensions().size() != 2 ||
@@ -507,26 +575,44 @@ ffi::Error MoeTransport(cudaStream_t stream, CudaState* st, int32_t ordinal,
   }
   if (!ok) return Reject(c, "operands disagree with the mode");
   if (result->size_bytes() == 0) return ffi::Error::Success();
-  MoePeers p;
-  p.R = 1;
-  p.src[0] = src.untyped_data();
-  p.out[0] = result->untyped_data();
-  p.dest[0] = static_cast<const int32_t*>(dest.untyped_data());
-  p.pos[0] = static_cast<const int32_t*>(pos.untyped_data());
-  p.w[0] = static_cast<const float*>(w.untyped_data());
-  p.g[0] = static_cast<const float*>(g.untyped_data());
+  uint8_t* written = nullptr;
   if (gather) {
     auto flags = Scratch(c, scratch, static_cast<size_t>(std::max<int64_t>(s.rows, 1)));
     if (flags.has_error()) return flags.error();
-    p.written[0] = reinterpret_cast<uint8_t*>(*flags);
-    JAXCOMM_CUDA_CHECK(c.ctx, MoeZeroWritten(p, s, stream));
+    written = reinterpret_cast<uint8_t*>(*flags);
   }
   if (s.T == 0) {
     JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(result->untyped_data(), 0, result->size_bytes(), stream));
     return ffi::Error::Success();
   }
-  JAXCOMM_CUDA_CHECK(c.ctx, LaunchMoe(static_cast<int>(mode), p, s, stream));
-  return ffi::Error::Success();
+  const int r = c.where.rank;
+  s.self = r;
+  // Rank r computes its own result, reading the peers' rows and slot tables in place
+  // (one GPU per rank; with one rank, its own buffers).
+  auto launch = [&](const std::vector<PeerInfo>& all) -> ffi::Error {
+    MoePeers p;
+    p.R = c.size;
+    for (int d = 0; d < c.size; ++d) {
+      p.src[d] = all[d].ptr[0];
+      p.out[d] = const_cast<void*>(all[d].ptr[1]);
+      p.dest[d] = static_cast<const int32_t*>(all[d].ptr[2]);
+      p.pos[d] = static_cast<const int32_t*>(all[d].ptr[3]);
+      p.w[d] = static_cast<const float*>(all[d].ptr[4]);
+      p.g[d] = static_cast<const float*>(all[d].ptr[5]);
+    }
+    p.written[r] = written;
+    if (gather) JAXCOMM_CUDA_CHECK(c.ctx, MoeZeroWritten(p, s, stream));
+    JAXCOMM_CUDA_CHECK(c.ctx, LaunchMoe(static_cast<int>(mode), p, s, stream));
+    return ffi::Error::Success();
+  };
+  PeerInfo mine;
+  mine.ptr = {src.untyped_data(), result->untyped_data(), dest.untyped_data(), pos.untyped_data(),
+              w.untyped_data(), g.untyped_data()};
+  if (c.size == 1) return launch({mine});
+  // Every rank may read every other's buffers: wait for all, and all wait for everyone.
+  const std::vector<int> everyone = AllRanks(c.size);
+  return PeerCall(c, run, mine, [&](const std::vector<PeerInfo>&) { return everyone; }, launch,
+                  everyone);
 }
 
 // --------------------------------------------------------------------------- bindings
@@ -582,13 +668,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_AllToAll, AllToAll,
                               Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>())
                                   .Attrs<ffi::Dictionary>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Permute, Permute,
-                              Buffers<1>(Exec(ffi::Ffi::Bind())).Attrs<ffi::Dictionary>());
+                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::RunId>()).Attrs<ffi::Dictionary>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Broadcast, Broadcast,
                               Buffers<1>(Exec(ffi::Ffi::Bind())).Attrs<ffi::Dictionary>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Ragged, RaggedAllToAll,
                               Buffers<6>(Exec(ffi::Ffi::Bind())).Attrs<ffi::Dictionary>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Moe, MoeTransport,
-                              Buffers<5>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>())
+                              Buffers<5>(Exec(ffi::Ffi::Bind()).Ctx<ffi::RunId>().Ctx<ffi::ScratchAllocator>())
                                   .Attrs<ffi::Dictionary>());
 
 const Stages* AllStages() {
@@ -599,7 +685,8 @@ const Stages* AllStages() {
       {"all_gather", jaxcomm_cuda_InstAllGather, jaxcomm_cuda_Initialize, jaxcomm_cuda_AllGather, false},
       {"reduce_scatter", jaxcomm_cuda_InstReduceScatter, jaxcomm_cuda_Initialize, jaxcomm_cuda_ReduceScatter, false},
       {"all_to_all", jaxcomm_cuda_InstAllToAll, jaxcomm_cuda_Initialize, jaxcomm_cuda_AllToAll, false},
-      {"ppermute", jaxcomm_cuda_InstPermute, jaxcomm_cuda_Initialize, jaxcomm_cuda_Permute, true},
+      // The peer path of ppermute meets its peers on the host: not recordable into a graph.
+      {"ppermute", jaxcomm_cuda_InstPermute, jaxcomm_cuda_Initialize, jaxcomm_cuda_Permute, false},
       {"broadcast", jaxcomm_cuda_InstBroadcast, jaxcomm_cuda_Initialize, jaxcomm_cuda_Broadcast, true},
       {"ragged_all_to_all", jaxcomm_cuda_InstRagged, jaxcomm_cuda_Initialize, jaxcomm_cuda_Ragged, true},
       {"moe_transport", jaxcomm_cuda_InstMoe, jaxcomm_cuda_Initialize, jaxcomm_cuda_Moe, false},

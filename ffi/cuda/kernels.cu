@@ -171,7 +171,7 @@ __device__ void StageSlots(const MoePeers& p, const MoeShape& s, int src, int64_
     const int32_t* pos = p.pos[src] + t * s.K;
     for (int k = 0; k < s.K; ++k) {
       const int d = dest[k], row = pos[k];
-      if (d < 0 || d >= p.R || row < 0 || row >= s.rows) continue;
+      if (d < 0 || d >= p.R || row < 0 || row >= s.rows || (s.self >= 0 && d != s.self)) continue;
       sl->d[n] = d;
       sl->row[n] = row;
       sl->a[n] = p.w[src] != nullptr ? p.w[src][t * s.K + k] : 0.f;
@@ -225,7 +225,7 @@ __global__ void GatherKernel(MoePeers p, MoeShape s) {
 
 // Rows no slot wrote are zero (as the host backend's).
 __global__ void ZeroUnwrittenKernel(MoePeers p, MoeShape s) {
-  const int d = blockIdx.y;
+  const int d = s.self >= 0 ? s.self : blockIdx.y;
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
     if (p.written[d][row]) continue;
     char* out = static_cast<char*>(p.out[d]) + row * s.row_bytes;
@@ -244,7 +244,7 @@ __device__ __forceinline__ void FromF(float v, __nv_bfloat16* out) { *out = __fl
 template <typename Tin, typename Tout, int kV>
 __global__ void ReduceKernel(MoePeers p, MoeShape s) {
   __shared__ Slots sl;
-  const int src = blockIdx.y;
+  const int src = s.self >= 0 ? s.self : blockIdx.y;
   const int64_t t = blockIdx.x;
   if (threadIdx.x == 0) {
     int n = 0;
@@ -302,7 +302,7 @@ __global__ void ReduceKernel(MoePeers p, MoeShape s) {
 // Combine's gradient towards the weights: out_s[t, k] = <g_s[t], src_d[pos]>.
 __global__ void DotKernel(MoePeers p, MoeShape s) {
   __shared__ float partial[32];
-  const int src = blockIdx.y;
+  const int src = s.self >= 0 ? s.self : blockIdx.y;
   const int64_t t = blockIdx.x;
   const float* g = p.g[src] + t * s.H;
   float* out = static_cast<float*>(p.out[src]) + t * s.K;
@@ -446,6 +446,7 @@ cudaError_t LaunchRouting(const int32_t* ids, int R, int64_t T, int64_t K, int64
 
 cudaError_t MoeZeroWritten(const MoePeers& peers, const MoeShape& shape, cudaStream_t stream) {
   for (int d = 0; d < peers.R; ++d) {
+    if (shape.self >= 0 && d != shape.self) continue;
     const cudaError_t err = cudaMemsetAsync(peers.written[d], 0, shape.rows, stream);
     if (err != cudaSuccess) return err;
   }
@@ -456,8 +457,12 @@ cudaError_t LaunchMoe(int mode, const MoePeers& peers, const MoeShape& shape, cu
   if (peers.R <= 0 || peers.R > kMaxPeers || shape.K > kMaxK || shape.T <= 0) {
     return shape.T == 0 ? cudaSuccess : cudaErrorInvalidValue;
   }
-  const dim3 grid(static_cast<unsigned>(shape.T), static_cast<unsigned>(peers.R));
-  if (shape.T > 0x7fffffff) return cudaErrorInvalidValue;
+  if (shape.T > 0x7fffffff || shape.self >= peers.R) return cudaErrorInvalidValue;
+  // Gather modes read every source's tokens (grid.y); the others compute one rank per
+  // grid.y, or only `self`.
+  const unsigned ranks = static_cast<unsigned>(peers.R);
+  const dim3 grid(static_cast<unsigned>(shape.T), ranks);
+  const dim3 own(static_cast<unsigned>(shape.T), shape.self >= 0 ? 1u : ranks);
   switch (mode) {
     case kGatherCopy:
     case kGatherScaled: {
@@ -466,25 +471,25 @@ cudaError_t LaunchMoe(int mode, const MoePeers& peers, const MoeShape& shape, cu
       } else {
         GatherKernel<kGatherScaled><<<grid, 128, 0, stream>>>(peers, shape);
       }
-      const dim3 zgrid(Blocks(shape.rows, 4096), static_cast<unsigned>(peers.R));
+      const dim3 zgrid(Blocks(shape.rows, 4096), shape.self >= 0 ? 1u : ranks);
       ZeroUnwrittenKernel<<<zgrid, 128, 0, stream>>>(peers, shape);
       break;
     }
     case kReduce:
       if (shape.bf16_src && shape.bf16_out && shape.H % 8 == 0) {
-        ReduceKernel<__nv_bfloat16, __nv_bfloat16, 8><<<grid, 128, 0, stream>>>(peers, shape);
+        ReduceKernel<__nv_bfloat16, __nv_bfloat16, 8><<<own, 128, 0, stream>>>(peers, shape);
       } else if (shape.bf16_src && shape.bf16_out) {
-        ReduceKernel<__nv_bfloat16, __nv_bfloat16, 1><<<grid, 128, 0, stream>>>(peers, shape);
+        ReduceKernel<__nv_bfloat16, __nv_bfloat16, 1><<<own, 128, 0, stream>>>(peers, shape);
       } else if (shape.bf16_src || shape.bf16_out) {
         return cudaErrorInvalidValue;
       } else if (shape.H % 4 == 0) {
-        ReduceKernel<float, float, 4><<<grid, 128, 0, stream>>>(peers, shape);
+        ReduceKernel<float, float, 4><<<own, 128, 0, stream>>>(peers, shape);
       } else {
-        ReduceKernel<float, float, 1><<<grid, 128, 0, stream>>>(peers, shape);
+        ReduceKernel<float, float, 1><<<own, 128, 0, stream>>>(peers, shape);
       }
       break;
     case kDot:
-      DotKernel<<<grid, 256, 0, stream>>>(peers, shape);
+      DotKernel<<<own, 256, 0, stream>>>(peers, shape);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -38,10 +38,13 @@ struct MoeShape {
   int64_t T = 0, K = 0, H = 0, rows = 0, row_bytes = 0;
   bool bf16_src = false;  // kReduce: src rows are bfloat16 (loopback)
   bool bf16_out = false;  // kReduce: result rows are bfloat16, rounded once (loopback)
+  // -1: compute every rank's result (loopback, one launch). r >= 0: only rank r's, reading
+  // the peers' buffers in place (one GPU per rank, peers.h).
+  int self = -1;
 };
 
-// Runs `mode` for every rank of `peers` (as the host backend's RunMoe for each r).
-// Gather modes need `written[d]` zeroed by the caller (MoeZeroWritten).
+// Runs `mode` for every rank of `peers` (as the host backend's RunMoe for each r), or for
+// rank `shape.self` only. Gather modes need `written` zeroed first (MoeZeroWritten).
 cudaError_t LaunchMoe(int mode, const MoePeers& peers, const MoeShape& shape, cudaStream_t stream);
 cudaError_t MoeZeroWritten(const MoePeers& peers, const MoeShape& shape, cudaStream_t stream);
 

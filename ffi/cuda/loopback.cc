@@ -138,12 +138,33 @@ std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32
                          static_cast<int32_t*>(dstats.get()), dwork.get(), stream.get());
   }, &out->plan_ms);
   if (!err.empty()) return err;
-  err = timed([&] {
-    const cudaError_t e = MoeZeroWritten(dispatch, ds, stream.get());
-    return e != cudaSuccess ? e : LaunchMoe(kGatherCopy, dispatch, ds, stream.get());
-  }, &out->dispatch_ms);
+  // One launch for all ranks, or one per rank (each reading the others' buffers).
+  auto each = [&](const std::function<cudaError_t(int)>& launch) -> cudaError_t {
+    if (!cfg.per_rank) return launch(-1);
+    for (int r = 0; r < R; ++r) {
+      const cudaError_t e = launch(r);
+      if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  };
+  auto run_dispatch = [&] {
+    return each([&](int self) {
+      MoeShape s = ds;
+      s.self = self;
+      const cudaError_t e = MoeZeroWritten(dispatch, s, stream.get());
+      return e != cudaSuccess ? e : LaunchMoe(kGatherCopy, dispatch, s, stream.get());
+    });
+  };
+  auto run_combine = [&] {
+    return each([&](int self) {
+      MoeShape s = cs;
+      s.self = self;
+      return LaunchMoe(kReduce, combine, s, stream.get());
+    });
+  };
+  err = timed(run_dispatch, &out->dispatch_ms);
   if (!err.empty()) return err;
-  err = timed([&] { return LaunchMoe(kReduce, combine, cs, stream.get()); }, &out->combine_ms);
+  err = timed(run_combine, &out->combine_ms);
   if (!err.empty()) return err;
   // The yardstick: one device-to-device copy of all ranks' tokens, same run, same buffers.
   err = timed([&] {
@@ -152,7 +173,7 @@ std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32
   if (!err.empty()) return err;
   out->memcpy_bytes = 2 * static_cast<int64_t>(x_bytes);
   // The timed copy overwrote y: combine once more for the returned result.
-  LB_CHECK(LaunchMoe(kReduce, combine, cs, stream.get()));
+  LB_CHECK(run_combine());
   LB_CHECK(cudaStreamSynchronize(stream.get()));
 
   out->y.resize(x_bytes);

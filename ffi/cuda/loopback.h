@@ -18,6 +18,9 @@ struct LoopbackConfig {
   bool bf16 = true;      // element type of x: bfloat16, else float32
   int iters = 10;        // timed repetitions of each stage (after one warm-up)
   bool return_expert_x = false;
+  // Launch each rank's part on its own (MoeShape::self = r), as one GPU per rank does,
+  // instead of one launch for all ranks.
+  bool per_rank = false;
 };
 
 struct LoopbackResult {

@@ -59,13 +59,15 @@ def smallest_capacity(ids: np.ndarray, E: int, padded: bool) -> int:
 
 def run(x: np.ndarray, ids: np.ndarray, w: np.ndarray, *, num_experts: int, capacity: int,
         padded: bool = False, iters: int = 10, return_expert_x: bool = False,
-        device: int = 0) -> dict[str, Any]:
+        device: int = 0, per_rank: bool = False) -> dict[str, Any]:
     """Runs routing, dispatch and combine (identity experts) for R ranks on one GPU.
 
     Args:
       x: [R, T, H] bfloat16 or float32 tokens of every rank.
       ids: [R, T, K] expert ids (-1: none). w: [R, T, K] combine weights.
       capacity: rows per rank (packed layout) or per expert slab (padded layout).
+      per_rank: launch each rank's part separately, reading the others' buffers in place,
+        as the multi-GPU path does (one launch for all ranks otherwise).
 
     Returns:
       y [R, T, H] (combine of the dispatched rows), sizes [R, E/R], stats [R, 3] (dropped,
@@ -85,7 +87,7 @@ def run(x: np.ndarray, ids: np.ndarray, w: np.ndarray, *, num_experts: int, capa
     res = dict(_jaxcomm.cuda_moe_loopback(
         np.ascontiguousarray(x).tobytes(), np.ascontiguousarray(ids, np.int32).tobytes(),
         np.ascontiguousarray(w, np.float32).tobytes(), R, T, H, K, num_experts, capacity,
-        padded, bf16, iters, return_expert_x, device))
+        padded, bf16, iters, return_expert_x, device, per_rank))
     rows = int(res["rows"])
     res["y"] = np.frombuffer(res["y"], x.dtype).reshape(R, T, H)
     res["sizes"] = np.frombuffer(res["sizes"], np.int32).reshape(R, num_experts // R)

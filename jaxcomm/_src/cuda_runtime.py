@@ -26,9 +26,6 @@ from jaxcomm import _jaxcomm
 
 log = logging.getLogger("jaxcomm")
 
-#: Ops the CUDA handlers serve only for one-rank groups (larger groups lower elsewhere:
-#: ragged_all_to_all to its pure-JAX form, the MoE transport to the composed transport).
-ONE_RANK_ONLY = frozenset({"ragged_all_to_all", "moe_transport"})
 
 #: Dtypes NCCL cannot reduce (jaxcomm lowers those reductions to jax.lax on CUDA).
 _NCCL_UNREDUCIBLE = frozenset(np.dtype(d) for d in (np.int16, np.uint16, np.complex64, np.complex128))
@@ -78,6 +75,22 @@ def nccl_library_path() -> str | None:
             if os.path.exists(path):
                 return path
     return None
+
+
+def serves(op: str, group_size: int | None) -> bool:
+    """Whether the CUDA handler of ``op`` serves a group of ``group_size`` ranks.
+
+    ragged_all_to_all: one-rank groups only (larger ones lower to its pure-JAX form). The
+    MoE transport: groups whose GPUs are all in this process (peer access; groups across
+    processes take the composed transport). Every other op: any group.
+    """
+    if group_size in (None, 1):
+        return True
+    if op == "ragged_all_to_all":
+        return False
+    if op == "moe_transport":
+        return jax.process_count() == 1
+    return True
 
 
 def nccl_reducible(dtype: Any) -> bool:

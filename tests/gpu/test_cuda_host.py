@@ -72,6 +72,8 @@ def test_use_xla_on_gpu_routes_what_cuda_lacks(monkeypatch):
     assert not common.use_xla("all_gather", np.int16)        # pure data movement is fine
     assert not common.use_xla("ragged_all_to_all", np.float32, group_size=1)
     assert common.use_xla("ragged_all_to_all", np.float32, group_size=4)
+    assert not common.use_xla("moe_transport", np.float32, group_size=2)  # peers, one process
+    monkeypatch.setattr(cuda_runtime.jax, "process_count", lambda: 2)
     assert common.use_xla("moe_transport", np.float32, group_size=2)
     monkeypatch.setattr(cuda_runtime, "available", lambda: False)
     assert common.use_xla("all_reduce", np.float32)

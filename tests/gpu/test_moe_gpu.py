@@ -94,7 +94,8 @@ def test_one_gpu_gradients_match_host(gpu_mesh, cpu_mesh):
 @pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("tight", [False, True], ids=["no-drop", "drops"])
-def test_loopback_matches_host_backend(gpu_mesh, cpu_mesh8, H, padded, dtype, tight):
+@pytest.mark.parametrize("per_rank", [False, True], ids=["fused", "per-rank"])
+def test_loopback_matches_host_backend(gpu_mesh, cpu_mesh8, H, padded, dtype, tight, per_rank):
     R, T, K, E = 8, 16, 4, 32
     ids, w = routing(R, T, K, E, seed=11)
     ids[0, 0, :] = -1  # a token with no expert
@@ -104,7 +105,7 @@ def test_loopback_matches_host_backend(gpu_mesh, cpu_mesh8, H, padded, dtype, ti
     if tight:
         cap = max(1, cap // 2)
     res = cuda_loopback.run(x, ids, w, num_experts=E, capacity=cap, padded=padded, iters=1,
-                            return_expert_x=True)
+                            return_expert_x=True, per_rank=per_rank)
     f = moe_program(padded, E, "ep", capacity=cap)
     (ex, sizes, y), _ = run_mesh(f, cpu_mesh8, "ep", x.reshape(R * T, H), ids.reshape(R * T, K),
                                  w.reshape(R * T, K))

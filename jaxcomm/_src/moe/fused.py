@@ -68,8 +68,8 @@ batching.fancy_primitive_batchers[moe_transport_p] = _batcher
 
 
 def available(dtype: Any, group_size: int | None = None) -> bool:
-    """Whether the fused transports serve this program (host backend, or the CUDA backend
-    for a one-rank group; whole-byte dtype)."""
+    """Whether the fused transports serve this program: the host backend, or the CUDA
+    backend for a group whose GPUs are in this process; whole-byte dtypes."""
     return not common.use_xla("moe_transport", dtype, group_size=group_size)
 
 

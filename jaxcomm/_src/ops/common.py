@@ -51,8 +51,8 @@ def use_xla(op: str, dtype: Any = None, group_size: int | None = None) -> bool:
 
     Besides JAXCOMM_BACKEND and the platform, sub-byte dtypes (int4, float4, ...) go to
     jax.lax: XLA packs them two per byte, which the host kernels do not address. On CUDA,
-    reductions over dtypes NCCL cannot reduce, and the ops the CUDA handlers serve only
-    for one-rank groups over larger ``group_size``, go there too.
+    reductions over dtypes NCCL cannot reduce, and groups of ``group_size`` that the op's
+    CUDA handler does not serve (``cuda_runtime.serves``), go there too.
     """
     choice = config.backend()
     if choice == "xla":
@@ -73,8 +73,8 @@ def use_xla(op: str, dtype: Any = None, group_size: int | None = None) -> bool:
                 and not cuda_runtime.nccl_reducible(dtype):
             runtime.log_fallback_once(op, f"NCCL cannot reduce {np.dtype(dtype).name}")
             return True
-        if op in cuda_runtime.ONE_RANK_ONLY and group_size not in (None, 1):
-            runtime.log_fallback_once(op, "the CUDA handler serves one-rank groups only")
+        if not cuda_runtime.serves(op, group_size):
+            runtime.log_fallback_once(op, f"the CUDA handler does not serve groups of {group_size}")
             return True
     return False
 
