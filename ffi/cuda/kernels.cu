@@ -156,25 +156,44 @@ __global__ void PositionKernel(const int32_t* ids, int R, int64_t TK, int E, int
 
 // ---------------------------------------------------------------------------- MoE moves
 
-// A token's slots that go somewhere, staged in shared memory in k order.
+// A token's slots that go somewhere, staged in shared memory.
 struct Slots {
   int n;
   int d[kMaxK];
   int row[kMaxK];
   float a[kMaxK];
+  // The raw slot table of the token, loaded by K threads at once (one global load each
+  // instead of a chain of K dependent loads by one thread).
+  int raw_d[kMaxK];
+  int raw_row[kMaxK];
+  float raw_a[kMaxK];
 };
 
+__device__ void LoadSlots(const MoePeers& p, const MoeShape& s, int src, int64_t t, Slots* sl) {
+  const int k = threadIdx.x;
+  if (k < s.K) {
+    sl->raw_d[k] = p.dest[src][t * s.K + k];
+    sl->raw_row[k] = p.pos[src][t * s.K + k];
+    sl->raw_a[k] = p.w[src] != nullptr ? p.w[src][t * s.K + k] : 0.f;
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ bool SlotOk(const MoePeers& p, const MoeShape& s, int d, int row) {
+  return d >= 0 && d < p.R && row >= 0 && row < s.rows;
+}
+
+// The slots of rank `src`'s token t that go to a rank (only to `s.self` when set), in k order.
 __device__ void StageSlots(const MoePeers& p, const MoeShape& s, int src, int64_t t, Slots* sl) {
+  LoadSlots(p, s, src, t, sl);
   if (threadIdx.x == 0) {
     int n = 0;
-    const int32_t* dest = p.dest[src] + t * s.K;
-    const int32_t* pos = p.pos[src] + t * s.K;
     for (int k = 0; k < s.K; ++k) {
-      const int d = dest[k], row = pos[k];
-      if (d < 0 || d >= p.R || row < 0 || row >= s.rows || (s.self >= 0 && d != s.self)) continue;
+      const int d = sl->raw_d[k], row = sl->raw_row[k];
+      if (!SlotOk(p, s, d, row) || (s.self >= 0 && d != s.self)) continue;
       sl->d[n] = d;
       sl->row[n] = row;
-      sl->a[n] = p.w[src] != nullptr ? p.w[src][t * s.K + k] : 0.f;
+      sl->a[n] = sl->raw_a[k];
       ++n;
     }
     sl->n = n;
@@ -229,7 +248,13 @@ __global__ void ZeroUnwrittenKernel(MoePeers p, MoeShape s) {
   for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
     if (p.written[d][row]) continue;
     char* out = static_cast<char*>(p.out[d]) + row * s.row_bytes;
-    for (int64_t b = threadIdx.x; b < s.row_bytes; b += blockDim.x) out[b] = 0;
+    if (s.row_bytes % 16 == 0) {
+      for (int64_t v = threadIdx.x; v < s.row_bytes / 16; v += blockDim.x) {
+        reinterpret_cast<uint4*>(out)[v] = make_uint4(0, 0, 0, 0);
+      }
+    } else {
+      for (int64_t b = threadIdx.x; b < s.row_bytes; b += blockDim.x) out[b] = 0;
+    }
   }
 }
 
@@ -246,17 +271,16 @@ __global__ void ReduceKernel(MoePeers p, MoeShape s) {
   __shared__ Slots sl;
   const int src = s.self >= 0 ? s.self : blockIdx.y;
   const int64_t t = blockIdx.x;
+  LoadSlots(p, s, src, t, &sl);
   if (threadIdx.x == 0) {
     int n = 0;
-    const int32_t* dest = p.dest[src] + t * s.K;
-    const int32_t* pos = p.pos[src] + t * s.K;
     for (int d = 0; d < p.R; ++d) {
       for (int k = 0; k < s.K; ++k) {
-        const int row = pos[k];
-        if (dest[k] != d || row < 0 || row >= s.rows) continue;
+        const int row = sl.raw_row[k];
+        if (sl.raw_d[k] != d || row < 0 || row >= s.rows) continue;
         sl.d[n] = d;
         sl.row[n] = row;
-        sl.a[n] = p.w[src][t * s.K + k];
+        sl.a[n] = sl.raw_a[k];
         ++n;
       }
     }

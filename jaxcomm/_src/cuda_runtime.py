@@ -120,11 +120,14 @@ def ensure_registered() -> None:
         _jaxcomm.cuda_set_nccl_path(path)
     jax.ffi.register_ffi_type("jaxcomm_cuda_instruction_state", _jaxcomm.cuda_state_type(),
                               platform="CUDA")
-    traits = jax.lib.xla_client.CustomCallTargetTraits
+    from jax._src.lib import xla_client  # CustomCallTargetTraits has no public home
+    traits = xla_client.CustomCallTargetTraits
     for op, (stages, graph_ok) in _jaxcomm.cuda_targets().items():
+        name = runtime.target_name(op)
         jax.ffi.register_ffi_target(
-            runtime.target_name(op), stages, platform="CUDA",
+            name, stages, platform="CUDA",
             traits=traits.COMMAND_BUFFER_COMPATIBLE if graph_ok else traits.DEFAULT)
+        jax.ffi.register_ffi_target_as_batch_partitionable(name)
     _jaxcomm.set_process_index(jax.process_index())
 
 

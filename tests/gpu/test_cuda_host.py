@@ -93,3 +93,12 @@ def test_reference_y_skips_dropped_slots():
     dest = np.array([[[0, -1], [-1, -1]]], np.int32)
     w = np.array([[[0.5, 2.0], [1.0, 1.0]]], np.float32)
     np.testing.assert_array_equal(cuda_loopback.reference_y(x, dest, w)[0, :, 0], [0.5, 0.0])
+
+
+def test_cuda_registration_code_runs_without_a_gpu(monkeypatch):
+    """Registration for platform CUDA only queues in xla_client without a GPU plugin, so
+    the Python side of it (capsules, traits, type) can be exercised here."""
+    if not cuda_runtime.built_with_cuda():
+        pytest.skip("built without CUDA")
+    monkeypatch.setattr(cuda_runtime, "available", lambda: True)
+    cuda_runtime.ensure_registered.__wrapped__()
