@@ -3,7 +3,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
+#include <thread>
 #include <memory>
 #include <sstream>
 #include <vector>
@@ -40,6 +42,19 @@ using Event = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, EventDeleter>;
       return m_.str();                                                                   \
     }                                                                                    \
   } while (0)
+
+// Waits for `event` with a deadline (a hung kernel must not hang the caller).
+cudaError_t WaitEvent(cudaEvent_t event, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (true) {
+    const cudaError_t e = cudaEventQuery(event);
+    if (e != cudaErrorNotReady) return e;
+    if (std::chrono::steady_clock::now() > deadline) return cudaErrorLaunchTimeout;
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+constexpr std::chrono::seconds kStageLimit{120};
 
 }  // namespace
 
@@ -123,7 +138,7 @@ std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32
       LB_CHECK(cudaEventRecord(ev0.get(), stream.get()));
       LB_CHECK(stage());
       LB_CHECK(cudaEventRecord(ev1.get(), stream.get()));
-      LB_CHECK(cudaEventSynchronize(ev1.get()));
+      LB_CHECK(WaitEvent(ev1.get(), kStageLimit));
       float t = 0;
       LB_CHECK(cudaEventElapsedTime(&t, ev0.get(), ev1.get()));
       if (i > 0) times.push_back(t);
@@ -174,7 +189,8 @@ std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32
   out->memcpy_bytes = 2 * static_cast<int64_t>(x_bytes);
   // The timed copy overwrote y: combine once more for the returned result.
   LB_CHECK(run_combine());
-  LB_CHECK(cudaStreamSynchronize(stream.get()));
+  LB_CHECK(cudaEventRecord(ev1.get(), stream.get()));
+  LB_CHECK(WaitEvent(ev1.get(), kStageLimit));
 
   out->y.resize(x_bytes);
   out->sizes.resize(R * El);
