@@ -19,12 +19,20 @@
 #include "cuda/comms.h"
 #include "cuda/kernels.h"
 #include "cuda/nccl.h"
+#include "cpu/launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cuda {
 namespace {
 
 namespace ffi = xla::ffi;
+
+// Returns the error of `expr`, if any.
+#define JAXCOMM_TRY(expr)                        \
+  do {                                           \
+    ffi::Error jaxcomm_e_ = (expr);              \
+    if (jaxcomm_e_.failure()) return jaxcomm_e_; \
+  } while (0)
 
 // ----------------------------------------------------------------------- stage 1 and 2
 
@@ -136,15 +144,17 @@ ffi::Error CopyOnStream(const Call& c, void* dst, const void* src, size_t bytes)
   return ffi::Error::Success();
 }
 
-std::vector<int64_t> Dims(const ffi::AnyBuffer& b) {
-  auto d = b.dimensions();
-  return std::vector<int64_t>(d.begin(), d.end());
-}
+using cpu::Dims;     // shape helpers shared with the host backend (cpu/launch.h)
+using cpu::Product;
 
-int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to) {
-  int64_t p = 1;
-  for (size_t i = from; i < to && i < v.size(); ++i) p *= v[i];
-  return p;
+// Begin, plus what every one-operand collective does first: nothing for an empty
+// operand, a copy for a one-rank group served without NCCL. `*finished`: nothing is left.
+ffi::Error BeginUnary(CudaState* st, cudaStream_t stream, int32_t ordinal, const ffi::AnyBuffer& x,
+                      ffi::AnyBuffer& y, Call* c, bool* finished) {
+  JAXCOMM_TRY(Begin(st, stream, ordinal, c));
+  *finished = x.element_count() == 0 || (!c->comm && !c->events);
+  if (x.element_count() == 0 || !*finished) return ffi::Error::Success();
+  return CopyOnStream(*c, y.untyped_data(), x.untyped_data(), x.size_bytes());
 }
 
 size_t ItemBytes(const ffi::AnyBuffer& b) {
@@ -201,20 +211,14 @@ ffi::ErrorOr<char*> Scratch(const Call& c, ffi::ScratchAllocator& scratch, size_
   return static_cast<char*>(*p);
 }
 
-#define JAXCOMM_TRY(expr)                        \
-  do {                                           \
-    ffi::Error jaxcomm_e_ = (expr);              \
-    if (jaxcomm_e_.failure()) return jaxcomm_e_; \
-  } while (0)
-
 // ---------------------------------------------------------------------------- all_reduce
 
 ffi::Error AllReduce(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::AnyBuffer x,
                      ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary) {
   Call c;
-  JAXCOMM_TRY(Begin(st, stream, ordinal, &c));
-  if (x.element_count() == 0) return ffi::Error::Success();
-  if (!c.comm) return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
+  bool finished = false;
+  JAXCOMM_TRY(BeginUnary(st, stream, ordinal, x, *y, &c, &finished));
+  if (finished) return ffi::Error::Success();
   ncclDataType_t type;
   int per;
   if (!NcclReduceType(x.element_type(), st->attrs().reduce_op, &type, &per)) {
@@ -233,9 +237,9 @@ ffi::Error AllGather(cudaStream_t stream, CudaState* st, int32_t ordinal,
                      ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                      ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary) {
   Call c;
-  JAXCOMM_TRY(Begin(st, stream, ordinal, &c));
-  if (x.element_count() == 0) return ffi::Error::Success();
-  if (!c.comm) return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
+  bool finished = false;
+  JAXCOMM_TRY(BeginUnary(st, stream, ordinal, x, *y, &c, &finished));
+  if (finished) return ffi::Error::Success();
   const auto dims = Dims(x);
   const int64_t axis = st->attrs().axis_index;
   const size_t outer = Product(dims, 0, axis);
@@ -265,9 +269,9 @@ ffi::Error ReduceScatter(cudaStream_t stream, CudaState* st, int32_t ordinal,
                          ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary) {
   Call c;
-  JAXCOMM_TRY(Begin(st, stream, ordinal, &c));
-  if (x.element_count() == 0) return ffi::Error::Success();
-  if (!c.comm) return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
+  bool finished = false;
+  JAXCOMM_TRY(BeginUnary(st, stream, ordinal, x, *y, &c, &finished));
+  if (finished) return ffi::Error::Success();
   ncclDataType_t type;
   int per;
   if (!NcclReduceType(x.element_type(), st->attrs().reduce_op, &type, &per)) {
@@ -301,9 +305,9 @@ ffi::Error AllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal,
                     ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                     ffi::Dictionary) {
   Call c;
-  JAXCOMM_TRY(Begin(st, stream, ordinal, &c));
-  if (x.element_count() == 0) return ffi::Error::Success();
-  if (!c.comm) return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
+  bool finished = false;
+  JAXCOMM_TRY(BeginUnary(st, stream, ordinal, x, *y, &c, &finished));
+  if (finished) return ffi::Error::Success();
   const size_t R = c.size, item = ItemBytes(x);
   const auto in = Dims(x), out = Dims(*y);
   const int64_t s = st->attrs().split_axis, cat = st->attrs().concat_axis;
@@ -450,9 +454,9 @@ ffi::Error Permute(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::Run
 ffi::Error Broadcast(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::AnyBuffer x,
                      ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary) {
   Call c;
-  JAXCOMM_TRY(Begin(st, stream, ordinal, &c));
-  if (x.element_count() == 0) return ffi::Error::Success();
-  if (!c.comm) return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
+  bool finished = false;
+  JAXCOMM_TRY(BeginUnary(st, stream, ordinal, x, *y, &c, &finished));
+  if (finished) return ffi::Error::Success();
   JAXCOMM_NCCL_CHECK(c.ctx, *c.comm,
                      c.comm->api().Broadcast(x.untyped_data(), y->untyped_data(), x.size_bytes(),
                                              ncclUint8, static_cast<int>(st->attrs().root),
