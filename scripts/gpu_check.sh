@@ -5,7 +5,8 @@
 # nanobind, scikit-build-core, cmake, ninja and pytest installed. Stages (each with its own
 # time limit; a failed stage is recorded and the next one still runs):
 #   env      GPU, driver, jax devices
-#   build    pip install --no-build-isolation --no-deps . with JAXCOMM_CUDA=ON
+#   build    pip install --no-build-isolation --no-deps . with JAXCOMM_CUDA=ON (where the
+#            machine has no nvcc: a module from scripts/build_gpu_module.sh, carried in)
 #   import   the extension has CUDA handlers; NCCL loads from the wheel
 #   tests    pytest tests/gpu (JAX_PLATFORMS=cuda,cpu)
 #   loopback 8 logical ranks, T=4096, H=7168, top-8, 256 experts, bf16, smallest capacity
@@ -40,14 +41,27 @@ stage() {
 
 stage env 60 bash -c "nvidia-smi; $PY -c 'import jax, jaxlib; print(jax.__version__, jaxlib.__version__); print(jax.devices())'"
 
+# Build with nvcc when the machine has it; without, use a module built for this Python on
+# a machine with nvcc (scripts/build_gpu_module.sh) and carried into jaxcomm/.
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH="$PATH:/usr/local/cuda/bin"
+EXT=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 if [ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ]; then  # a rerun on the same machine
-  echo "=== build skipped (GPU_CHECK_SKIP_BUILD=1)"
+  echo "skipped (GPU_CHECK_SKIP_BUILD=1)" > "$OUT_DIR/build_mode.txt"
+elif command -v nvcc > /dev/null 2>&1; then
+  echo "pip install with nvcc $(nvcc --version | tail -n 1)" > "$OUT_DIR/build_mode.txt"
+  stage build 300 bash -c "
+    $PY -m pip install --no-build-isolation --no-deps -v . -C cmake.define.JAXCOMM_CUDA=ON &&
+    so=\$(cd / && $PY -c 'import jaxcomm._jaxcomm as m; print(m.__file__)') &&
+    cp \"\$so\" jaxcomm/.gpu_check_tmp.so && mv jaxcomm/.gpu_check_tmp.so jaxcomm/\$(basename \"\$so\")"
+elif [ -f "jaxcomm/_jaxcomm$EXT" ]; then
+  echo "no nvcc: prebuilt jaxcomm/_jaxcomm$EXT" > "$OUT_DIR/build_mode.txt"
 else
-stage build 300 bash -c "
-  $PY -m pip install --no-build-isolation --no-deps -v . -C cmake.define.JAXCOMM_CUDA=ON &&
-  so=\$(cd / && $PY -c 'import jaxcomm._jaxcomm as m; print(m.__file__)') &&
-  cp \"\$so\" jaxcomm/.gpu_check_tmp.so && mv jaxcomm/.gpu_check_tmp.so jaxcomm/\$(basename \"\$so\")"
+  echo "no nvcc and no prebuilt jaxcomm/_jaxcomm$EXT" > "$OUT_DIR/build_mode.txt"
+  printf 'build\t127\t0\n' >> "$STAGES"
 fi
+cat "$OUT_DIR/build_mode.txt"
+# Whichever way it came, the module now sits in the source tree: import from there.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 stage import 60 env JAX_PLATFORMS=cuda,cpu "$PY" -c "
 import json
@@ -85,6 +99,10 @@ def load(name):
         return json.load(open(p))
     except Exception as e:  # a failed stage leaves no file: say so, keep going
         return {"missing": f"{name}: {e}"}
+try:
+    res["build_mode"] = open(os.path.join(out, "build_mode.txt")).read().strip()
+except OSError:
+    res["build_mode"] = None
 res["import"] = load("import.json")
 res["loopback"] = load("loopback.json")
 try:

@@ -64,7 +64,7 @@ def use_xla(op: str, dtype: Any = None, group_size: int | None = None) -> bool:
     if choice == "jaxcomm":
         return False
     platform = jax.default_backend()
-    if platform not in runtime.served_platforms():
+    if platform != "cpu" and platform not in runtime.served_platforms():
         runtime.log_fallback_once(op, f"jaxcomm has no handler for platform {platform!r} here")
         return True
     if platform == "gpu":
