@@ -578,6 +578,7 @@ ffi::Error MoeTransport(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi
       break;
   }
   if (!ok) return Reject(c, "operands disagree with the mode");
+  if (s.K > kMaxSlots) return Reject(c, "more than 64 experts per token (top-k)");
   if (result->size_bytes() == 0) return ffi::Error::Success();
   uint8_t* written = nullptr;
   if (gather) {

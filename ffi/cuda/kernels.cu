@@ -12,7 +12,7 @@ namespace jaxcomm::cuda {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kMaxK = 64;  // slots per token the MoE kernels stage in shared memory
+constexpr int kMaxK = kMaxSlots;
 
 // ------------------------------------------------------------------------------ routing
 

@@ -13,6 +13,8 @@ namespace jaxcomm::cuda {
 
 // Ranks a kernel can address in one launch (the peer tables travel as kernel arguments).
 constexpr int kMaxPeers = 16;
+// Slots per token (top-k) the MoE kernels stage in shared memory.
+constexpr int kMaxSlots = 64;
 
 // Element types the kernels that add values support (XLA's PrimitiveType numbering is not
 // used here on purpose: handlers map it, so this header needs no XLA).

@@ -60,10 +60,11 @@ constexpr std::chrono::seconds kStageLimit{120};
 
 std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32_t* ids,
                            const float* w, LoopbackResult* out) {
-  if (cfg.R <= 0 || cfg.R > kMaxPeers || cfg.E % cfg.R != 0 || cfg.T <= 0 || cfg.H <= 0 ||
-      cfg.K <= 0 || cfg.capacity <= 0) {
+  if (cfg.R <= 0 || cfg.R > kMaxPeers || cfg.E % cfg.R != 0 || cfg.E > 8192 || cfg.T <= 0 ||
+      cfg.H <= 0 || cfg.K <= 0 || cfg.K > kMaxSlots || cfg.capacity <= 0) {
     return "jaxcomm CUDA loopback: need 0 < R <= " + std::to_string(kMaxPeers) +
-           ", E divisible by R, positive T, H, K and capacity";
+           ", E divisible by R and at most 8192, 0 < K <= " + std::to_string(kMaxSlots) +
+           ", positive T, H and capacity";
   }
   const int R = cfg.R;
   const int64_t T = cfg.T, H = cfg.H, K = cfg.K, E = cfg.E, El = E / R;
