@@ -21,6 +21,12 @@
 
 namespace nb = nanobind;
 
+#ifdef JAXCOMM_WITH_CUDA
+namespace jaxcomm::cuda {
+void RegisterCuda(nb::module_& m);  // ffi/cuda/bindings.cc
+}
+#endif
+
 namespace {
 
 template <typename T>
@@ -119,6 +125,17 @@ NB_MODULE(_jaxcomm, m) {
   m.def("set_spin_us", [](int64_t us) {
     jaxcomm::Registry::Get().set_spin(std::chrono::microseconds(us < 0 ? 0 : us));
   }, "How long a waiting rank spins (yielding) before it sleeps, in microseconds.");
+
+  m.def("has_cuda", [] {
+#ifdef JAXCOMM_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether this build has the CUDA backend (handlers for platform 'CUDA').");
+#ifdef JAXCOMM_WITH_CUDA
+  jaxcomm::cuda::RegisterCuda(m);
+#endif
 
   m.def("round_counts", [] {
     auto& r = jaxcomm::Registry::Get();

@@ -53,15 +53,19 @@ def replica_groups(axis_context: Any, axes: tuple) -> tuple[tuple[int, ...], ...
     return compat.replica_groups(axis_context, axes)
 
 
-def partition_devices(axis_context: Any) -> np.ndarray:
-    """(process index, device id) of each partition, flattened, as int64.
+def partition_devices(axis_context: Any, platform: str = "cpu") -> np.ndarray:
+    """(process index, device ordinal) of each partition, flattened, as int64.
 
-    Handlers find their rank from the device ordinal XLA gives them (on CPU, the device
-    id: 2048 for process 1's first device), since a partition-id instruction is refused
-    in partially manual shard_maps.
+    Handlers find their rank from the device ordinal XLA gives them, since a
+    partition-id instruction is refused in partially manual shard_maps. On CPU that
+    ordinal is the device id (2048 for process 1's first device); on GPU it is the local
+    device number (-1 here for other processes' devices, which have none locally).
     """
     devices = np.asarray(axis_context.mesh.devices).reshape(-1)
-    return np.asarray([(d.process_index, d.id) for d in devices], dtype=np.int64).reshape(-1)
+    if platform == "cpu":
+        return np.asarray([(d.process_index, d.id) for d in devices], dtype=np.int64).reshape(-1)
+    return np.asarray([(d.process_index, -1 if d.local_hardware_id is None else d.local_hardware_id)
+                       for d in devices], dtype=np.int64).reshape(-1)
 
 
 def peer_processes(axis_context: Any, replica_groups: tuple[tuple[int, ...], ...]) -> set[int]:

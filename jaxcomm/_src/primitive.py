@@ -73,9 +73,19 @@ def define(spec: CollectiveSpec) -> core.Primitive:
         return out, {compat.NamedAxisEffect(a) for a in axes}
 
     prim.def_effectful_abstract_eval(abstract_eval)
-    mlir.register_lowering(prim, _ffi_lowering(spec), platform="cpu")
+    register_lowerings(prim, _ffi_lowering(spec))
     batching.fancy_primitive_batchers[prim] = _batcher(spec, prim)
     return prim
+
+
+def register_lowerings(prim: core.Primitive, lowering: Callable[..., Any]) -> None:
+    """Lowers ``prim`` to jaxcomm's custom call on every platform jaxcomm has handlers for.
+
+    The CUDA lowering is registered unconditionally: where the CUDA handlers are absent,
+    ``ops.common.use_xla`` routes the op to jax.lax before the primitive is ever bound.
+    """
+    for platform in ("cpu", "cuda"):
+        mlir.register_lowering(prim, lowering, platform=platform)
 
 
 def _own(params: dict[str, Any]) -> dict[str, Any]:
@@ -95,13 +105,19 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
     In a shard_map that is manual over only some mesh axes, XLA partitions the call over
     the other (auto) axes along its first ``batch_dims`` dimensions (see DESIGN.md).
     """
-    runtime.ensure_registered()
+    platforms = tuple(ctx.module_context.platforms)
+    runtime.ensure_registered_for(platforms)
     axis_context = ctx.module_context.axis_context
     axes = params["axes"]
     replica_groups = groups.replica_groups(axis_context, axes)
-    peers = groups.peer_processes(axis_context, replica_groups)
-    if peers:
-        transport.ensure_linked(peers)
+    if "cpu" in platforms:
+        peers = groups.peer_processes(axis_context, replica_groups)
+        if peers:
+            transport.ensure_linked(peers)
+    if "cuda" in platforms and jax.process_count() > 1:
+        from jaxcomm._src import cuda_runtime
+        cuda_runtime.exchange_unique_ids(replica_groups, groups.partition_devices(axis_context, "cuda"),
+                                         params["timeout_ms"])
     extra = None
     if batch_dims is not None and groups.is_partially_manual(axis_context):
         extra = partitioning.batch_partitioning_attributes(ctx, batch_dims)
@@ -114,7 +130,7 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
         timeout_ms=int(params["timeout_ms"]),
         groups=np.asarray(replica_groups, dtype=np.int64).reshape(-1),
         group_size=len(replica_groups[0]),
-        partition_devices=groups.partition_devices(axis_context),
+        partition_devices=groups.partition_devices(axis_context, platforms[0]),
         **attrs,
     )
 

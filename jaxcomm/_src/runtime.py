@@ -16,8 +16,15 @@ from jaxcomm import _jaxcomm  # the extension built from ffi/
 
 log = logging.getLogger("jaxcomm")
 
-#: Platforms with jaxcomm handlers. Others lower to jax.lax.
+#: Platforms that always have jaxcomm handlers. "gpu" joins them when the CUDA backend
+#: is built and a GPU backend exists (served_platforms()). Others lower to jax.lax.
 PLATFORMS = ("cpu",)
+
+
+def served_platforms() -> tuple[str, ...]:
+    """``jax.default_backend()`` names that jaxcomm's own handlers serve in this process."""
+    from jaxcomm._src import cuda_runtime
+    return PLATFORMS + (("gpu",) if cuda_runtime.available() else ())
 
 
 def target_name(op: str) -> str:
@@ -33,6 +40,16 @@ def ensure_registered() -> None:
         jax.ffi.register_ffi_target(target_name(op), stages, platform="cpu")
         jax.ffi.register_ffi_target_as_batch_partitionable(target_name(op))
     _jaxcomm.set_process_index(jax.process_index())
+
+
+def ensure_registered_for(platforms: tuple[str, ...]) -> None:
+    """Registers the handlers of every lowering platform (``"cpu"``, ``"cuda"``)."""
+    for platform in platforms:
+        if platform == "cpu":
+            ensure_registered()
+        elif platform == "cuda":
+            from jaxcomm._src import cuda_runtime
+            cuda_runtime.ensure_registered()
 
 
 @functools.cache

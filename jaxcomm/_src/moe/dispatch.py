@@ -334,13 +334,13 @@ def _fused_combine_bwd(lay, axis_name, out_dtype, res, g):
 _fused_combine_rows.defvjp(_fused_combine_fwd, _fused_combine_bwd)
 
 
-def use_fused(dtype: Any) -> bool:
-    """Whether this dispatch takes the fused host transports (else ragged_all_to_all)."""
-    return fused.available(dtype)
+def use_fused(dtype: Any, group_size: int | None = None) -> bool:
+    """Whether this dispatch takes the fused transports (else ragged_all_to_all)."""
+    return fused.available(dtype, group_size)
 
 
 def dispatch(x: jax.Array, expert_ids: jax.Array, lay: Layout, axis_name: Any):
-    is_fused = use_fused(x.dtype)
+    is_fused = use_fused(x.dtype, lay.R)
     handle, sizes = plan(expert_ids, lay, axis_name, fused=is_fused)
     rows = _fused_dispatch_rows if is_fused else _dispatch_rows
     expert_x = rows(x, handle, lay, axis_name)

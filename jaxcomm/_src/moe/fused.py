@@ -51,7 +51,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *args: Any, mode: int, rows: int, *
     return primitive.lower_collective(ctx, "moe_transport", list(args), params, {"mode": int(mode)})
 
 
-mlir.register_lowering(moe_transport_p, _lowering, platform="cpu")
+primitive.register_lowerings(moe_transport_p, _lowering)
 
 
 def _batcher(axis_data, vals_in, dims_in, **params):
@@ -67,9 +67,10 @@ def _batcher(axis_data, vals_in, dims_in, **params):
 batching.fancy_primitive_batchers[moe_transport_p] = _batcher
 
 
-def available(dtype: Any) -> bool:
-    """Whether the fused transports serve this program (host backend, whole-byte dtype)."""
-    return jax.default_backend() == "cpu" and not common.use_xla("moe_transport", dtype)
+def available(dtype: Any, group_size: int | None = None) -> bool:
+    """Whether the fused transports serve this program: the host backend, or the CUDA
+    backend for a group whose GPUs are in this process; whole-byte dtypes."""
+    return not common.use_xla("moe_transport", dtype, group_size=group_size)
 
 
 def transport(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Array, axis_name: Any, *,

@@ -46,11 +46,13 @@ def bit_width(dtype: Any) -> int:
         return dtype.itemsize * 8
 
 
-def use_xla(op: str, dtype: Any = None) -> bool:
+def use_xla(op: str, dtype: Any = None, group_size: int | None = None) -> bool:
     """Whether ``op`` lowers to its jax.lax equivalent in the program being traced.
 
     Besides JAXCOMM_BACKEND and the platform, sub-byte dtypes (int4, float4, ...) go to
-    jax.lax: XLA packs them two per byte, which the host kernels do not address.
+    jax.lax: XLA packs them two per byte, which the host kernels do not address. On CUDA,
+    reductions over dtypes NCCL cannot reduce, and groups of ``group_size`` that the op's
+    CUDA handler does not serve (``cuda_runtime.serves``), go there too.
     """
     choice = config.backend()
     if choice == "xla":
@@ -62,9 +64,18 @@ def use_xla(op: str, dtype: Any = None) -> bool:
     if choice == "jaxcomm":
         return False
     platform = jax.default_backend()
-    if platform not in runtime.PLATFORMS:
-        runtime.log_fallback_once(op, f"jaxcomm has no handler for platform {platform!r} yet")
+    if platform != "cpu" and platform not in runtime.served_platforms():
+        runtime.log_fallback_once(op, f"jaxcomm has no handler for platform {platform!r} here")
         return True
+    if platform == "gpu":
+        from jaxcomm._src import cuda_runtime
+        if op in ("all_reduce", "reduce_scatter") and dtype is not None \
+                and not cuda_runtime.nccl_reducible(dtype):
+            runtime.log_fallback_once(op, f"NCCL cannot reduce {np.dtype(dtype).name}")
+            return True
+        if not cuda_runtime.serves(op, group_size):
+            runtime.log_fallback_once(op, f"the CUDA handler does not serve groups of {group_size}")
+            return True
     return False
 
 

@@ -53,7 +53,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *args: Any, mode: int, src_rows: in
                                       aliases={1: 0})
 
 
-mlir.register_lowering(ragged_all_to_all_p, _lowering, platform="cpu")
+primitive.register_lowerings(ragged_all_to_all_p, _lowering)
 
 
 def _jvp(primals, tangents, **params):
@@ -232,7 +232,7 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
                          f"{R} of axis {groups.describe(axes)}")
     dt = _index_dtype(idx)
     idx = [a.astype(dt) for a in idx]
-    if common.use_xla("ragged_all_to_all", operand.dtype):
+    if common.use_xla("ragged_all_to_all", operand.dtype, group_size=R):
         return ragged_xla(operand, output, *idx, axis_name=axis_name)
     operand, params = common.prepare("ragged_all_to_all", operand, axis_name, timeout_s)
     if params["vma_checked"]:

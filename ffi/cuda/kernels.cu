@@ -1,0 +1,564 @@
+// See kernels.h. Float arithmetic that must match the host backend bit for bit uses the
+// _rn intrinsics: nvcc would otherwise contract a*x + y into an FMA, which rounds once
+// where the host code rounds twice.
+#include "cuda/kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+namespace jaxcomm::cuda {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kMaxK = kMaxSlots;
+
+// ------------------------------------------------------------------------------ routing
+
+struct RoutingWork {
+  int32_t* local_rank;  // [R, T*K]
+  int32_t* counts;      // [R, E]
+  int32_t* before;      // [R, E]: assignments to expert e from ranks below r
+  int32_t* start;       // [E]: packed layout, first row of expert e at its rank
+  int32_t* total;       // [E]
+  int32_t* invalid;     // [R]
+};
+
+RoutingWork Carve(void* work, int R, int64_t TK, int64_t E) {
+  int32_t* p = static_cast<int32_t*>(work);
+  RoutingWork w;
+  w.local_rank = p; p += R * TK;
+  w.counts = p; p += R * E;
+  w.before = p; p += R * E;
+  w.start = p; p += E;
+  w.total = p; p += E;
+  w.invalid = p;
+  return w;
+}
+
+// One block per rank: each assignment's rank among the rank's assignments to the same
+// expert, in (t, k) order, and the per-expert counts. Warps of a chunk take turns so that
+// the order across warps is kept; inside a warp, lanes with equal experts rank by lane.
+__global__ void RankKernel(const int32_t* ids, int64_t TK, int E, RoutingWork w) {
+  extern __shared__ int cnt[];
+  __shared__ int invalid;
+  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = blockDim.x >> 5;
+  for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
+  if (tid == 0) invalid = 0;
+  __syncthreads();
+  const int32_t* my = ids + r * TK;
+  const unsigned lt = (1u << lane) - 1u;
+  for (int64_t base = 0; base < TK; base += blockDim.x) {
+    const int64_t i = base + tid;
+    const bool in = i < TK;
+    int e = E;
+    if (in) {
+      const int v = my[i];
+      if (v >= 0 && v < E) {
+        e = v;
+      } else if (v != -1) {
+        atomicAdd(&invalid, 1);
+      }
+    }
+    const unsigned same = __match_any_sync(kFull, e);
+    const int mine = __popc(same & lt);
+    int rank = -1;
+    for (int turn = 0; turn < nwarps; ++turn) {
+      if (warp == turn && e < E) rank = cnt[e] + mine;
+      __syncwarp();
+      // The highest lane of each group of equal experts advances the count.
+      if (warp == turn && e < E && (same >> lane) == 1u) cnt[e] += __popc(same);
+      __syncthreads();
+    }
+    if (in) w.local_rank[r * TK + i] = rank;
+  }
+  for (int e = tid; e < E; e += blockDim.x) w.counts[r * E + e] = cnt[e];
+  if (tid == 0) w.invalid[r] = invalid;
+}
+
+// Totals, prefix counts over source ranks, packed start rows and each rank's sizes.
+__global__ void PlanKernel(int R, int E, int64_t rows, bool padded, RoutingWork w,
+                           int32_t* sizes, int32_t* stats) {
+  const int El = E / R;
+  const int64_t slab = rows / El;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = 0;
+    for (int r = 0; r < R; ++r) {
+      w.before[r * E + e] = run;
+      run += w.counts[r * E + e];
+    }
+    w.total[e] = run;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int start = 0;
+    for (int f = (e / El) * El; f < e; ++f) start += w.total[f];
+    w.start[e] = start;
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < R; d += blockDim.x) {
+    int64_t arrived = 0, kept = 0;
+    for (int el = 0; el < El; ++el) {
+      const int e = d * El + el;
+      const int64_t mine = w.total[e];
+      int64_t size;
+      if (padded) {
+        size = mine < slab ? mine : slab;
+      } else {
+        const int64_t st = w.start[e];
+        const int64_t hi = st + mine < rows ? st + mine : rows;
+        const int64_t lo = st < rows ? st : rows;
+        size = hi - lo;
+      }
+      sizes[d * El + el] = static_cast<int32_t>(size);
+      arrived += mine;
+      kept += size;
+    }
+    stats[d * 3 + 1] = w.invalid[d];
+    stats[d * 3 + 2] = static_cast<int32_t>(arrived - kept);
+  }
+}
+
+__global__ void PositionKernel(const int32_t* ids, int R, int64_t TK, int E, int64_t rows,
+                               bool padded, RoutingWork w, int32_t* dest, int32_t* pos,
+                               int32_t* stats) {
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= R * TK) return;
+  const int r = static_cast<int>(idx / TK);
+  const int El = E / R;
+  const int v = ids[idx];
+  int d = -1, p = -1;
+  if (v >= 0 && v < E) {
+    const int64_t lr = w.local_rank[idx];
+    const int64_t before = w.before[r * E + v];
+    bool kept;
+    int64_t row;
+    if (padded) {
+      const int64_t slab = rows / El, slot = before + lr;
+      row = (v % El) * slab + slot;
+      kept = slot < slab;
+    } else {
+      row = w.start[v] + before + lr;
+      kept = row < rows;
+    }
+    if (kept) {
+      d = v / El;
+      p = static_cast<int>(row);
+    } else {
+      atomicAdd(&stats[r * 3 + 0], 1);
+    }
+  }
+  dest[idx] = d;
+  pos[idx] = p;
+}
+
+// ---------------------------------------------------------------------------- MoE moves
+
+// A token's slots that go somewhere, staged in shared memory.
+struct Slots {
+  int n;
+  int d[kMaxK];
+  int row[kMaxK];
+  float a[kMaxK];
+  // The raw slot table of the token, loaded by K threads at once (one global load each
+  // instead of a chain of K dependent loads by one thread).
+  int raw_d[kMaxK];
+  int raw_row[kMaxK];
+  float raw_a[kMaxK];
+};
+
+__device__ void LoadSlots(const MoePeers& p, const MoeShape& s, int src, int64_t t, Slots* sl) {
+  const int k = threadIdx.x;
+  if (k < s.K) {
+    sl->raw_d[k] = p.dest[src][t * s.K + k];
+    sl->raw_row[k] = p.pos[src][t * s.K + k];
+    sl->raw_a[k] = p.w[src] != nullptr ? p.w[src][t * s.K + k] : 0.f;
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ bool SlotOk(const MoePeers& p, const MoeShape& s, int d, int row) {
+  return d >= 0 && d < p.R && row >= 0 && row < s.rows;
+}
+
+// The slots of rank `src`'s token t that go to a rank (only to `s.self` when set), in k order.
+__device__ void StageSlots(const MoePeers& p, const MoeShape& s, int src, int64_t t, Slots* sl) {
+  LoadSlots(p, s, src, t, sl);
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int k = 0; k < s.K; ++k) {
+      const int d = sl->raw_d[k], row = sl->raw_row[k];
+      if (!SlotOk(p, s, d, row) || (s.self >= 0 && d != s.self)) continue;
+      sl->d[n] = d;
+      sl->row[n] = row;
+      sl->a[n] = sl->raw_a[k];
+      ++n;
+    }
+    sl->n = n;
+  }
+  __syncthreads();
+}
+
+// Rank s's token t goes into every destination row of its slots: read once, written to
+// each row (a scatter, so that x is read once per token, not once per expert row).
+template <int kMode>
+__global__ void GatherKernel(MoePeers p, MoeShape s) {
+  __shared__ Slots sl;
+  const int src = blockIdx.y;
+  const int64_t t = blockIdx.x;
+  StageSlots(p, s, src, t, &sl);
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < sl.n; ++j) p.written[sl.d[j]][sl.row[j]] = 1;
+  }
+  if (kMode == kGatherCopy) {
+    const char* in = static_cast<const char*>(p.src[src]) + t * s.row_bytes;
+    if (s.row_bytes % 16 == 0) {
+      const int64_t nv = s.row_bytes / 16;
+      for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
+        const uint4 val = reinterpret_cast<const uint4*>(in)[v];
+        for (int j = 0; j < sl.n; ++j) {
+          char* out = static_cast<char*>(p.out[sl.d[j]]) + sl.row[j] * s.row_bytes;
+          reinterpret_cast<uint4*>(out)[v] = val;
+        }
+      }
+    } else {
+      for (int64_t b = threadIdx.x; b < s.row_bytes; b += blockDim.x) {
+        const char val = in[b];
+        for (int j = 0; j < sl.n; ++j) {
+          static_cast<char*>(p.out[sl.d[j]])[sl.row[j] * s.row_bytes + b] = val;
+        }
+      }
+    }
+  } else {
+    const float* in = static_cast<const float*>(p.src[src]) + t * s.H;
+    for (int64_t h = threadIdx.x; h < s.H; h += blockDim.x) {
+      const float x = in[h];
+      for (int j = 0; j < sl.n; ++j) {
+        static_cast<float*>(p.out[sl.d[j]])[sl.row[j] * s.H + h] = __fmul_rn(sl.a[j], x);
+      }
+    }
+  }
+}
+
+// Rows no slot wrote are zero (as the host backend's).
+__global__ void ZeroUnwrittenKernel(MoePeers p, MoeShape s) {
+  const int d = s.self >= 0 ? s.self : blockIdx.y;
+  for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
+    if (p.written[d][row]) continue;
+    char* out = static_cast<char*>(p.out[d]) + row * s.row_bytes;
+    if (s.row_bytes % 16 == 0) {
+      for (int64_t v = threadIdx.x; v < s.row_bytes / 16; v += blockDim.x) {
+        reinterpret_cast<uint4*>(out)[v] = make_uint4(0, 0, 0, 0);
+      }
+    } else {
+      for (int64_t b = threadIdx.x; b < s.row_bytes; b += blockDim.x) out[b] = 0;
+    }
+  }
+}
+
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void FromF(float v, float* out) { *out = v; }
+__device__ __forceinline__ void FromF(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
+
+// Combine: y_s[t] = sum over ranks d in order of (sum over slots k with dest d, in k
+// order, of w[t, k] * src_d[pos[t, k]]), each product and sum rounded as the host's.
+// Slots are staged sorted by (d, k); every thread owns kV consecutive columns.
+template <typename Tin, typename Tout, int kV>
+__global__ void ReduceKernel(MoePeers p, MoeShape s) {
+  __shared__ Slots sl;
+  const int src = s.self >= 0 ? s.self : blockIdx.y;
+  const int64_t t = blockIdx.x;
+  LoadSlots(p, s, src, t, &sl);
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int d = 0; d < p.R; ++d) {
+      for (int k = 0; k < s.K; ++k) {
+        const int row = sl.raw_row[k];
+        if (sl.raw_d[k] != d || row < 0 || row >= s.rows) continue;
+        sl.d[n] = d;
+        sl.row[n] = row;
+        sl.a[n] = sl.raw_a[k];
+        ++n;
+      }
+    }
+    sl.n = n;
+  }
+  __syncthreads();
+  Tout* out = static_cast<Tout*>(p.out[src]) + t * s.H;
+  for (int64_t h0 = threadIdx.x * static_cast<int64_t>(kV); h0 < s.H; h0 += blockDim.x * static_cast<int64_t>(kV)) {
+    float y[kV], part[kV];
+    bool y_set = false, part_set = false;
+    int cur = -1;
+    for (int j = 0; j < sl.n; ++j) {
+      if (sl.d[j] != cur) {
+        if (part_set) {
+          for (int v = 0; v < kV; ++v) y[v] = y_set ? __fadd_rn(y[v], part[v]) : part[v];
+          y_set = true;
+          part_set = false;
+        }
+        cur = sl.d[j];
+      }
+      const Tin* row = static_cast<const Tin*>(p.src[sl.d[j]]) + sl.row[j] * s.H + h0;
+      Tin x[kV];
+      if constexpr (kV * sizeof(Tin) == 16) {
+        *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(row);
+      } else {
+        for (int v = 0; v < kV; ++v) x[v] = row[v];
+      }
+      const float a = sl.a[j];
+      for (int v = 0; v < kV; ++v) {
+        const float prod = __fmul_rn(a, ToF(x[v]));
+        part[v] = part_set ? __fadd_rn(part[v], prod) : prod;
+      }
+      part_set = true;
+    }
+    if (part_set) {
+      for (int v = 0; v < kV; ++v) y[v] = y_set ? __fadd_rn(y[v], part[v]) : part[v];
+      y_set = true;
+    }
+    for (int v = 0; v < kV; ++v) FromF(y_set ? y[v] : 0.f, out + h0 + v);
+  }
+}
+
+// Combine's gradient towards the weights: out_s[t, k] = <g_s[t], src_d[pos]>.
+__global__ void DotKernel(MoePeers p, MoeShape s) {
+  __shared__ float partial[32];
+  const int src = s.self >= 0 ? s.self : blockIdx.y;
+  const int64_t t = blockIdx.x;
+  const float* g = p.g[src] + t * s.H;
+  float* out = static_cast<float*>(p.out[src]) + t * s.K;
+  for (int k = 0; k < s.K; ++k) {
+    const int d = p.dest[src][t * s.K + k], row = p.pos[src][t * s.K + k];
+    const bool ok = d >= 0 && d < p.R && row >= 0 && row < s.rows;
+    float acc = 0.f;
+    if (ok) {
+      const float* x = static_cast<const float*>(p.src[d]) + row * s.H;
+      for (int64_t h = threadIdx.x; h < s.H; h += blockDim.x) acc += g[h] * x[h];
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(kFull, acc, o);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float sum = 0.f;
+      for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) sum += partial[w];
+      out[k] = ok ? sum : 0.f;
+    }
+    __syncthreads();
+  }
+}
+
+// ------------------------------------------------------------------------------- ragged
+
+__device__ __forceinline__ int64_t Ld(const void* p, int bytes, int64_t i) {
+  return bytes == 8 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+struct RaggedArgs {
+  const void* io;
+  const void* ss;
+  const void* oo;
+  const void* rs;
+  int64_t n, src_rows, dst_rows, row_bytes, row_elems;
+  int idx_bytes;
+};
+
+// Whether every slice of the call is in bounds; computed by the whole block.
+__device__ bool CallValid(const RaggedArgs& a) {
+  bool ok = true;
+  for (int64_t i = threadIdx.x; i < a.n; i += blockDim.x) {
+    const int64_t io = Ld(a.io, a.idx_bytes, i), ss = Ld(a.ss, a.idx_bytes, i);
+    const int64_t oo = Ld(a.oo, a.idx_bytes, i), rs = Ld(a.rs, a.idx_bytes, i);
+    ok = ok && ss >= 0 && io >= 0 && io <= a.src_rows - ss && oo >= 0 && oo <= a.dst_rows - ss &&
+         rs == ss;
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// The last slice (in order) that writes destination row j, or -1.
+__device__ int64_t LastCover(const RaggedArgs& a, int64_t j) {
+  int64_t last = -1;
+  for (int64_t i = 0; i < a.n; ++i) {
+    const int64_t ss = Ld(a.ss, a.idx_bytes, i), oo = Ld(a.oo, a.idx_bytes, i);
+    if (ss > 0 && oo <= j && j < oo + ss) last = i;
+  }
+  return last;
+}
+
+__global__ void RaggedForwardKernel(RaggedArgs a, const char* operand, char* result, bool zero) {
+  if (!CallValid(a)) return;
+  for (int64_t j = blockIdx.x; j < a.dst_rows; j += gridDim.x) {
+    const int64_t i = LastCover(a, j);
+    if (i < 0) continue;
+    char* out = result + j * a.row_bytes;
+    if (zero) {
+      for (int64_t b = threadIdx.x; b < a.row_bytes; b += blockDim.x) out[b] = 0;
+      continue;
+    }
+    const int64_t src = Ld(a.io, a.idx_bytes, i) + j - Ld(a.oo, a.idx_bytes, i);
+    const char* in = operand + src * a.row_bytes;
+    for (int64_t b = threadIdx.x; b < a.row_bytes; b += blockDim.x) out[b] = in[b];
+  }
+}
+
+template <typename T>
+__device__ void AddRow(T* out, const T* in, int64_t n) {
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) out[e] = out[e] + in[e];
+}
+__device__ void AddRow(__half* out, const __half* in, int64_t n) {
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    out[e] = __float2half_rn(__fadd_rn(__half2float(out[e]), __half2float(in[e])));
+  }
+}
+__device__ void AddRow(__nv_bfloat16* out, const __nv_bfloat16* in, int64_t n) {
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    out[e] = __float2bfloat16_rn(__fadd_rn(__bfloat162float(out[e]), __bfloat162float(in[e])));
+  }
+}
+__device__ void AddRow(float* out, const float* in, int64_t n) {
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) out[e] = __fadd_rn(out[e], in[e]);
+}
+__device__ void AddRow(double* out, const double* in, int64_t n) {
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) out[e] = __dadd_rn(out[e], in[e]);
+}
+
+// Transpose towards the operand (one rank): every operand row adds the cotangent rows it
+// is still visible in, slice by slice in order.
+template <typename T>
+__global__ void RaggedTransposeKernel(RaggedArgs a, const T* cot, T* acc) {
+  if (!CallValid(a)) return;
+  for (int64_t r = blockIdx.x; r < a.src_rows; r += gridDim.x) {
+    for (int64_t i = 0; i < a.n; ++i) {
+      const int64_t io = Ld(a.io, a.idx_bytes, i), ss = Ld(a.ss, a.idx_bytes, i);
+      if (ss <= 0 || r < io || r >= io + ss) continue;
+      const int64_t j = Ld(a.oo, a.idx_bytes, i) + r - io;
+      if (LastCover(a, j) != i) continue;
+      AddRow(acc + r * a.row_elems, cot + j * a.row_elems, a.row_elems);
+      __syncthreads();
+    }
+  }
+}
+
+unsigned Blocks(int64_t n, int64_t cap = 65535) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(n, cap)));
+}
+
+}  // namespace
+
+size_t RoutingWorkBytes(int R, int64_t T, int64_t K, int64_t E) {
+  return sizeof(int32_t) * static_cast<size_t>(R * T * K + 2 * R * E + 2 * E + R);
+}
+
+cudaError_t LaunchRouting(const int32_t* ids, int R, int64_t T, int64_t K, int64_t E,
+                          int64_t rows, bool padded, int32_t* dest, int32_t* pos, int32_t* sizes,
+                          int32_t* stats, void* work, cudaStream_t stream) {
+  // RankKernel keeps one counter per expert in shared memory (48 KiB without opt-in).
+  if (R <= 0 || E % R != 0 || E > 8192 || rows <= 0) return cudaErrorInvalidValue;
+  const int64_t TK = T * K;
+  RoutingWork w = Carve(work, R, TK, E);
+  cudaError_t err = cudaMemsetAsync(stats, 0, sizeof(int32_t) * 3 * R, stream);
+  if (err != cudaSuccess) return err;
+  RankKernel<<<R, 1024, sizeof(int) * E, stream>>>(ids, TK, static_cast<int>(E), w);
+  PlanKernel<<<1, 1024, 0, stream>>>(R, static_cast<int>(E), rows, padded, w, sizes, stats);
+  const int64_t n = R * TK;
+  PositionKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+      ids, R, TK, static_cast<int>(E), rows, padded, w, dest, pos, stats);
+  return cudaGetLastError();
+}
+
+cudaError_t MoeZeroWritten(const MoePeers& peers, const MoeShape& shape, cudaStream_t stream) {
+  for (int d = 0; d < peers.R; ++d) {
+    if (shape.self >= 0 && d != shape.self) continue;
+    const cudaError_t err = cudaMemsetAsync(peers.written[d], 0, shape.rows, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t LaunchMoe(int mode, const MoePeers& peers, const MoeShape& shape, cudaStream_t stream) {
+  if (peers.R <= 0 || peers.R > kMaxPeers || shape.K > kMaxK || shape.T <= 0) {
+    return shape.T == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  }
+  if (shape.T > 0x7fffffff || shape.self >= peers.R) return cudaErrorInvalidValue;
+  // Gather modes read every source's tokens (grid.y); the others compute one rank per
+  // grid.y, or only `self`.
+  const unsigned ranks = static_cast<unsigned>(peers.R);
+  const dim3 grid(static_cast<unsigned>(shape.T), ranks);
+  const dim3 own(static_cast<unsigned>(shape.T), shape.self >= 0 ? 1u : ranks);
+  switch (mode) {
+    case kGatherCopy:
+    case kGatherScaled: {
+      if (mode == kGatherCopy) {
+        GatherKernel<kGatherCopy><<<grid, 128, 0, stream>>>(peers, shape);
+      } else {
+        GatherKernel<kGatherScaled><<<grid, 128, 0, stream>>>(peers, shape);
+      }
+      const dim3 zgrid(Blocks(shape.rows, 4096), shape.self >= 0 ? 1u : ranks);
+      ZeroUnwrittenKernel<<<zgrid, 128, 0, stream>>>(peers, shape);
+      break;
+    }
+    case kReduce:
+      if (shape.bf16_src && shape.bf16_out && shape.H % 8 == 0) {
+        ReduceKernel<__nv_bfloat16, __nv_bfloat16, 8><<<own, 128, 0, stream>>>(peers, shape);
+      } else if (shape.bf16_src && shape.bf16_out) {
+        ReduceKernel<__nv_bfloat16, __nv_bfloat16, 1><<<own, 128, 0, stream>>>(peers, shape);
+      } else if (shape.bf16_src || shape.bf16_out) {
+        return cudaErrorInvalidValue;
+      } else if (shape.H % 4 == 0) {
+        ReduceKernel<float, float, 4><<<own, 128, 0, stream>>>(peers, shape);
+      } else {
+        ReduceKernel<float, float, 1><<<own, 128, 0, stream>>>(peers, shape);
+      }
+      break;
+    case kDot:
+      DotKernel<<<own, 256, 0, stream>>>(peers, shape);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchRaggedOneRank(int mode, const void* operand, void* result, int64_t src_rows,
+                                int64_t dst_rows, int64_t row_bytes, int64_t row_elems,
+                                Elem elem, const void* input_offsets, const void* send_sizes,
+                                const void* output_offsets, const void* recv_sizes, int64_t n,
+                                int idx_bytes, cudaStream_t stream) {
+  RaggedArgs a{input_offsets, send_sizes, output_offsets, recv_sizes, n,
+               src_rows, dst_rows, row_bytes, row_elems, idx_bytes};
+  if (row_bytes == 0 || n == 0) return cudaSuccess;
+  if (mode == 0 || mode == 2) {
+    RaggedForwardKernel<<<Blocks(dst_rows, 8192), 128, 0, stream>>>(
+        a, static_cast<const char*>(operand), static_cast<char*>(result), mode == 2);
+    return cudaGetLastError();
+  }
+  if (mode != 1) return cudaErrorInvalidValue;
+  const unsigned blocks = Blocks(src_rows, 8192);
+  switch (elem) {
+#define JAXCOMM_RAGGED_T(E, T)                                                             \
+  case Elem::E:                                                                            \
+    RaggedTransposeKernel<T><<<blocks, 128, 0, stream>>>(a, static_cast<const T*>(operand), \
+                                                         static_cast<T*>(result));          \
+    break;
+    JAXCOMM_RAGGED_T(kF32, float)
+    JAXCOMM_RAGGED_T(kF64, double)
+    JAXCOMM_RAGGED_T(kF16, __half)
+    JAXCOMM_RAGGED_T(kBF16, __nv_bfloat16)
+    JAXCOMM_RAGGED_T(kS8, int8_t)
+    JAXCOMM_RAGGED_T(kS16, int16_t)
+    JAXCOMM_RAGGED_T(kS32, int32_t)
+    JAXCOMM_RAGGED_T(kS64, int64_t)
+    JAXCOMM_RAGGED_T(kU8, uint8_t)
+    JAXCOMM_RAGGED_T(kU16, uint16_t)
+    JAXCOMM_RAGGED_T(kU32, uint32_t)
+    JAXCOMM_RAGGED_T(kU64, uint64_t)
+#undef JAXCOMM_RAGGED_T
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace jaxcomm::cuda

@@ -1,0 +1,71 @@
+// jaxcomm's own CUDA kernels, behind host launchers that enqueue on a stream and never
+// synchronize. Shared by the XLA handlers (handlers.cc: one rank, the peers table holds
+// this device's own buffers) and the loopback mode (loopback.cc: R logical ranks whose
+// "peer" buffers are regions of one device's memory). Semantics follow the host backend
+// exactly: ffi/cpu/moe_kernels.cc (MoeMode) and ffi/cpu/ragged.cc (RaggedMode).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace jaxcomm::cuda {
+
+// Ranks a kernel can address in one launch (the peer tables travel as kernel arguments).
+constexpr int kMaxPeers = 16;
+// Slots per token (top-k) the MoE kernels stage in shared memory.
+constexpr int kMaxSlots = 64;
+
+// Element types the kernels that add values support (XLA's PrimitiveType numbering is not
+// used here on purpose: handlers map it, so this header needs no XLA).
+enum class Elem : int { kF32, kF64, kF16, kBF16, kS8, kS16, kS32, kS64, kU8, kU16, kU32, kU64 };
+
+// Every rank's buffers for one MoE transport call; rank d's entries at [d].
+struct MoePeers {
+  int R = 0;
+  const void* src[kMaxPeers] = {};
+  void* out[kMaxPeers] = {};
+  const int32_t* dest[kMaxPeers] = {};  // [T, K]: destination rank of each slot, or -1
+  const int32_t* pos[kMaxPeers] = {};   // [T, K]: the slot's row at the destination, or -1
+  const float* w[kMaxPeers] = {};       // [T, K]
+  const float* g[kMaxPeers] = {};       // [T, H] (dot mode)
+  uint8_t* written[kMaxPeers] = {};     // [rows] scratch: rows a gather wrote (gather modes)
+};
+
+// ffi/cpu/moe_kernels.cc's modes. Value types: kGatherCopy moves rows of `row_bytes`
+// bytes; the others take float32 (src of kReduce may also be bfloat16 in the loopback).
+enum MoeMode : int { kGatherCopy = 0, kGatherScaled = 1, kReduce = 2, kDot = 3 };
+
+struct MoeShape {
+  int64_t T = 0, K = 0, H = 0, rows = 0, row_bytes = 0;
+  bool bf16_src = false;  // kReduce: src rows are bfloat16 (loopback)
+  bool bf16_out = false;  // kReduce: result rows are bfloat16, rounded once (loopback)
+  // -1: compute every rank's result (loopback, one launch). r >= 0: only rank r's, reading
+  // the peers' buffers in place (one GPU per rank, peers.h).
+  int self = -1;
+};
+
+// Runs `mode` for every rank of `peers` (as the host backend's RunMoe for each r), or for
+// rank `shape.self` only. Gather modes need `written` zeroed first (MoeZeroWritten).
+cudaError_t LaunchMoe(int mode, const MoePeers& peers, const MoeShape& shape, cudaStream_t stream);
+cudaError_t MoeZeroWritten(const MoePeers& peers, const MoeShape& shape, cudaStream_t stream);
+
+// Routing of R logical ranks on one device (loopback): jaxcomm/_src/moe/dispatch.py's
+// plan(fused=True). ids [R, T, K] int32 -> dest, pos [R, T, K]; sizes [R, El] (the
+// group_sizes/counts each rank returns); stats [R, 3] = dropped, invalid, recv_dropped.
+// `work` holds RoutingWorkBytes(R, T, K, E) bytes of device scratch.
+size_t RoutingWorkBytes(int R, int64_t T, int64_t K, int64_t E);
+cudaError_t LaunchRouting(const int32_t* ids, int R, int64_t T, int64_t K, int64_t E,
+                          int64_t rows, bool padded, int32_t* dest, int32_t* pos, int32_t* sizes,
+                          int32_t* stats, void* work, cudaStream_t stream);
+
+// ragged_all_to_all of a one-rank group (ffi/cpu/ragged.cc with R = 1). Offsets and
+// sizes stay on the device; when any slice is out of bounds (or recv_sizes disagree) the
+// kernels write nothing. `result` already holds `output`.
+cudaError_t LaunchRaggedOneRank(int mode, const void* operand, void* result, int64_t src_rows,
+                                int64_t dst_rows, int64_t row_bytes, int64_t row_elems,
+                                Elem elem, const void* input_offsets, const void* send_sizes,
+                                const void* output_offsets, const void* recv_sizes, int64_t n,
+                                int idx_bytes, cudaStream_t stream);
+
+}  // namespace jaxcomm::cuda
