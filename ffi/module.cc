@@ -119,6 +119,11 @@ NB_MODULE(_jaxcomm, m) {
   m.def("excluded_processes", [] { return World().excluded(); },
         "Processes left out after they failed in a fault-tolerant collective.");
 
+  m.def("transport_rejoin", [](uint64_t generation) {
+    std::string error = World().Rejoin(generation);
+    if (!error.empty()) throw std::runtime_error("jaxcomm.ft.rejoin: " + error);
+  }, nb::arg("generation"), "Marks this restarted process as asking to be readmitted.");
+
   m.def("transport_linked", [](int64_t process) { return World().Linked(process); },
         "Whether peer `process` is linked.");
 

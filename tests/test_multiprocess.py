@@ -185,3 +185,58 @@ def test_ft_all_reduce_leaves_a_killed_process_out_and_keeps_going(transport: st
             assert s["mask"] == [r in alive for r in range(4)], s
             np.testing.assert_allclose(s["total"], [[sum(10.0 ** r for r in alive)] * 3])
         assert steps[-1]["excluded"] == [2]
+
+
+# Process 2 starts its own replacement (same process index, same program) and dies; the
+# replacement calls jaxcomm.ft.rejoin() and, having no state, contributes only its
+# constant until it has synced the step counter from the others.
+REJOIN = """
+import json, signal, subprocess, time
+restarted = os.environ.get("JAXCOMM_TEST_RESTARTED") == "1"
+if restarted:
+    jaxcomm.ft.rejoin()
+mesh = Mesh(np.asarray(jax.devices()), ("dp",))
+f = jax.jit(jax.shard_map(lambda v: jaxcomm.ft.all_reduce(v, "dp", timeout_s=10.0), mesh=mesh,
+                          in_specs=P("dp"), out_specs=(P(), P()), check_vma=False))
+STEPS = 30
+step = 0
+has_state = 0.0 if restarted else 1.0
+while step < STEPS:
+    if RANK == 2 and not restarted and step == 5:
+        subprocess.Popen([sys.executable] + sys.argv, env=dict(os.environ, JAXCOMM_TEST_RESTARTED="1"))
+        os.kill(os.getpid(), signal.SIGKILL)
+    v = np.asarray([[10.0 ** RANK, has_state, step * has_state]], np.float32)
+    total, mask = f(jax.make_array_from_process_local_data(NamedSharding(mesh, P("dp")), v))
+    t = np.asarray(total.addressable_shards[0].data)[0]
+    m = np.asarray(mask.addressable_shards[0].data).tolist()
+    synced = int(round(t[2] / t[1]))  # the step of the processes that have state
+    print("RESULT", json.dumps({"step": synced, "total": float(t[0]), "mask": m, "restarted": restarted}), flush=True)
+    step, has_state = synced + 1, 1.0
+    time.sleep(0.2)
+print("FINISHED", flush=True)
+"""
+
+
+def test_restarted_process_rejoins_ft_all_reduce() -> None:
+    res = run_script(REJOIN, 3, 1, keep_going=True, timeout_s=120)
+    assert res.launch.returncodes == [0, 0, -9], res.format()
+    for rank in (0, 1, 2):
+        assert "FINISHED" in res.output[rank], res.format()
+    steps: dict[int, list[dict]] = {0: [], 1: [], 2: []}
+    for rank, text in res.output.items():
+        for line in text.splitlines():
+            if line.startswith("RESULT "):
+                steps[rank].append(json.loads(line.split(" ", 1)[1]))
+    for rank in (0, 1):
+        masks = [tuple(r["mask"]) for r in steps[rank]]
+        assert [r["step"] for r in steps[rank]] == list(range(30))
+        # All three, then the two survivors, then all three again: in that order, once.
+        phases = [m for i, m in enumerate(masks) if i == 0 or masks[i - 1] != m]
+        assert phases == [(True, True, True), (True, True, False), (True, True, True)], masks
+        for r in steps[rank]:
+            assert r["total"] == (111.0 if all(r["mask"]) else 11.0), r
+    replacement = [r for r in steps[2] if r["restarted"]]
+    assert replacement and all(all(r["mask"]) and r["total"] == 111.0 for r in replacement)
+    # The replacement's results are the survivors' results of the same steps.
+    survivor = {r["step"]: r for r in steps[0]}
+    assert all(survivor[r["step"]]["mask"] == r["mask"] for r in replacement)

@@ -315,7 +315,8 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
         auto agreement = std::make_shared<ExchangePlan>(*p);
         agreement->key = Mix(p->key, 0x61677265656d656eull);  // "agreemen"
         agreement->fingerprint = Mix(p->fingerprint, 1);
-        agreement->peer_bytes.assign(l.processes.size(), l.processes.size() + 1);
+        // Per process of the group: heard-from byte + rejoin generation seen (World::Agree).
+        agreement->peer_bytes.assign(l.processes.size(), (l.processes.size() + 1) * (1 + sizeof(uint64_t)));
         p->agreement = std::move(agreement);
       }
       l.plan = std::move(p);

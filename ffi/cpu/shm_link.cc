@@ -180,4 +180,31 @@ const char* ShmPeer::Data(const SlotEntry& slot, std::string* error) {
   return generations_[g]->data() + slot.offset;
 }
 
+std::pair<int64_t, std::vector<char>> ShmPeer::Snapshot(uint64_t key) {
+  const SlotEntry* e = Find(key);
+  if (e == nullptr) return {0, {}};
+  std::string error;
+  const char* base = Data(*e, &error);
+  if (base == nullptr) return {0, {}};
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    const int64_t seq = e->published.load(std::memory_order_acquire);
+    if (seq <= 0) return {0, {}};
+    std::vector<char> bytes(base + (seq & 1) * e->bytes, base + (seq & 1) * e->bytes + e->bytes);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    // Buffer seq % 2 is rewritten at seq + 2 at the earliest.
+    if (e->published.load(std::memory_order_acquire) < seq + 2) return {seq, std::move(bytes)};
+  }
+  return {0, {}};
+}
+
+void ShmPeer::RequestJoin(int64_t process, uint64_t generation, int pid, int control_fd,
+                          size_t control_bytes) {
+  if (process < 0 || process >= kMaxJoinProcesses) return;
+  JoinRequest& j = block().joins[process];
+  j.pid = pid;
+  j.control_fd = control_fd;
+  j.control_bytes = control_bytes;
+  j.generation.store(generation, std::memory_order_release);
+}
+
 }  // namespace jaxcomm::cpu

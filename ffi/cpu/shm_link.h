@@ -47,6 +47,7 @@ class Segment {
 
 constexpr int kMaxSlots = 4096;
 constexpr int kMaxGenerations = 64;
+constexpr int kMaxJoinProcesses = 1024;
 
 struct SlotEntry {
   std::atomic<uint64_t> key;  // 0 while free; stored last, with release
@@ -63,12 +64,22 @@ struct GenerationEntry {
   uint64_t bytes;
 };
 
+// A restarted process asking to rejoin (jaxcomm.ft.rejoin): written by it into each
+// survivor's control block, at its process index; `generation` is stored last.
+struct JoinRequest {
+  std::atomic<uint64_t> generation;  // 0: none
+  int32_t pid;
+  int32_t control_fd;
+  uint64_t control_bytes;
+};
+
 struct ControlBlock {
   uint64_t magic;
   int32_t pid;
   int32_t process;
   GenerationEntry generations[kMaxGenerations];
   SlotEntry slots[kMaxSlots];
+  JoinRequest joins[kMaxJoinProcesses];
 };
 
 // This process's side: its control block and data segments.
@@ -107,6 +118,11 @@ class ShmPeer {
   const SlotEntry* Find(uint64_t key);
   // The slot's data, mapping its generation on first use; nullptr and `error` on failure.
   const char* Data(const SlotEntry& slot, std::string* error);
+  // A consistent copy of the newest round published in the slot of `key`: (seq, bytes),
+  // or seq 0 when there is none (the owner may be writing the next rounds meanwhile).
+  std::pair<int64_t, std::vector<char>> Snapshot(uint64_t key);
+  // Asks the peer to readmit process `process` (this one, restarted).
+  void RequestJoin(int64_t process, uint64_t generation, int pid, int control_fd, size_t control_bytes);
 
  private:
   int pid_ = 0;

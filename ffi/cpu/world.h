@@ -57,6 +57,9 @@ class World : public CrossProcess {
   bool Linked(int64_t p) const override;
   // Processes left out after they failed in a fault-tolerant exchange.
   std::vector<int64_t> excluded() const;
+  // In a restarted process (jaxcomm.ft.rejoin): asks to be readmitted at its first
+  // fault-tolerant call, then numbers that call's rounds as the survivors do.
+  std::string Rejoin(uint64_t generation);
 
  private:
   struct PeerLink;
@@ -75,6 +78,14 @@ class World : public CrossProcess {
              ExchangeDone then);
   bool Excluded(int64_t process) const;
   void Exclude(int64_t process);
+  // Survivors: maps the control block of a restarted process that asked to rejoin.
+  void PollJoins();
+  // Survivors: readmits processes whose request every survivor has seen (phase 2).
+  void Admit(const std::vector<int64_t>& all, const std::vector<char>& mine,
+             const std::vector<const char*>& views);
+  // Restarted process: true once readmitted (p's rounds renumbered) or failed (`error`).
+  bool TryAdmission(Pending& p, std::string* error);
+  void ReleaseRound(const ExchangePlan& plan, int64_t seq);
   void Progress();
   void Wake();
 
@@ -85,6 +96,10 @@ class World : public CrossProcess {
   std::unique_ptr<TcpListener> listener_;
   std::map<int64_t, std::shared_ptr<PeerLink>> peers_;
   std::set<int64_t> excluded_;
+  std::map<int64_t, uint64_t> seen_join_;      // survivors: newest request seen, per process
+  std::map<int64_t, uint64_t> admitted_join_;  // survivors: request readmitted, per process
+  uint64_t joining_ = 0;                       // restarted process: its request
+  std::map<uint64_t, int64_t> seq_offset_;     // restarted process: per call, survivors' numbering
   std::vector<std::unique_ptr<Pending>> pending_;
   std::atomic<int> wakes_{0};
   std::atomic<bool> stop_{false};

@@ -82,7 +82,8 @@ def _endpoint() -> dict[str, Any]:
     endpoint = dict(_jaxcomm.transport_open(me, not tcp_only))
     endpoint.update(host=host_identity(), hostname=socket.gethostname(), tcp_only=tcp_only,
                     address=_reachable_address(distributed.global_state.coordinator_address))
-    _client().key_value_set(_KEY.format(me), json.dumps(endpoint))
+    # A restarted process (jaxcomm.ft.rejoin) replaces the endpoint of its previous life.
+    _client().key_value_set(_KEY.format(me), json.dumps(endpoint), allow_overwrite=True)
     return endpoint
 
 
@@ -115,6 +116,41 @@ def ensure_linked(processes: Iterable[int]) -> None:
             _jaxcomm.transport_link(peer, theirs["address"], label, theirs["pid"], theirs["control_fd"],
                                     theirs["control_bytes"], theirs["port"], shared, timeout_ms)
             _linked.add(peer)
+
+
+def rejoin(timeout_s: float | None = None) -> list[int]:
+    """Links a restarted process to the processes still running; returns those left out.
+
+    Peers whose endpoint no longer answers (they died too) are left out. The request to
+    be readmitted is posted by this process's first fault-tolerant call.
+    """
+    import time
+
+    me = jax.process_index()
+    timeout_ms = config.timeout_ms(timeout_s)
+    unreachable = []
+    with _lock:
+        mine = _endpoint()
+        for peer in range(jax.process_count()):
+            if peer == me or peer in _linked:
+                continue
+            raw = _client().blocking_key_value_get(_KEY.format(peer), timeout_ms)
+            theirs = json.loads(raw)
+            if theirs["host"] != mine["host"] or theirs["tcp_only"] or mine["tcp_only"]:
+                raise NotImplementedError(
+                    "jaxcomm.ft.rejoin: rejoining works between processes of one host, over "
+                    f"shared memory; process {peer} is reached by TCP")
+            label = f"{theirs['hostname']} ({theirs['address']})"
+            try:
+                _jaxcomm.transport_link(peer, theirs["address"], label, theirs["pid"],
+                                        theirs["control_fd"], theirs["control_bytes"],
+                                        theirs["port"], True, timeout_ms)
+            except RuntimeError:
+                unreachable.append(peer)  # gone as well: the survivors left it out
+                continue
+            _linked.add(peer)
+        _jaxcomm.transport_rejoin(time.time_ns())
+    return unreachable
 
 
 def linked_processes() -> frozenset[int]:
