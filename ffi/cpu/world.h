@@ -53,6 +53,7 @@ class World : public CrossProcess {
   void Exchange(ExchangeSpec spec, ExchangeDone done) override;
   void Release(uint64_t key, int64_t seq, const std::vector<int64_t>& peers) override;
   bool Linked(int64_t p) const override;
+  std::string LinkKind(int64_t p) const override;  // [trace]
 
  private:
   struct PeerLink;
