@@ -24,12 +24,15 @@ import os
 from typing import Any
 
 from jaxcomm import _jaxcomm
+from jaxcomm._src import config
 
 __all__ = ["dump", "snapshot", "set_enabled", "enabled", "dump_path", "analyze"]
 
+# Fail loudly on a malformed setting rather than run without the fault or recorder.
 _error = _jaxcomm.fault_error()
 if _error:
     raise ValueError(f"jaxcomm: {_error}")
+config.trace_entries()
 
 
 def snapshot(reason: str = "snapshot") -> dict[str, Any]:
