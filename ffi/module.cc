@@ -184,6 +184,12 @@ NB_MODULE(_jaxcomm, m) {
   m.def("trace_reset_stats", [] { jaxcomm::Registry::Get().recorder().ResetStats(); },
         "Zeroes the counters behind trace_stats().");
 
+  m.def("trace_round_cost_ns", [](int ranks, int rounds, size_t entries) {
+    nb::gil_scoped_release release;
+    return jaxcomm::FlightRecorder::MeasureRoundCostNs(ranks, rounds, entries);
+  }, nb::arg("ranks"), nb::arg("rounds"), nb::arg("entries") = 2048,
+     "The recorder's CPU cost of one round of `ranks` ranks (ns), on a private recorder.");
+
   m.def("fault_error", [] { return jaxcomm::Registry::Get().faults().error(); },
         "Why JAXCOMM_FAULT was rejected ('' when it parsed or is unset).");
 }

@@ -453,6 +453,32 @@ void FlightRecorder::ResetStats() {
   }
 }
 
+double FlightRecorder::MeasureRoundCostNs(int ranks, int rounds, size_t entries) {
+  FlightRecorder probe(std::max<size_t>(entries, 1), "");
+  const int table = 0;  // any address: identifies the probe's one instruction
+  std::vector<Peer> peers(static_cast<size_t>(std::max(ranks, 1)));
+  const std::string no_error;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < rounds; ++i) {
+    for (size_t r = 0; r < peers.size(); ++r) {
+      // What Launch does per rank: find the site (lock-free after the first round), enqueue.
+      const TraceSite* site = probe.FindSite(&table, 1, 0);
+      if (site == nullptr) {
+        auto s = std::make_unique<TraceSite>();
+        s->table = &table;
+        s->instruction = 1;
+        site = probe.AddSite(std::move(s));
+      }
+      peers[r].trace = probe.Enqueue(static_cast<int64_t>(r), site, static_cast<int>(r), i, 11, 1, 4);
+      probe.Arrived(peers[r].trace, i + 1);
+    }
+    probe.Start(peers);
+    probe.Finish(peers, no_error, false);
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::nano>(t1 - t0).count() / std::max(rounds, 1);
+}
+
 void FlightRecorder::RequestDump(char reason) {
   if (wake_write_ < 0) return;  // no dumper thread
   ssize_t ignored = write(wake_write_, &reason, 1);

@@ -96,6 +96,11 @@ class FlightRecorder {
   // Starts the dumper thread and installs the SIGUSR1 handler (unless the signal already
   // has one). Dumps go to dump_dir(), else the current directory.
   void StartDumper();
+  // The recorder's own CPU cost of one round of `ranks` ranks (every hook, as the
+  // rendezvous calls them), in nanoseconds, measured on a private recorder: the part of
+  // the overhead that does not drown in a shared machine's noise.
+  static double MeasureRoundCostNs(int ranks, int rounds, size_t entries = 2048);
+
   // How many automatic dumps (timeouts, errors, SIGUSR1) were written; tests wait on it.
   int64_t auto_dumps() const { return auto_dumps_.load(); }
 
