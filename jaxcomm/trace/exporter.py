@@ -82,6 +82,8 @@ def plot(directory: str | os.PathLike[str], out: str | os.PathLike[str]) -> None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for op, (xs, ys) in sorted(series.items()):
         ax1.plot(xs, ys, ".", label=op, alpha=0.7)
+    if any(ys for _, ys in series.values()):
+        ax1.set_yscale("log")  # sizes of a run span orders of magnitude
     ax1.set_xlabel("time since first call (s)")
     ax1.set_ylabel("bus bandwidth (GB/s)")
     ax1.set_title("bus bandwidth per call")
