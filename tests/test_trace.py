@@ -375,8 +375,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxcomm
 mesh = jax.make_mesh((4,), ("x",))
-f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x", timeout_s=3), mesh=mesh,
-                          in_specs=P("x"), out_specs=P("x"), check_vma=False))
+if os.environ.get("MP_MODE") == "mismatch":  # process 1 runs another op at the same call site
+    body = lambda v: jaxcomm.all_reduce(v, "x", timeout_s=3) if jax.process_index() == 0 else jaxcomm.all_gather(v, "x", tiled=True, timeout_s=3)[:1]
+else:
+    body = lambda v: jaxcomm.all_reduce(v, "x", timeout_s=3)
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), jnp.ones((2, 4)))
 try:
     for i in range(5):
@@ -397,7 +400,7 @@ os._exit(0)  # skip jax.distributed's shutdown barrier: nothing is left to agree
 """
 
 
-def _two_processes(tmp_path, fault, wait):
+def _two_processes(tmp_path, fault, wait, mode=""):
     """Runs _MP_CHILD in 2 processes of 2 devices each; returns [(rc, stdout, stderr)]."""
     out = tmp_path / "dumps"
     with socket.socket() as s:
@@ -406,6 +409,7 @@ def _two_processes(tmp_path, fault, wait):
     procs = []
     for i in range(2):
         env = _env(MP_COORD=f"127.0.0.1:{port}", MP_ID=str(i), MP_WAIT="1" if wait else "0",
+                   MP_MODE=mode,
                    XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXCOMM_FAULT=fault)
         procs.append(subprocess.Popen([sys.executable, "-c", _MP_CHILD, str(out)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -450,3 +454,16 @@ def test_two_processes_exit_names_the_dead_process(tmp_path):
     assert (top.op, top.execution, top.culprits) == ("all_reduce", 3, [2, 3]), report.text()
     assert "process 1" in top.summary and "no dump" in top.summary
     assert top.waiting == [0, 1]
+
+
+def test_two_processes_running_different_ops_are_a_mismatch(tmp_path):
+    results, out = _two_processes(tmp_path, "", wait=True, mode="mismatch")
+    for rc, stdout, stderr in results:
+        assert "RAN-ERROR" in stdout and "runs a different collective" in stdout, (
+            stdout + stderr[-2000:])
+    report = analyzer.analyze(out)
+    assert report.kind == "mismatch", report.text()
+    top = report.findings[0]
+    assert top.execution == 1 and (top.waiting, top.culprits) == ([0, 1], [2, 3])
+    assert "ranks [0, 1] run all_reduce" in top.summary, top.summary
+    assert "ranks [2, 3] run all_gather" in top.summary, top.summary

@@ -221,13 +221,18 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
         base = dict(op=c.op, call_site=c.call_site, axis=c.axis, execution=c.key[2],
                     waiting=sorted(waiting), seconds=start / 1e6)
         # Different ops or sizes at one call.
-        shapes = {(e["op"], e["dtype"], e["bytes"]) for e in c.entries.values()}
+        shapes: dict[tuple[str, str, int], list[int]] = collections.defaultdict(list)
+        for r, e in sorted(c.entries.items()):
+            shapes[(e["op"], e["dtype"], e["bytes"])].append(r)
         if len(shapes) > 1 or any(_MISMATCH_RE.search(x) for x in errors):
-            parts = sorted(f"{op} {dtype} {b} B" for op, dtype, b in shapes)
+            sides = sorted(shapes.items(), key=lambda kv: kv[1])
+            parts = [f"ranks {_ranks(rs)} run {op} of {dtype}, {b} B per rank"
+                     for (op, dtype, b), rs in sides]
+            others = [r for _, rs in sides[1:] for r in rs] + c.missing
             findings.append(Finding(
-                "mismatch", f"program mismatch at {c.where()}: the ranks run different "
-                f"collectives there ({'; '.join(parts)})", culprits=c.missing, **base,
-                details=errors[:3]))
+                "mismatch", f"program mismatch at {c.call_site} (axis {c.axis}, execution "
+                f"{c.key[2]}): " + "; ".join(parts),
+                culprits=sorted(others), **dict(base, waiting=sides[0][1]), details=errors[:3]))
             explained.add(c.key)
             continue
         # The missing ranks are stuck in other collectives: they wait for each other.
