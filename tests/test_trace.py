@@ -185,7 +185,18 @@ mesh = jax.make_mesh((8,), ("x",))
 x = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
 smap = lambda body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
                                           check_vma=False))
-T = 2
+T = 6 if mode == "stuck" else 2
+if mode == "stuck":  # a dump by SIGUSR1 while the ranks still wait (before the timeout)
+    import shutil, threading
+    def _poke():
+        time.sleep(2)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        t = time.time() + 10
+        while _jaxcomm.trace_auto_dumps() < 1 and time.time() < t:
+            time.sleep(0.05)
+        os.makedirs(os.path.join(out, "..", "stuck"), exist_ok=True)
+        shutil.copy(jaxcomm.trace.dump_path(), os.path.join(out, "..", "stuck", "dump.json"))
+    threading.Thread(target=_poke).start()
 if mode == "mismatch":
     f = smap(lambda v: lax.cond(lax.axis_index("x") < 4,
                                 lambda u: jaxcomm.all_reduce(u, "x", timeout_s=T),
@@ -316,6 +327,23 @@ def test_injected_hang_names_the_missing_rank(tmp_path):
     first = cli.stdout.splitlines()[0]
     assert first.startswith("verdict: HANG: ranks [3] never arrived at all_reduce"), first
     assert "execution 5" in first
+
+
+def test_sigusr1_dump_of_a_stuck_job_names_the_missing_rank(tmp_path):
+    proc, out = _child(tmp_path, "stuck", "rank=6,op=all_gather,call=2,action=hang")
+    assert "RAN-ERROR" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    with open(tmp_path / "stuck" / "dump.json") as f:
+        d = json.load(f)
+    assert d["reason"] == "signal"
+    assert {e["state"] for e in d["entries"] if e["op"] == "all_gather" and e["execution"] == 2} \
+        == {"pending"}
+    report = analyzer.analyze(tmp_path / "stuck", stuck_s=1)
+    assert report.kind == "hang", report.text()
+    top = report.findings[0]
+    assert (top.op, top.execution, top.culprits) == ("all_gather", 2, [6]), report.text()
+    assert "timed out" not in top.summary  # they were still waiting
+    # Waiting less than --stuck-s is not yet a fault.
+    assert analyzer.analyze(tmp_path / "stuck", stuck_s=60).kind in ("clean", "straggler")
 
 
 def test_injected_delay_names_the_straggler(tmp_path):

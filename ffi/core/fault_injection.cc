@@ -120,7 +120,10 @@ std::optional<xla::ffi::Future> FaultInjector::Apply(const CallContext& call, in
     }
   }
   if (fire == nullptr) return std::nullopt;
-  std::string what = "jaxcomm: JAXCOMM_FAULT '" + fire->text + "' fired at " + call.Describe() +
+  // The call has no execution number yet: the rendezvous assigns it when ranks meet.
+  std::string where = call.Describe();
+  where = where.substr(0, where.rfind(", execution #"));
+  std::string what = "jaxcomm: JAXCOMM_FAULT '" + fire->text + "' fired at " + where +
                      " (this rank's call " + std::to_string(count) + " of the selected ones)";
   switch (fire->action) {
     case Action::kDelay:
