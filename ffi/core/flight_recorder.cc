@@ -224,6 +224,37 @@ const TraceSite* FlightRecorder::AddSite(std::unique_ptr<TraceSite> site) {
   return overflow_.get();
 }
 
+const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallContext& ctx) {
+  const int g = static_cast<int>(ctx.group_index);
+  if (const TraceSite* s = FindSite(&table, table.instruction_key(), g)) return s;
+  auto site = std::make_unique<TraceSite>();
+  site->table = &table;
+  site->instruction = table.instruction_key();
+  site->group_index = g;
+  site->op = std::string(ctx.op);
+  site->axis = std::string(ctx.axis);
+  site->call_site = std::string(ctx.call_site);
+  site->group = table.group(g);
+  const std::vector<int64_t>& remote = table.remote_processes(g);
+  site->processes = remote;
+  site->processes.push_back(Registry::Get().process_index());
+  std::sort(site->processes.begin(), site->processes.end());
+  bool shm = false, tcp = false;
+  if (const CrossProcess* world = Registry::Get().cross_process()) {
+    for (int64_t p : remote) {
+      const std::string kind = world->LinkKind(p);
+      shm |= kind == "shm";
+      tcp |= kind == "tcp";
+    }
+  }
+  site->algorithm = remote.empty() ? "in-process zero-copy"
+                    : shm && tcp   ? "shm+tcp"
+                    : shm          ? "shm"
+                    : tcp          ? "tcp"
+                                   : "cross-process (not linked)";
+  return AddSite(std::move(site));
+}
+
 uint64_t FlightRecorder::Enqueue(int64_t partition, const TraceSite* site, int rank, int64_t run_id,
                                  uint8_t dtype, int64_t elements, int64_t bytes) {
   if (!enabled()) return 0;

@@ -27,6 +27,8 @@
 namespace jaxcomm {
 
 struct Peer;
+struct CallContext;
+class RoundTable;
 
 enum class TraceState : uint8_t { kPending = 0, kActive = 1, kDone = 2, kFailed = 3 };
 
@@ -66,6 +68,9 @@ class FlightRecorder {
   const TraceSite* FindSite(const void* table, uint64_t instruction, int64_t group_index) const;
   // Adds a described site (once per instruction and group; takes a lock).
   const TraceSite* AddSite(std::unique_ptr<TraceSite> site);
+  // The site of a call (ctx: op, axis, call site, group index) of `table`'s instruction:
+  // found lock-free, or described (group, processes, algorithm) and added.
+  const TraceSite* SiteOf(const RoundTable& table, const CallContext& ctx);
 
   // Records a call of `partition` entering jaxcomm (pending); returns its handle for the
   // updates below (0 when recording is off). Called on the device thread.

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <memory>
 #include <string>
 
 #include "core/registry.h"
@@ -68,45 +67,6 @@ ffi::Future Reject(const Common& c, const std::string& why) {
   return Failed(ffi::Error::InvalidArgument(Describe(c).Describe() + ": " + why));
 }
 
-namespace {
-
-// [trace] The flight recorder's description of this call's instruction and group, made
-// once per instruction and group (then found lock-free).
-const TraceSite* Site(const Common& c, const CallContext& ctx) {
-  FlightRecorder& recorder = Registry::Get().recorder();
-  const RoundTable& table = *c.state->table;
-  const int g = static_cast<int>(ctx.group_index);
-  if (const TraceSite* s = recorder.FindSite(&table, table.instruction_key(), g)) return s;
-  auto site = std::make_unique<TraceSite>();
-  site->table = &table;
-  site->instruction = table.instruction_key();
-  site->group_index = g;
-  site->op = std::string(ctx.op);
-  site->axis = std::string(ctx.axis);
-  site->call_site = std::string(ctx.call_site);
-  site->group = table.group(g);
-  const std::vector<int64_t>& remote = table.remote_processes(g);
-  site->processes = remote;
-  site->processes.push_back(Registry::Get().process_index());
-  std::sort(site->processes.begin(), site->processes.end());
-  bool shm = false, tcp = false;
-  if (const CrossProcess* world = Registry::Get().cross_process()) {
-    for (int64_t p : remote) {
-      const std::string kind = world->LinkKind(p);
-      shm |= kind == "shm";
-      tcp |= kind == "tcp";
-    }
-  }
-  site->algorithm = remote.empty() ? "in-process zero-copy"
-                    : shm && tcp   ? "shm+tcp"
-                    : shm          ? "shm"
-                    : tcp          ? "tcp"
-                                   : "cross-process (not linked)";
-  return recorder.AddSite(std::move(site));
-}
-
-}  // namespace
-
 ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work) {
   CollectiveCall call;
   call.ctx = Describe(c);
@@ -127,10 +87,9 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work) {
       return std::move(*hung);
     }
   }
-  if (registry.recorder().enabled()) {
-    call.mine.trace = registry.recorder().Enqueue(call.ctx.partition, Site(c, call.ctx), call.ctx.rank,
-                                                  call.run_id, mine.dtype, mine.elements,
-                                                  static_cast<int64_t>(mine.in_bytes));
+  if (FlightRecorder& rec = registry.recorder(); rec.enabled()) {
+    call.mine.trace = rec.Enqueue(call.ctx.partition, rec.SiteOf(*c.state->table, call.ctx), call.ctx.rank,
+                                  call.run_id, mine.dtype, mine.elements, static_cast<int64_t>(mine.in_bytes));
   }
   return c.state->table->Arrive(call, std::make_shared<const WorkFn>(std::move(work)));
 }
