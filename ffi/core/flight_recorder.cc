@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <sstream>
 
 #include "core/registry.h"
@@ -450,6 +451,10 @@ std::string FlightRecorder::FileIn(const std::string& dir) const {
 
 std::string FlightRecorder::DumpToFile(const std::string& path, const std::string& reason) const {
   const std::string json = DumpJson(reason);
+  // JAXCOMM_TRACE_DIR may name a directory nobody created yet.
+  std::error_code ignored;
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ignored);
   const std::string tmp = path + ".tmp" + std::to_string(getpid());
   FILE* f = std::fopen(tmp.c_str(), "w");
   if (f == nullptr) return "cannot write " + tmp + ": " + std::strerror(errno);
