@@ -349,7 +349,9 @@ def test_sigusr1_dump_of_a_stuck_job_names_the_missing_rank(tmp_path):
 
 
 def test_injected_delay_names_the_straggler(tmp_path):
-    proc, out = _child(tmp_path, "delay", "rank=5,op=all_gather,call=2,action=delay:1.5")
+    # Two faults: the second selects no call of this program (no broadcast) and must not fire.
+    proc, out = _child(tmp_path, "delay",
+                       "rank=5,op=all_gather,call=2,action=delay:1.5; op=broadcast,action=exit")
     assert "RAN-OK" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     report = analyzer.analyze(out)
     assert report.kind == "straggler" and report.exit_code == 2, report.text()
@@ -430,7 +432,7 @@ os._exit(0)  # skip jax.distributed's shutdown barrier: nothing is left to agree
 """
 
 
-def _two_processes(tmp_path, fault, wait, mode=""):
+def _two_processes(tmp_path, fault, wait, mode="", transport="auto"):
     """Runs _MP_CHILD in 2 processes of 2 devices each; returns [(rc, stdout, stderr)]."""
     out = tmp_path / "dumps"
     with socket.socket() as s:
@@ -439,7 +441,7 @@ def _two_processes(tmp_path, fault, wait, mode=""):
     procs = []
     for i in range(2):
         env = _env(MP_COORD=f"127.0.0.1:{port}", MP_ID=str(i), MP_WAIT="1" if wait else "0",
-                   MP_MODE=mode,
+                   MP_MODE=mode, JAXCOMM_TRANSPORT=transport,
                    XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXCOMM_FAULT=fault)
         procs.append(subprocess.Popen([sys.executable, "-c", _MP_CHILD, str(out)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -471,12 +473,14 @@ def test_two_processes_hang_names_the_missing_rank(tmp_path):
     assert {tuple(e["processes"]) for e in entries} == {(0, 1)}
 
 
-def test_two_processes_exit_names_the_dead_process(tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_two_processes_exit_names_the_dead_process(tmp_path, transport):
     results, out = _two_processes(tmp_path, "process=1,op=all_reduce,call=3,action=exit",
-                                  wait=False)
+                                  wait=False, transport=transport)
     (rc0, stdout0, stderr0), (rc1, _, _) = results
     assert rc1 == 17
-    assert "RAN-ERROR" in stdout0 and "it exited" in stdout0, stdout0 + stderr0[-2000:]
+    assert "RAN-ERROR" in stdout0 and "with ranks [2 3] (partitions [2 3]) failed" in stdout0, (
+        stdout0 + stderr0[-2000:])
     report = analyzer.analyze(out)
     assert report.processes == [0], report.text()
     assert report.kind == "dead", report.text()
@@ -484,6 +488,8 @@ def test_two_processes_exit_names_the_dead_process(tmp_path):
     assert (top.op, top.execution, top.culprits) == ("all_reduce", 3, [2, 3]), report.text()
     assert "process 1" in top.summary and "no dump" in top.summary
     assert top.waiting == [0, 1]
+    entries = analyzer.load(out)[0]["entries"]
+    assert {e["algorithm"] for e in entries} == {"shm" if transport == "auto" else "tcp"}
 
 
 def test_two_processes_running_different_ops_are_a_mismatch(tmp_path):
