@@ -45,15 +45,14 @@ struct FlightRecorder::Ring {
 
 namespace {
 
-// The SIGUSR1 handler can reach nothing but this: the write end of the recorder's
-// self-pipe. A signal handler gets no context argument, so it has to be file-level.
-std::atomic<int> g_signal_pipe{-1};
-
+// SIGUSR1: only wakes the dumper thread through its self-pipe. The handler is installed
+// after the registry exists, so Registry::Get() here is a plain load of an initialized
+// static, and write(2) is async-signal-safe (a full pipe drops the byte).
 void OnSignal(int) {
-  const int fd = g_signal_pipe.load(std::memory_order_relaxed);
+  const int fd = Registry::Get().recorder().signal_fd();
   if (fd >= 0) {
     const char c = 's';
-    ssize_t ignored = write(fd, &c, 1);  // async-signal-safe; a full pipe drops the byte
+    ssize_t ignored = write(fd, &c, 1);
     (void)ignored;
   }
 }
@@ -157,12 +156,11 @@ FlightRecorder::FlightRecorder(size_t entries_per_rank, std::string dump_dir)
 FlightRecorder::~FlightRecorder() {
   if (dumper_.joinable()) {
     const char c = 'q';
-    if (write(wake_write_, &c, 1) == 1) dumper_.join();
+    if (write(wake_write_.load(), &c, 1) == 1) dumper_.join();
     else dumper_.detach();
   }
-  if (g_signal_pipe.load() == wake_write_) g_signal_pipe.store(-1);
   if (wake_read_ >= 0) close(wake_read_);
-  if (wake_write_ >= 0) close(wake_write_);
+  if (wake_write_.load() >= 0) close(wake_write_.load());
 }
 
 FlightRecorder::Ring* FlightRecorder::RingOf(int64_t partition) {
@@ -516,8 +514,9 @@ double FlightRecorder::MeasureRoundCostNs(int ranks, int rounds, size_t entries)
 }
 
 void FlightRecorder::RequestDump(char reason) {
-  if (wake_write_ < 0) return;  // no dumper thread
-  ssize_t ignored = write(wake_write_, &reason, 1);
+  const int fd = wake_write_.load(std::memory_order_acquire);
+  if (fd < 0) return;  // no dumper thread
+  ssize_t ignored = write(fd, &reason, 1);
   (void)ignored;
 }
 
@@ -526,12 +525,12 @@ void FlightRecorder::StartDumper() {
     int fds[2];
     if (pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) return;
     wake_read_ = fds[0];
-    wake_write_ = fds[1];
+    wake_write_.store(fds[1], std::memory_order_release);
     dumper_ = std::thread([this] { DumperLoop(); });
     // Only where nobody else handles SIGUSR1: a program's own handler stays in charge.
     struct sigaction old {};
-    if (sigaction(SIGUSR1, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) {
-      g_signal_pipe.store(wake_write_);
+    if (this == &Registry::Get().recorder() && sigaction(SIGUSR1, nullptr, &old) == 0 &&
+        old.sa_handler == SIG_DFL) {
       struct sigaction sa {};
       sa.sa_handler = OnSignal;
       sigemptyset(&sa.sa_mask);

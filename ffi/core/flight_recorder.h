@@ -106,6 +106,9 @@ class FlightRecorder {
   // the overhead that does not drown in a shared machine's noise.
   static double MeasureRoundCostNs(int ranks, int rounds, size_t entries = 2048);
 
+  // The self-pipe's write end, for the SIGUSR1 handler (-1 before StartDumper).
+  int signal_fd() const { return wake_write_.load(std::memory_order_relaxed); }
+
   // How many automatic dumps (timeouts, errors, SIGUSR1) were written; tests wait on it.
   int64_t auto_dumps() const { return auto_dumps_.load(); }
 
@@ -138,7 +141,8 @@ class FlightRecorder {
   std::deque<uint64_t> error_order_;
 
   std::once_flag dumper_once_;
-  int wake_read_ = -1, wake_write_ = -1;  // self-pipe: signal handler and RequestDump
+  int wake_read_ = -1;
+  std::atomic<int> wake_write_{-1};  // self-pipe: signal handler and RequestDump (lock-free)
   std::atomic<int64_t> auto_dumps_{0};
   std::thread dumper_;
 };
