@@ -521,6 +521,7 @@ void FlightRecorder::RequestDump(char reason) {
 }
 
 void FlightRecorder::StartDumper() {
+  if (entries_ == 0) return;  // recorder off: no thread, SIGUSR1 keeps its default
   std::call_once(dumper_once_, [this] {
     int fds[2];
     if (pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) return;

@@ -99,7 +99,8 @@ class FlightRecorder {
   void ResetStats();
 
   // Starts the dumper thread and installs the SIGUSR1 handler (unless the signal already
-  // has one). Dumps go to dump_dir(), else the current directory.
+  // has one). Dumps go to dump_dir(), else the current directory. Nothing when the
+  // recorder is off (JAXCOMM_TRACE_ENTRIES=0).
   void StartDumper();
   // The recorder's own CPU cost of one round of `ranks` ranks (every hook, as the
   // rendezvous calls them), in nanoseconds, measured on a private recorder: the part of
