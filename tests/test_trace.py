@@ -383,6 +383,25 @@ def test_injected_exit(tmp_path):
     assert list(out.glob("*.json")) == []  # like a crash: no exit dump
 
 
+def test_trace_entries_zero_turns_the_recorder_off():
+    code = ("import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n"
+            "import jax, jax.numpy as jnp, jaxcomm\n"
+            "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+            "mesh = jax.make_mesh((8,), ('x',))\n"
+            "x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('x')))\n"
+            "f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, 'x'), mesh=mesh,\n"
+            "                          in_specs=P('x'), out_specs=P('x')))\n"
+            "print('SUM', float(f(x)[0, 0]))\n"
+            "jaxcomm.trace.set_enabled(True)  # no rings: stays off\n"
+            "s = jaxcomm.trace.snapshot()\n"
+            "print('OFF', jaxcomm.trace.enabled(), len(s['entries']), s['entries_per_rank'],\n"
+            "      jaxcomm.stats())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(JAXCOMM_TRACE_ENTRIES="0"), timeout=60, cwd=HERE)
+    assert "SUM 8.0" in proc.stdout and "OFF False 0 0 []" in proc.stdout, (
+        proc.stdout + proc.stderr[-2000:])
+
+
 def test_malformed_fault_is_rejected():
     proc = subprocess.run([sys.executable, "-c", "import jaxcomm"], capture_output=True, text=True,
                           env=_env(JAXCOMM_FAULT="rank=1,action=explode"), timeout=60, cwd=HERE)
