@@ -391,7 +391,7 @@ def test_trace_entries_zero_turns_the_recorder_off():
             "x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('x')))\n"
             "f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, 'x'), mesh=mesh,\n"
             "                          in_specs=P('x'), out_specs=P('x')))\n"
-            "print('SUM', float(f(x)[0, 0]))\n"
+            "import numpy as np; print('SUM', float(np.asarray(f(x))[0, 0]))\n"
             "jaxcomm.trace.set_enabled(True)  # no rings: stays off\n"
             "s = jaxcomm.trace.snapshot()\n"
             "print('OFF', jaxcomm.trace.enabled(), len(s['entries']), s['entries_per_rank'],\n"
