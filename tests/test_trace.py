@@ -187,7 +187,7 @@ smap = lambda body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_
                                           check_vma=False))
 # Short deadlines only where a call is meant to time out; generous ones elsewhere, so a
 # loaded machine cannot turn a slow call into a failure.
-T = {"hang": 2, "mismatch": 2, "exit": 2, "stuck": 6}.get(mode, 30)
+T = {"hang": 2, "late": 2, "mismatch": 2, "exit": 2, "stuck": 6}.get(mode, 30)
 if mode == "stuck":  # a dump by SIGUSR1 while the ranks still wait (before the timeout)
     import shutil, threading
     def _poke():
@@ -361,6 +361,17 @@ def test_injected_delay_names_the_straggler(tmp_path):
     cli = _cli("analyze", out)
     assert cli.returncode == 2
     assert cli.stdout.startswith("verdict: STRAGGLER: rank 5 arrived"), cli.stdout
+
+
+def test_rank_later_than_the_deadline_is_named(tmp_path):
+    proc, out = _child(tmp_path, "late", "rank=4,op=all_reduce,call=2,action=delay:3")
+    assert "RAN-ERROR" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    report = analyzer.analyze(out)
+    assert report.kind == "hang", report.text()
+    top = report.findings[0]
+    assert (top.op, top.execution, top.culprits) == ("all_reduce", 2, [4]), report.text()
+    assert top.waiting == [0, 1, 2, 3, 5, 6, 7]
+    assert "had timed out" in top.summary
 
 
 def test_mismatched_ops_are_a_program_mismatch(tmp_path):

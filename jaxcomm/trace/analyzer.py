@@ -42,6 +42,7 @@ _UNFINISHED = ("pending", "active")
 _DEAD_RE = re.compile(r"process (\d+) \(host [^,]*, pid (\d+)\) with ranks \[[^\]]*\] "
                       r"\(partitions \[([^\]]*)\]\) failed: ([^;]*?)(?: after| before|$)")
 _MISMATCH_RE = re.compile(r"runs a different collective")
+_LATE = "arrived too late"  # rendezvous.cc: a rank that came after its peers timed out
 
 
 @dataclasses.dataclass
@@ -265,6 +266,19 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
                     "dead", f"process {proc} (pid {pid}, ranks {_ranks(parts)}) died during "
                     f"{c.where()}: {why}" + ("; it left no dump" if nodump else ""),
                     culprits=parts, **base, details=errors[:3]))
+            explained.add(c.key)
+            continue
+        # Ranks that came after their peers had already given up (a straggler slower than
+        # the deadline): they are the cause, not the ranks that timed out.
+        late = sorted(r for r, e in c.entries.items() if e.get("error") and _LATE in e["error"])
+        if late and not c.missing:
+            on_time = [r for r in c.entries if r not in late]
+            first = min(c.entries[r]["enqueue_us"] for r in on_time) if on_time else start
+            by = max(c.entries[r]["enqueue_us"] for r in late) - first
+            findings.append(Finding(
+                "hang", f"ranks {_ranks(late)} arrived at {c.where()} {by / 1e6:.2f} s after "
+                f"the first rank, after ranks {_ranks(on_time)} had timed out waiting for them",
+                culprits=late, **dict(base, waiting=sorted(on_time)), details=errors[:3]))
             explained.add(c.key)
             continue
         missing = c.missing
