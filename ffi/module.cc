@@ -146,4 +146,78 @@ NB_MODULE(_jaxcomm, m) {
     auto& r = jaxcomm::Registry::Get();
     return nb::make_tuple(r.rounds_completed.load(), r.rounds_failed.load());
   }, "(completed, failed) collective rounds since start.");
+
+  // ------------------------------------------------------------------ [trace] recorder
+
+  // The dumper thread (automatic dumps) and the SIGUSR1 handler start with the module.
+  jaxcomm::Registry::Get().recorder().StartDumper();
+
+  m.def("trace_json", [](const std::string& reason) {
+    std::string json;
+    {
+      nb::gil_scoped_release release;
+      json = jaxcomm::Registry::Get().recorder().DumpJson(reason);
+    }
+    return json;
+  }, nb::arg("reason"), "This process's flight recorder as a JSON document (see README).");
+
+  m.def("trace_dump", [](const std::string& path, const std::string& reason) {
+    std::string error;
+    {
+      nb::gil_scoped_release release;
+      error = jaxcomm::Registry::Get().recorder().DumpToFile(path, reason);
+    }
+    if (!error.empty()) throw std::runtime_error("jaxcomm: flight recorder dump: " + error);
+  }, nb::arg("path"), nb::arg("reason"), "Writes the flight recorder's JSON to `path` atomically.");
+
+  m.def("trace_file_in", [](const std::string& dir) {
+    return jaxcomm::Registry::Get().recorder().FileIn(dir);
+  }, "This process's dump file name in `dir` (jaxcomm-trace-p<index>-<pid>.json).");
+
+  m.def("trace_dir", [] { return jaxcomm::Registry::Get().recorder().dump_dir(); },
+        "JAXCOMM_TRACE_DIR as read at start ('' when unset).");
+
+  m.def("trace_entries_per_rank", [] { return jaxcomm::Registry::Get().recorder().entries_per_rank(); },
+        "JAXCOMM_TRACE_ENTRIES as read at start (0: the recorder is off).");
+
+  m.def("trace_enabled", [] { return jaxcomm::Registry::Get().recorder().enabled(); },
+        "Whether calls are being recorded.");
+
+  m.def("trace_set_enabled", [](bool on) { jaxcomm::Registry::Get().recorder().set_enabled(on); },
+        "Turns recording on or off (no effect when JAXCOMM_TRACE_ENTRIES=0).");
+
+  m.def("trace_auto_dumps", [] { return jaxcomm::Registry::Get().recorder().auto_dumps(); },
+        "How many automatic dumps (errors, SIGUSR1) the dumper thread wrote.");
+
+  m.def("trace_stats", [] {
+    nb::list out;
+    for (const jaxcomm::TraceSite* s : jaxcomm::Registry::Get().recorder().Sites()) {
+      nb::dict d;
+      d["op"] = s->op;
+      d["axis"] = s->axis;
+      d["call_site"] = s->call_site;
+      d["group"] = s->group;
+      d["processes"] = s->processes;
+      d["algorithm"] = s->algorithm;
+      d["calls"] = s->calls.load();
+      d["failed"] = s->failed.load();
+      d["bytes"] = s->bytes.load();
+      d["busy_us"] = s->busy_us.load();
+      d["wait_us"] = s->wait_us.load();
+      out.append(d);
+    }
+    return out;
+  }, "Cumulative per-(instruction, group) counters of this process's rounds.");
+
+  m.def("trace_reset_stats", [] { jaxcomm::Registry::Get().recorder().ResetStats(); },
+        "Zeroes the counters behind trace_stats().");
+
+  m.def("trace_round_cost_ns", [](int ranks, int rounds, size_t entries) {
+    nb::gil_scoped_release release;
+    return jaxcomm::FlightRecorder::MeasureRoundCostNs(ranks, rounds, entries);
+  }, nb::arg("ranks"), nb::arg("rounds"), nb::arg("entries") = 2048,
+     "The recorder's CPU cost of one round of `ranks` ranks (ns), on a private recorder.");
+
+  m.def("fault_error", [] { return jaxcomm::Registry::Get().faults().error(); },
+        "Why JAXCOMM_FAULT was rejected ('' when it parsed or is unset).");
 }

@@ -14,6 +14,8 @@ from jaxcomm._src.ops.ragged import ragged_all_to_all
 from jaxcomm._src.ops.reduce import all_reduce, reduce_scatter
 
 from jaxcomm import ft, moe  # noqa: E402  (jaxcomm.ft.all_reduce, jaxcomm.moe.dispatch / combine)
+from jaxcomm import trace  # noqa: E402  (flight recorder: dump, analyze, export)
+from jaxcomm._src.stats import reset_stats, stats  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -28,4 +30,7 @@ __all__ = [
     "ppermute",
     "ragged_all_to_all",
     "reduce_scatter",
+    "reset_stats",
+    "stats",
+    "trace",
 ]

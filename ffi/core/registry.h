@@ -11,6 +11,8 @@
 
 #include "core/completion_pool.h"
 #include "core/cross_process.h"
+#include "core/fault_injection.h"
+#include "core/flight_recorder.h"
 #include "core/watchdog.h"
 
 namespace jaxcomm {
@@ -42,6 +44,11 @@ class Registry {
   // process instantiates the programs it shares with others in the same order.
   uint64_t NextOccurrence(uint64_t attribute_hash);
 
+  // The flight recorder (JAXCOMM_TRACE_ENTRIES, JAXCOMM_TRACE_DIR) and injected faults
+  // (JAXCOMM_FAULT), both configured once from the environment.
+  FlightRecorder& recorder() { return recorder_; }
+  FaultInjector& faults() { return faults_; }
+
   // Rounds completed and failed since start (tests, stats).
   std::atomic<int64_t> rounds_completed{0};
   std::atomic<int64_t> rounds_failed{0};
@@ -51,6 +58,8 @@ class Registry {
   std::atomic<int64_t> spin_us_;
   std::atomic<int64_t> process_index_{0};
   CompletionPool pool_;
+  FlightRecorder recorder_;
+  FaultInjector faults_;
   std::once_flag watchdog_once_;
   std::unique_ptr<Watchdog> watchdog_;
   std::unique_ptr<CrossProcess> cross_process_;

@@ -48,6 +48,10 @@ struct Peer {
   // Sizes of `in` and `aux`: what crosses to other processes. The same on every rank.
   size_t in_bytes = 0;
   std::array<size_t, 4> aux_bytes{};
+  // [trace] This rank's flight recorder entry (0: none) and what it records of `in`.
+  uint64_t trace = 0;
+  uint8_t dtype = 0;  // XLA_FFI_DataType
+  int64_t elements = 0;
 };
 
 // The data movement of one op, given every rank's buffers. The work is cut into
@@ -93,6 +97,10 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
     return -1;
   }
   const std::vector<int64_t>& group(int index) const { return *groups_[index]; }
+  // [trace] What the flight recorder describes a call by: the instruction's key (the same
+  // in every process) and the other processes a group spans.
+  uint64_t instruction_key() const { return instruction_key_; }
+  const std::vector<int64_t>& remote_processes(int index) const { return layouts_[index].processes; }
 
   // Joins the call with this rank's buffers; the future completes once this rank's
   // result is written and no peer reads its buffers any more (or with the error).

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <string>
 
+#include "core/registry.h"
+
 namespace jaxcomm::cpu {
 
 std::vector<int64_t> Dims(const ffi::AnyBuffer& b) {
@@ -21,6 +23,8 @@ Peer Buffers(const ffi::AnyBuffer& in, void* out, std::initializer_list<const ff
   Peer p;
   p.in = in.untyped_data();
   p.in_bytes = in.size_bytes();
+  p.dtype = static_cast<uint8_t>(in.element_type());  // [trace]
+  p.elements = static_cast<int64_t>(in.element_count());
   p.out = out;
   int k = 0;
   for (const ffi::AnyBuffer* a : aux) {
@@ -77,6 +81,18 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   call.work_bytes = work_bytes;
   call.split_by_rank = options.split_by_rank;
   call.tolerant = options.tolerant;
+  // [trace] Injected faults first (a delayed rank arrives late, a hung one never joins),
+  // then this call's flight recorder entry.
+  Registry& registry = Registry::Get();
+  if (registry.faults().any()) {
+    if (auto hung = registry.faults().Apply(call.ctx, registry.process_index(), call.timeout)) {
+      return std::move(*hung);
+    }
+  }
+  if (FlightRecorder& rec = registry.recorder(); rec.enabled()) {
+    call.mine.trace = rec.Enqueue(call.ctx.partition, rec.SiteOf(*c.state->table, call.ctx), call.ctx.rank,
+                                  call.run_id, mine.dtype, mine.elements, static_cast<int64_t>(mine.in_bytes));
+  }
   return c.state->table->Arrive(call, std::make_shared<const WorkFn>(std::move(work)));
 }
 

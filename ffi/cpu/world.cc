@@ -171,6 +171,11 @@ std::shared_ptr<World::PeerLink> World::Peer(int64_t process) const {
 
 bool World::Linked(int64_t p) const { return Peer(p) != nullptr; }
 
+std::string World::LinkKind(int64_t p) const {  // [trace]
+  auto link = Peer(p);
+  return !link ? "" : link->shm ? "shm" : "tcp";
+}
+
 void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
   auto p = std::make_unique<Pending>();
   p->spec = std::move(spec);

@@ -13,9 +13,21 @@ JAXCOMM_SPIN_US        200        how long an idle jaxcomm pool thread spins (yi
                                   progress thread; read once at start (C++ runtime)
 JAXCOMM_TRANSPORT      auto       between processes: ``auto``: shared memory on one host, TCP
                                   across hosts; ``tcp``: TCP everywhere
+JAXCOMM_TRACE_ENTRIES  2048       flight recorder: calls kept per rank (partition); ``0`` turns
+                                  the recorder off (nothing recorded, no stats); read at start
+JAXCOMM_TRACE_DIR      unset      where flight recorder dumps go: set, each process writes
+                                  ``jaxcomm-trace-p<index>-<pid>.json`` there on a collective
+                                  timeout or transport error, on SIGUSR1 and at exit; unset,
+                                  only ``jaxcomm.trace.dump()`` and SIGUSR1 (current
+                                  directory) write one; read at start
+JAXCOMM_FAULT          unset      fault injection, e.g. ``rank=3,op=all_reduce,call=5,
+                                  action=hang`` (hang | exit[:code] | delay:seconds); faults
+                                  separated by ``;``; see ffi/core/fault_injection.h and
+                                  README.md; read at start
 =====================  =========  ===========================================================
 
-Values are read when a program is traced, so they apply to programs traced afterwards.
+Values are read when a program is traced, so they apply to programs traced afterwards
+(those marked "read at start" once, when the runtime loads).
 """
 
 from __future__ import annotations
@@ -52,4 +64,16 @@ def transport() -> str:
     value = os.environ.get("JAXCOMM_TRANSPORT", "auto").strip().lower() or "auto"
     if value not in _TRANSPORTS:
         raise ValueError(f"JAXCOMM_TRANSPORT must be one of {_TRANSPORTS}, got {value!r}")
+    return value
+
+
+def trace_entries() -> int:
+    """JAXCOMM_TRACE_ENTRIES, validated (the C++ runtime reads the same variable)."""
+    raw = os.environ.get("JAXCOMM_TRACE_ENTRIES", "2048").strip() or "2048"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"JAXCOMM_TRACE_ENTRIES must be a whole number of calls, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"JAXCOMM_TRACE_ENTRIES must be >= 0, got {value}")
     return value

@@ -1,0 +1,107 @@
+"""jaxcomm's flight recorder: dumps, analysis and timelines of collective calls.
+
+Every rank (partition) records its last ``JAXCOMM_TRACE_ENTRIES`` (2048) jaxcomm calls:
+op, group, call site, execution count, dtype, sizes, peers, algorithm, enqueue / start /
+end wall-clock times and state. One JSON file per process holds all its ranks (format:
+README.md, "Tracing and fault localization"). Files are written
+
+* by :func:`dump`;
+* automatically, when ``JAXCOMM_TRACE_DIR`` is set: on a collective timeout or transport
+  error (by a native thread, within about a second) and at interpreter exit;
+* on ``SIGUSR1`` (to ``JAXCOMM_TRACE_DIR``, else the current directory), unless the
+  program installed its own handler for that signal first.
+
+``python -m jaxcomm.trace analyze DIR`` merges the files of all processes and says which
+rank is stuck, missing, mismatched or late; ``python -m jaxcomm.trace export DIR
+--perfetto out.json --plot out.png`` draws the timeline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+from typing import Any
+
+from jaxcomm import _jaxcomm
+from jaxcomm._src import config
+
+__all__ = ["dump", "snapshot", "set_enabled", "enabled", "dump_path", "analyze"]
+
+# Fail loudly on a malformed setting rather than run without the fault or recorder.
+_error = _jaxcomm.fault_error()
+if _error:
+    raise ValueError(f"jaxcomm: {_error}")
+config.trace_entries()
+
+
+def snapshot(reason: str = "snapshot") -> dict[str, Any]:
+    """This process's flight recorder as a dict (the dump's JSON document, parsed).
+
+    Example::
+
+        entries = jaxcomm.trace.snapshot()["entries"]
+        done = [e for e in entries if e["op"] == "all_reduce" and e["state"] == "done"]
+    """
+    return json.loads(_jaxcomm.trace_json(reason))
+
+
+def dump_path(directory: str | os.PathLike[str] | None = None) -> str:
+    """Where this process's dump goes in ``directory`` (default: JAXCOMM_TRACE_DIR, else
+    the current directory): ``jaxcomm-trace-p<process index>-<pid>.json``."""
+    directory = os.fspath(directory) if directory is not None else (_jaxcomm.trace_dir() or ".")
+    return _jaxcomm.trace_file_in(directory)
+
+
+def dump(path: str | os.PathLike[str] | None = None, reason: str = "manual") -> str:
+    """Writes this process's flight recorder to a JSON file and returns its path.
+
+    Args:
+      path: a directory (the file is named ``jaxcomm-trace-p<index>-<pid>.json`` so that
+        every process of a job can dump into one directory), or a file name ending in
+        ``.json``. Default: JAXCOMM_TRACE_DIR, else the current directory.
+      reason: recorded in the file (``"manual"``, ``"exit"``, ...).
+
+    Example::
+
+        jaxcomm.trace.dump("/tmp/traces")   # then: python -m jaxcomm.trace analyze /tmp/traces
+    """
+    target = os.fspath(path) if path is not None else None
+    if target is None or not target.endswith(".json"):
+        if target is not None:
+            os.makedirs(target, exist_ok=True)
+        target = dump_path(target)
+    _jaxcomm.trace_dump(target, reason)
+    return target
+
+
+def enabled() -> bool:
+    """Whether calls are being recorded."""
+    return bool(_jaxcomm.trace_enabled())
+
+
+def set_enabled(on: bool) -> None:
+    """Turns recording on or off at run time (benchmarks compare both in one process).
+
+    Has no effect when JAXCOMM_TRACE_ENTRIES=0 (the rings were never allocated).
+    """
+    _jaxcomm.trace_set_enabled(bool(on))
+
+
+def analyze(directory: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """Merges the dumps in ``directory`` and returns a
+    :class:`jaxcomm.trace.analyzer.Report` (see ``python -m jaxcomm.trace analyze``)."""
+    from jaxcomm.trace import analyzer
+
+    return analyzer.analyze(directory, **kwargs)
+
+
+def _dump_at_exit() -> None:
+    try:
+        dump(_jaxcomm.trace_dir(), reason="exit")
+    except Exception as e:  # noqa: BLE001 - never turn an exit into a traceback
+        print(f"jaxcomm: flight recorder dump at exit failed: {e}")
+
+
+if _jaxcomm.trace_dir():
+    atexit.register(_dump_at_exit)
