@@ -108,7 +108,7 @@ def driver(args: argparse.Namespace) -> int:
               f"{result.returncodes[args.kill_rank]}")
         print("flight recorder analysis of the survivors' dumps:")
         report = trace.analyze(dumps)
-        print(report.text if hasattr(report, "text") else report)
+        print(report.text())
     expected = [r for r in range(args.processes) if r != args.kill_rank]
     return 0 if survivors == expected else 1
 

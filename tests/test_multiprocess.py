@@ -172,9 +172,9 @@ for step in range(5):
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
-def test_ft_all_reduce_leaves_a_killed_process_out_and_keeps_going(transport: str) -> None:
-    res = run_script("import json\n" + FT_ALL_REDUCE, 4, 1, env={"JAXCOMM_TRANSPORT": transport},
-                     keep_going=True, timeout_s=120)
+def test_ft_all_reduce_leaves_a_killed_process_out_and_keeps_going(transport: str, tmp_path) -> None:
+    res = run_script("import json\n" + FT_ALL_REDUCE, 4, 1, keep_going=True, timeout_s=120,
+                     env={"JAXCOMM_TRANSPORT": transport, "JAXCOMM_TRACE_DIR": str(tmp_path)})
     assert res.launch.returncodes[2] == -9 and res.launch.terminated == [], res.format()
     for rank in (0, 1, 3):
         steps = [json.loads(l.split(" ", 1)[1]) for l in res.output[rank].splitlines()
@@ -185,6 +185,13 @@ def test_ft_all_reduce_leaves_a_killed_process_out_and_keeps_going(transport: st
             assert s["mask"] == [r in alive for r in range(4)], s
             np.testing.assert_allclose(s["total"], [[sum(10.0 ** r for r in alive)] * 3])
         assert steps[-1]["excluded"] == [2]
+    # The survivors' flight recorders name the rank they went on without, from its call.
+    import jaxcomm.trace
+    report = jaxcomm.trace.analyze(tmp_path)
+    assert report.kind == "dead" and report.exit_code == 1, report.text()
+    finding = report.findings[0]
+    assert finding.culprits == [2] and finding.op == "ft.all_reduce", report.text()
+    assert finding.execution == 3 and "left no dump" in finding.summary, report.text()
 
 
 # Process 2 starts its own replacement (same process index, same program) and dies; the

@@ -33,6 +33,8 @@ struct FlightRecorder::Entry {
   std::atomic<int32_t> rank{-1};
   std::atomic<uint8_t> dtype{0};
   std::atomic<uint8_t> state{0};
+  // Ranks (< 64) a fault-tolerant call went on without (their process died or was late).
+  std::atomic<uint64_t> left_out{0};
 };
 
 struct FlightRecorder::Ring {
@@ -271,6 +273,7 @@ uint64_t FlightRecorder::Enqueue(int64_t partition, const TraceSite* site, int r
   e.enqueue_us.store(NowUs(), std::memory_order_relaxed);
   e.start_us.store(0, std::memory_order_relaxed);
   e.end_us.store(0, std::memory_order_relaxed);
+  e.left_out.store(0, std::memory_order_relaxed);
   e.rank.store(rank, std::memory_order_relaxed);
   e.dtype.store(dtype, std::memory_order_relaxed);
   e.state.store(static_cast<uint8_t>(TraceState::kPending), std::memory_order_relaxed);
@@ -309,11 +312,18 @@ void FlightRecorder::Finish(const std::vector<Peer>& peers, const std::string& e
   int64_t now = 0, start = 0, first = 0, bytes = 0;
   const TraceSite* site = nullptr;
   const auto state = static_cast<uint8_t>(error.empty() ? TraceState::kDone : TraceState::kFailed);
+  uint64_t left_out = 0;  // a completed call whose remote rank has no input left it out
+  if (error.empty()) {
+    for (size_t r = 0; r < peers.size() && r < 64; ++r) {
+      if (peers[r].in == nullptr && peers[r].out == nullptr) left_out |= uint64_t{1} << r;
+    }
+  }
   for (const Peer& p : peers) {
     Entry* e = Resolve(p.trace);
     if (e == nullptr) continue;
     if (now == 0) now = NowUs();
     e->end_us.store(now, std::memory_order_relaxed);
+    e->left_out.store(left_out, std::memory_order_relaxed);
     e->state.store(state, std::memory_order_relaxed);
     if (!error.empty()) Fail(p.trace, 0, error);
     const int64_t enq = e->enqueue_us.load(std::memory_order_relaxed);
@@ -398,6 +408,7 @@ std::string FlightRecorder::DumpJson(const std::string& reason) const {
       const int rank = e.rank.load(std::memory_order_relaxed);
       const uint8_t dtype = e.dtype.load(std::memory_order_relaxed);
       const uint8_t state = e.state.load(std::memory_order_relaxed);
+      const uint64_t left_out = e.left_out.load(std::memory_order_relaxed);
       std::atomic_thread_fence(std::memory_order_acquire);
       if (e.seq.load(std::memory_order_relaxed) != seq || site == nullptr) continue;  // reclaimed
       char instruction[20];
@@ -420,7 +431,11 @@ std::string FlightRecorder::DumpJson(const std::string& reason) const {
           << ",\"dtype\":\"" << DtypeName(dtype) << "\",\"elements\":" << elements
           << ",\"bytes\":" << bytes << ",\"algorithm\":";
       JsonString(out, site->algorithm);
-      out << ",\"state\":\"" << StateName(state) << "\",\"error\":";
+      out << ",\"left_out\":[";
+      for (int r = 0, n = 0; r < 64; ++r) {
+        if (left_out >> r & 1) out << (n++ ? "," : "") << r;
+      }
+      out << "],\"state\":\"" << StateName(state) << "\",\"error\":";
       const uint64_t handle = (static_cast<uint64_t>(ring->slot + 1) << kSeqBits) | seq;
       if (auto it = errors.find(handle); it != errors.end()) {
         JsonString(out, it->second);

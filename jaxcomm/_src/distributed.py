@@ -54,6 +54,7 @@ through); it imports jax only when called, so the launcher can use its names wit
 from __future__ import annotations
 
 import atexit
+import time
 import inspect
 import logging
 import os
@@ -398,8 +399,36 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
                            f"{exc}") from exc
     if fail_fast:
         _install_fail_fast()
+    if jax.config.jax_enable_recoverability and jax.process_index() == 0:
+        _outlive_the_others(timeouts["shutdown_timeout_seconds"])
     _ensure_job_id()
     return True
+
+
+def _outlive_the_others(timeout_s: float) -> None:
+    """Process 0 of a recoverable job waits at exit for the others to leave first.
+
+    Recoverability drops JAX's shutdown barrier, and process 0 hosts the coordination
+    service: were it to exit first, the others would abort in their own shutdown (their
+    disconnect RPC fails). Registered after ``jax.distributed.initialize``, this runs
+    before JAX's own exit handler. Bounded by the shutdown timeout.
+    """
+    import jax
+
+    client = kv_client()
+    everyone = list(range(jax.process_count()))
+
+    def wait() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if not set(client.get_live_nodes(everyone)) - {0}:
+                    return
+            except Exception:  # the service is going away: nothing left to wait for
+                return
+            time.sleep(0.05)
+
+    atexit.register(wait)
 
 
 def _backends_initialized() -> bool:

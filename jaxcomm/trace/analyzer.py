@@ -302,6 +302,27 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
             culprits=sorted(waiting), **base, details=errors[1:3]))
         explained.add(c.key)
 
+    # Fault-tolerant calls that went on without some ranks (their process died or was
+    # late): name those ranks once, from the first call that left them out.
+    gone = sorted(set(expected) - set(processes))
+    without: dict[tuple[int, ...], list[Call]] = collections.defaultdict(list)
+    for c in calls.values():
+        left = sorted({c.group[r] for e in c.entries.values() for r in e.get("left_out", [])
+                       if r < len(c.group)})
+        if left and c.key not in explained:
+            without[tuple(left)].append(c)
+    for left, cs in without.items():
+        cs.sort(key=lambda c: min(e["enqueue_us"] for e in c.entries.values()))
+        first = cs[0]
+        start = min(e["enqueue_us"] for e in first.entries.values())
+        findings.append(Finding(
+            "dead", f"ranks {_ranks(list(left))} were left out of {len(cs)} fault-tolerant "
+            f"call(s) from {first.where()} on; the others went on without them" +
+            (f"; process(es) {_ranks(gone)} left no dump (died or killed)" if gone else ""),
+            op=first.op, call_site=first.call_site, axis=first.axis, execution=first.key[2],
+            culprits=list(left), waiting=first.arrived, seconds=start / 1e6,
+            details=[f"rank {r}: {_last_seen(by_rank.get(r, []))}" for r in left]))
+
     # Arrival skew of completed calls whose every rank is in the dumps.
     skews: list[tuple[float, Call, int]] = []
     for c in calls.values():
