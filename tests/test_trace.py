@@ -143,7 +143,7 @@ _ENTRY_TYPES = dict(partition=int, seq=int, op=str, axis=str, call_site=str, ins
                     group_index=int, group=list, processes=list, rank=int, execution=int,
                     run_id=int, dtype=str, elements=int, bytes=int, algorithm=str, state=str,
                     error=(str, type(None)), enqueue_us=int, start_us=(int, type(None)),
-                    end_us=(int, type(None)))
+                    end_us=(int, type(None)), left_out=list)
 
 
 def test_dump_json_schema(tmp_path):

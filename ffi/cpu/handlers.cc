@@ -225,28 +225,11 @@ uint64_t InstructionKey(const ffi::Dictionary& attrs) {
 }
 
 ffi::ErrorOr<std::unique_ptr<InstructionState>> Instantiate(ffi::Dictionary attrs) {
-  auto flat = attrs.get<ffi::Span<const int64_t>>("groups");
-  auto size = attrs.get<int64_t>("group_size");
-  if (!flat.has_value() || !size.has_value() || *size <= 0 ||
-      static_cast<int64_t>(flat->size()) % *size != 0) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        "jaxcomm: custom call lacks valid 'groups'/'group_size' attributes"));
-  }
-  auto devices = attrs.get<ffi::Span<const int64_t>>("partition_devices");
-  if (!devices.has_value() || devices->size() % 2 != 0) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        "jaxcomm: custom call lacks a valid 'partition_devices' attribute"));
-  }
-  std::vector<std::vector<int64_t>> groups;
-  for (size_t i = 0; i < flat->size(); i += *size) {
-    groups.emplace_back(flat->begin() + i, flat->begin() + i + *size);
-  }
-  std::vector<std::pair<int64_t, int64_t>> partition_devices;
-  for (size_t i = 0; i < devices->size(); i += 2) {
-    partition_devices.emplace_back((*devices)[i], (*devices)[i + 1]);
-  }
+  auto parsed = ParseGroupAttrs(attrs, "jaxcomm");
+  if (!parsed.has_value()) return ffi::Unexpected(parsed.error());
   return std::make_unique<InstructionState>(std::make_shared<RoundTable>(
-      std::move(groups), partition_devices, Registry::Get().process_index(), InstructionKey(attrs)));
+      std::move(parsed->groups), parsed->partition_devices, Registry::Get().process_index(),
+      InstructionKey(attrs)));
 }
 
 }  // namespace

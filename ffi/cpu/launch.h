@@ -64,6 +64,14 @@ auto BindUnary(B&& b) {
   return BindBuffers<1>(std::move(b));
 }
 
+// The replica groups and (process, device ordinal) per partition every jaxcomm custom
+// call carries, parsed and checked for the instantiate stage; `who` prefixes errors.
+struct GroupAttrs {
+  std::vector<std::vector<int64_t>> groups;
+  std::vector<std::pair<int64_t, int64_t>> partition_devices;
+};
+ffi::ErrorOr<GroupAttrs> ParseGroupAttrs(const ffi::Dictionary& attrs, const std::string& who);
+
 std::vector<int64_t> Dims(const ffi::AnyBuffer& b);
 int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to);
 

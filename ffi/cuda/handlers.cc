@@ -50,32 +50,10 @@ bool OneRankNccl() {
 }
 
 ffi::ErrorOr<std::unique_ptr<CudaState>> MakeState(std::string_view op, ffi::Dictionary attrs) {
-  auto flat = Get<ffi::Span<const int64_t>>(attrs, "groups");
-  auto size = Get<int64_t>(attrs, "group_size");
-  auto devices = Get<ffi::Span<const int64_t>>(attrs, "partition_devices");
-  if (!flat || !size || *size <= 0 || static_cast<int64_t>(flat->size()) % *size != 0 ||
-      !devices || devices->size() % 2 != 0) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        "jaxcomm." + std::string(op) +
-        " (CUDA): custom call lacks valid 'groups'/'group_size'/'partition_devices' attributes"));
-  }
-  std::vector<std::vector<int64_t>> groups;
-  for (size_t i = 0; i < flat->size(); i += *size) {
-    groups.emplace_back(flat->begin() + i, flat->begin() + i + *size);
-  }
-  std::vector<std::pair<int64_t, int64_t>> partition_devices;
-  for (size_t i = 0; i < devices->size(); i += 2) {
-    partition_devices.emplace_back((*devices)[i], (*devices)[i + 1]);
-  }
-  for (const auto& g : groups) {
-    for (int64_t p : g) {
-      if (p < 0 || p >= static_cast<int64_t>(partition_devices.size())) {
-        return ffi::Unexpected(ffi::Error::InvalidArgument(
-            "jaxcomm." + std::string(op) + " (CUDA): replica group names partition " +
-            std::to_string(p) + " outside the mesh"));
-      }
-    }
-  }
+  auto parsed = cpu::ParseGroupAttrs(attrs, "jaxcomm." + std::string(op) + " (CUDA)");
+  if (!parsed.has_value()) return ffi::Unexpected(parsed.error());
+  std::vector<std::vector<int64_t>>& groups = parsed->groups;
+  std::vector<std::pair<int64_t, int64_t>>& partition_devices = parsed->partition_devices;
   OpAttrs a;
   a.reduce_op = Get<int64_t>(attrs, "reduce_op").value_or(0);
   a.axis_index = Get<int64_t>(attrs, "axis_index").value_or(0);

@@ -72,7 +72,8 @@ def all_reduce(x: jax.Array, axis_name: Any, *, timeout_s: float | None = None
       gradient as ``total / contributed.sum()``.
 
     Not differentiable (apply it to gradients, not through them). With
-    ``JAXCOMM_BACKEND=xla`` it is ``jax.lax.psum`` with an all-True mask (no tolerance).
+    ``JAXCOMM_BACKEND=xla``, and on GPU, it is ``jax.lax.psum`` with an all-True mask
+    (no tolerance: the host backend's cross-process exchange provides it).
 
     Example::
 
@@ -84,7 +85,8 @@ def all_reduce(x: jax.Array, axis_name: Any, *, timeout_s: float | None = None
     x, params = common.prepare("ft.all_reduce", x, axis_name, timeout_s)
     if not jnp.issubdtype(x.dtype, jnp.number):
         raise TypeError(f"jaxcomm.ft.all_reduce: x must have a numeric dtype, got {x.dtype}")
-    if common.use_xla("ft.all_reduce", x.dtype):
+    # Fault tolerance is a host-backend feature (the tolerant cross-process exchange).
+    if common.use_xla("ft.all_reduce", x.dtype) or jax.default_backend() != "cpu":
         size = groups.group_size(params["axes"])
         return jax.lax.psum(x, params["axes"]), jnp.ones((size,), jnp.bool_)
     total, mask = ft_all_reduce_p.bind(x, **params)
