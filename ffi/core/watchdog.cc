@@ -21,11 +21,12 @@ uint64_t Watchdog::Schedule(Clock::time_point deadline, Callback fire) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     id = next_id_++;
-    earliest = by_deadline_.empty() || deadline < by_deadline_.begin()->first;
+    // Wake the thread only if it would otherwise sleep past this deadline: a round
+    // scheduled and cancelled per call must not cost a context switch per call.
+    earliest = deadline < wake_at_;
     by_deadline_.emplace(deadline, id);
     entries_.emplace(id, std::make_pair(deadline, std::move(fire)));
   }
-  // Deadlines of one configured timeout arrive in order, so this rarely wakes the thread.
   if (earliest) cv_.notify_one();
   return id;
 }
@@ -43,14 +44,17 @@ void Watchdog::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     if (by_deadline_.empty()) {
-      cv_.wait_for(lock, std::chrono::seconds(1));  // idle: nothing is due
+      wake_at_ = Clock::now() + std::chrono::seconds(1);  // idle: nothing is due
+      cv_.wait_until(lock, wake_at_);
       continue;
     }
     auto [deadline, id] = *by_deadline_.begin();
     if (Clock::now() < deadline) {
+      wake_at_ = deadline;
       cv_.wait_until(lock, deadline);
       continue;
     }
+    wake_at_ = Clock::time_point::min();  // busy: firing
     by_deadline_.erase(by_deadline_.begin());
     auto it = entries_.find(id);
     Callback fire = std::move(it->second.second);

@@ -39,6 +39,8 @@ class Watchdog {
   std::condition_variable cv_;
   bool stop_ = false;
   uint64_t next_id_ = 1;
+  // When the thread next wakes up by itself (max before it first sleeps).
+  Clock::time_point wake_at_ = Clock::time_point::max();
   std::set<std::pair<Clock::time_point, uint64_t>> by_deadline_;
   std::map<uint64_t, std::pair<Clock::time_point, Callback>> entries_;
   std::thread thread_;  // last: starts after the members it uses exist

@@ -183,6 +183,9 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
   const auto& peers = p->spec.plan->peers;
   p->blobs.assign(peers.size(), nullptr);
   p->left_out.assign(peers.size(), false);
+  // Peers usually arrive within microseconds: checking their health (syscalls and a
+  // /proc read) before then would cost more than the whole exchange.
+  p->next_check = Clock::now() + kLivenessPeriod;
   for (size_t i = 0; i < peers.size(); ++i) {
     auto link = Peer(peers[i]);
     if (!link) {
