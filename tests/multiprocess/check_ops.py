@@ -91,6 +91,31 @@ def check_all(mesh, axes, tag):
 
     run_case(f"{tag} ragged_all_to_all", mesh, axes, ragged, ragged_expected)
 
+    # MoE: each token goes to two experts (chosen from its values) with weights 0.25 and
+    # 0.5; with the identity as every expert, combine(dispatch(x)) is 0.75 x, in both
+    # layouts.
+    E = 2 * G
+
+    def routing(x):
+        r = jax.lax.axis_index(a)
+        t = jnp.arange(x.shape[0])
+        first = (t * 3 + r) % E
+        ids = jnp.stack([first, (first + 1 + t % (E - 1)) % E], axis=1).astype(jnp.int32)
+        return ids, jnp.broadcast_to(jnp.asarray([0.25, 0.5], x.dtype), ids.shape)
+
+    def moe_packed(x):
+        ids, w = routing(x)
+        ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name=a)
+        return jaxcomm.moe.combine(ex, h, w)
+
+    def moe_padded(x):
+        ids, w = routing(x)
+        ex, _, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=E, axis_name=a)
+        return jaxcomm.moe.combine_padded(ex, h, w)
+
+    run_case(f"{tag} moe dispatch/combine", mesh, axes, moe_packed, lambda X, g, r: 0.75 * X[g[r]])
+    run_case(f"{tag} moe padded", mesh, axes, moe_padded, lambda X, g, r: 0.75 * X[g[r]])
+
 
 devices = np.asarray(jax.devices()).reshape(NPROC, LOCAL)
 if LOCAL > 1:
