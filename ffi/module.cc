@@ -104,16 +104,18 @@ NB_MODULE(_jaxcomm, m) {
 
   m.def("transport_link", [](int64_t process, const std::string& host, const std::string& label, int pid,
                              int control_fd, size_t control_bytes, int port, bool shared_memory,
-                             int64_t timeout_ms) {
+                             int64_t timeout_ms, bool rejoining) {
     jaxcomm::cpu::Endpoint e{pid, control_fd, control_bytes, port};
     std::string error;
     {
       nb::gil_scoped_release release;
-      error = World().Link(process, host, label, e, shared_memory, std::chrono::milliseconds(timeout_ms));
+      error = World().Link(process, host, label, e, shared_memory, std::chrono::milliseconds(timeout_ms),
+                           rejoining);
     }
     if (!error.empty()) throw std::runtime_error("jaxcomm: linking process " + std::to_string(process) + ": " + error);
   }, nb::arg("process"), nb::arg("host"), nb::arg("label"), nb::arg("pid"), nb::arg("control_fd"),
      nb::arg("control_bytes"), nb::arg("port"), nb::arg("shared_memory"), nb::arg("timeout_ms"),
+     nb::arg("rejoining") = false,
      "Links peer `process` through shared memory or TCP (idempotent).");
 
   m.def("excluded_processes", [] { return World().excluded(); },

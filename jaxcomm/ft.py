@@ -34,8 +34,8 @@ def rejoin(timeout_s: float | None = None) -> None:
     order), and should contribute nothing that depends on state it lost: e.g. average
     parameters over the processes that have them in its first step.
 
-    Works between processes of one host (shared memory); TCP links raise
-    NotImplementedError.
+    Works over shared memory and TCP alike (the request travels in the survivors'
+    control blocks, or as a frame on a new connection to each of them).
 
     Example::
 

@@ -224,8 +224,10 @@ print("FINISHED", flush=True)
 """
 
 
-def test_restarted_process_rejoins_ft_all_reduce() -> None:
-    res = run_script(REJOIN, 3, 1, keep_going=True, timeout_s=120)
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_restarted_process_rejoins_ft_all_reduce(transport: str) -> None:
+    res = run_script(REJOIN, 3, 1, keep_going=True, timeout_s=120,
+                     env={"JAXCOMM_TRANSPORT": transport})
     assert res.launch.returncodes == [0, 0, -9], res.format()
     for rank in (0, 1, 2):
         assert "FINISHED" in res.output[rank], res.format()

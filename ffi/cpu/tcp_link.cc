@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
+#include <iterator>
 #include <cerrno>
 #include <cstring>
 
@@ -99,6 +101,9 @@ std::unique_ptr<TcpListener> TcpListener::Create(std::string* error) {
     return nullptr;
   }
   l->port_ = ntohs(addr.sin_port);
+  // Two threads may accept (a Link() waiting for its peer, the progress thread taking a
+  // rejoining process): the one that finds nothing must not block.
+  fcntl(l->fd_, F_SETFL, fcntl(l->fd_, F_GETFL, 0) | O_NONBLOCK);
   return l;
 }
 
@@ -112,7 +117,7 @@ int TcpListener::Accept(Clock::time_point deadline, std::string* error) {
     return -1;
   }
   int fd = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-  if (fd < 0) *error = Errno("accept");
+  if (fd < 0) *error = errno == EAGAIN || errno == EWOULDBLOCK ? "taken by another thread" : Errno("accept");
   return fd;
 }
 
@@ -261,6 +266,18 @@ const TcpLink::Frame* TcpLink::Find(uint64_t key, int64_t seq) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = inbox_.find({key, seq});
   return it == inbox_.end() ? nullptr : it->second.get();
+}
+
+std::pair<int64_t, std::vector<char>> TcpLink::Newest(uint64_t key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto first = inbox_.lower_bound({key, INT64_MIN});
+  auto end = inbox_.lower_bound({key + 1, INT64_MIN});
+  if (key == UINT64_MAX) end = inbox_.end();
+  if (first == end) return {0, {}};
+  auto newest = std::prev(end);
+  std::pair<int64_t, std::vector<char>> out{newest->first.second, newest->second->bytes};
+  inbox_.erase(first, newest);
+  return out;
 }
 
 void TcpLink::Drop(uint64_t key, int64_t seq) {

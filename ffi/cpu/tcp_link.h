@@ -62,6 +62,8 @@ class TcpLink {
   // The frame of (key, seq) if it arrived (stays valid until Drop), else nullptr.
   const Frame* Find(uint64_t key, int64_t seq);
   void Drop(uint64_t key, int64_t seq);
+  // The newest frame of `key` (seq, bytes copy), dropping older ones; seq 0 if none.
+  std::pair<int64_t, std::vector<char>> Newest(uint64_t key);
   // Why the connection is unusable ("" while it works).
   std::string failure() const;
 

@@ -93,7 +93,8 @@ Endpoint World::Open(int64_t process, bool shared_memory, std::string* error) {
 }
 
 std::string World::Link(int64_t process, const std::string& host, const std::string& label,
-                        const Endpoint& peer, bool shared_memory, std::chrono::milliseconds timeout) {
+                        const Endpoint& peer, bool shared_memory, std::chrono::milliseconds timeout,
+                        bool rejoining) {
   const auto deadline = Clock::now() + timeout;
   if (process_ < 0) return "jaxcomm's endpoint is not open";
   if (Peer(process)) return "";
@@ -106,32 +107,54 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
     if (!shm_ || peer.control_fd < 0) return "shared memory was not set up at both ends";
     link->shm = ShmPeer::Open(peer.pid, peer.control_fd, peer.control_bytes, &error);
     if (!link->shm) return "mapping the shared memory of " + link->Describe() + ": " + error;
-  } else if (process_ < process) {
+  } else if (process_ < process || rejoining) {
     int fd = TcpLink::Connect(host, peer.port, process_, deadline, &error);
     if (fd < 0) return "connecting to " + link->Describe() + ": " + error;
     link->tcp = std::make_unique<TcpLink>(fd, [this] { Wake(); });
   } else {
-    // The peer connects to us; connections from other peers that come first are kept.
+    // The peer connects to us (this thread or the progress thread takes the connection).
     while (!Peer(process)) {
-      int fd = listener_->Accept(deadline, &error);
-      if (fd < 0) return "waiting for " + link->Describe() + " to connect: " + error;
-      const int64_t from = TcpLink::ReadHello(fd, deadline, &error);
-      if (from < 0) {
-        close(fd);
-        continue;
-      }
-      auto other = from == process ? link : std::make_shared<PeerLink>();
-      other->process = from;
-      if (from != process) other->host = "(not yet linked)";
-      other->tcp = std::make_unique<TcpLink>(fd, [this] { Wake(); });
-      std::lock_guard<std::mutex> lock(mu_);
-      peers_[from] = other;
+      if (Clock::now() >= deadline) return "waiting for " + link->Describe() + " to connect: timed out";
+      int fd = listener_->Accept(std::min(deadline, Clock::now() + std::chrono::milliseconds(50)), &error);
+      if (fd >= 0) Adopt(fd, deadline);
     }
+    std::lock_guard<std::mutex> lock(mu_);
+    peers_[process]->host = label;
+    peers_[process]->pid = peer.pid;
     return "";
   }
   std::lock_guard<std::mutex> lock(mu_);
   peers_[process] = link;
   return "";
+}
+
+void World::Adopt(int fd, Clock::time_point deadline) {
+  std::string error;
+  const int64_t from = TcpLink::ReadHello(fd, deadline, &error);
+  if (from < 0) {
+    close(fd);
+    return;
+  }
+  auto link = std::make_shared<PeerLink>();
+  link->process = from;
+  link->host = "(not yet linked)";
+  link->tcp = std::make_unique<TcpLink>(fd, [this] { Wake(); });
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = peers_.find(from);
+  if (it == peers_.end()) {
+    peers_[from] = std::move(link);
+  } else {
+    // Linked before: a restarted process. It joins once its request is seen.
+    link->host = it->second->host;
+    joiners_[from] = std::move(link);
+  }
+}
+
+void World::AcceptLate() {
+  if (!listener_) return;
+  std::string error;
+  const int fd = listener_->Accept(Clock::now(), &error);  // only what is already waiting
+  if (fd >= 0) Adopt(fd, Clock::now() + std::chrono::seconds(1));
 }
 
 std::shared_ptr<World::PeerLink> World::Peer(int64_t process) const {
@@ -420,8 +443,13 @@ void World::Progress() {
   auto last_progress = Clock::now();
   auto nap = std::chrono::microseconds(20);
   int spin_step = 0;
+  auto next_accept = Clock::now();
   while (!stop_.load()) {
     const int wakes = wakes_.load(std::memory_order_acquire);
+    if (Clock::now() >= next_accept) {
+      AcceptLate();
+      next_accept = Clock::now() + std::chrono::milliseconds(50);
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& p : pending_) mine.push_back(std::move(p));

@@ -48,9 +48,11 @@ class World : public CrossProcess {
   Endpoint Open(int64_t process, bool shared_memory, std::string* error);
   // Links peer `process`: through its shared memory when `peer.control_fd >= 0` and both
   // ends agreed on it, else TCP to host:port (the lower process index connects).
-  // `label` names the peer's host in messages.
+  // `label` names the peer's host in messages. A restarted process (`rejoining`)
+  // connects to every TCP peer itself, whatever the order of the indices.
   std::string Link(int64_t process, const std::string& host, const std::string& label,
-                   const Endpoint& peer, bool shared_memory, std::chrono::milliseconds timeout);
+                   const Endpoint& peer, bool shared_memory, std::chrono::milliseconds timeout,
+                   bool rejoining = false);
 
   void Exchange(ExchangeSpec spec, ExchangeDone done) override;
   void Release(const ExchangePlan& plan, int64_t seq) override;
@@ -87,6 +89,11 @@ class World : public CrossProcess {
   // Restarted process: true once readmitted (p's rounds renumbered) or failed (`error`).
   bool TryAdmission(Pending& p, std::string* error);
   void ReleaseRound(const ExchangePlan& plan, int64_t seq);
+  // Takes a connection accepted on this process's listener: a peer linking at bootstrap,
+  // or a restarted process rejoining (kept aside until its request is seen).
+  void Adopt(int fd, std::chrono::steady_clock::time_point deadline);
+  // Accepts connections that arrive while no Link() waits for one (rejoining processes).
+  void AcceptLate();
   void Progress();
   void Wake();
 
@@ -98,6 +105,7 @@ class World : public CrossProcess {
   std::map<int64_t, std::shared_ptr<PeerLink>> peers_;
   std::set<int64_t> excluded_;
   std::map<int64_t, uint64_t> seen_join_;      // survivors: newest request seen, per process
+  std::map<int64_t, std::shared_ptr<PeerLink>> joiners_;  // survivors: TCP links of restarted processes
   std::map<int64_t, uint64_t> admitted_join_;  // survivors: request readmitted, per process
   uint64_t joining_ = 0;                       // restarted process: its request
   std::map<uint64_t, int64_t> seq_offset_;     // restarted process: per call, survivors' numbering

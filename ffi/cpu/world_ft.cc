@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <tuple>
 
 #include "cpu/world.h"
@@ -13,6 +14,9 @@
 namespace jaxcomm::cpu {
 namespace {
 using Clock = std::chrono::steady_clock;
+// The key of the one frame a restarted process sends a TCP peer to ask to rejoin; its
+// sequence number carries the request's generation.
+constexpr uint64_t kJoinKey = 0x6a6f696e72657175ull;  // "joinrequ"
 }  // namespace
 
 void World::Agree(std::shared_ptr<const ExchangePlan> plan, int64_t seq,
@@ -42,6 +46,20 @@ void World::Agree(std::shared_ptr<const ExchangePlan> plan, int64_t seq,
     const size_t i = std::find(plan->peers.begin(), plan->peers.end(), all[k]) - plan->peers.begin();
     (*message)[k] = blobs[i] != nullptr;
     if (!blobs[i]) Exclude(all[k]);
+  }
+  // A restarted process linked by TCP learns from these messages when it is readmitted;
+  // over shared memory it reads them itself.
+  for (size_t k = 0; k < P; ++k) {
+    std::shared_ptr<PeerLink> joiner;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!excluded_.count(all[k]) || seen_join_[all[k]] <= admitted_join_[all[k]]) continue;
+      if (auto it = peers_.find(all[k]); it != peers_.end() && it->second->tcp) joiner = it->second;
+    }
+    if (joiner) {
+      joiner->tcp->Send(plan->agreement->key, seq, plan->agreement->fingerprint,
+                        {{message->data(), message->size()}}, deadline);
+    }
   }
   ExchangeSpec spec;
   spec.plan = plan->agreement;
@@ -106,12 +124,24 @@ void World::Admit(const std::vector<int64_t>& all, const std::vector<char>& mine
 }
 
 void World::PollJoins() {
-  if (!shm_) return;
   std::vector<int64_t> candidates;
+  std::map<int64_t, std::shared_ptr<PeerLink>> joiners;
   {
     std::lock_guard<std::mutex> lock(mu_);
     candidates.assign(excluded_.begin(), excluded_.end());
+    joiners = joiners_;
   }
+  for (int64_t q : candidates) {
+    auto it = joiners.find(q);
+    if (it == joiners.end()) continue;
+    const auto [g, ignored] = it->second->tcp->Newest(kJoinKey);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (g <= 0 || static_cast<uint64_t>(g) <= seen_join_[q]) continue;
+    peers_[q] = it->second;
+    joiners_.erase(q);
+    seen_join_[q] = static_cast<uint64_t>(g);
+  }
+  if (!shm_) return;
   for (int64_t q : candidates) {
     if (q < 0 || q >= kMaxJoinProcesses) continue;
     const JoinRequest& j = shm_->block().joins[q];
@@ -135,13 +165,7 @@ void World::PollJoins() {
 
 std::string World::Rejoin(uint64_t generation) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (process_ < 0 || !shm_) return "rejoining needs this process's shared-memory endpoint open";
-  for (const auto& [q, link] : peers_) {
-    if (link->tcp) {
-      return "rejoining over TCP is not supported (process " + std::to_string(q) +
-             " is linked by TCP); it works between processes of one host";
-    }
-  }
+  if (process_ < 0) return "rejoining needs this process's endpoint open";
   joining_ = generation;
   return "";
 }
@@ -154,23 +178,25 @@ bool World::TryAdmission(Pending& p, std::string* error) {
   std::sort(all.begin(), all.end());
   const size_t P = all.size();
   const size_t me = std::find(all.begin(), all.end(), process_) - all.begin();
-  for (auto& link : p.links) {
-    if (!link->shm) {
-      *error = "rejoining needs shared memory with every peer; " + link->Describe() + " is linked by TCP";
-      return true;
-    }
-  }
   if (!p.join_posted) {
     // Posted on the first fault-tolerant call, when this process is ready to take part.
     for (auto& link : p.links) {
-      std::lock_guard<std::mutex> lock(link->mu);
-      link->shm->RequestJoin(process_, joining_, getpid(), shm_->control_fd(), shm_->control_bytes());
+      if (link->shm) {
+        std::lock_guard<std::mutex> lock(link->mu);
+        link->shm->RequestJoin(process_, joining_, getpid(), shm_->control_fd(), shm_->control_bytes());
+      } else {
+        link->tcp->Send(kJoinKey, static_cast<int64_t>(joining_), 0, {}, p.spec.deadline);
+      }
     }
     p.join_posted = true;
   }
   // The survivors' newest agreement messages: they say who took part and what they saw.
   std::vector<std::pair<int64_t, std::vector<char>>> snaps;
   for (auto& link : p.links) {
+    if (link->tcp) {
+      snaps.push_back(link->tcp->Newest(agreement.key));
+      continue;
+    }
     std::lock_guard<std::mutex> lock(link->mu);
     snaps.push_back(link->shm->Snapshot(agreement.key));
   }
@@ -201,6 +227,7 @@ bool World::TryAdmission(Pending& p, std::string* error) {
   for (const auto& [key, fp, n] : {std::make_tuple(plan.key, plan.fingerprint, bytes),
                                    std::make_tuple(agreement.key, agreement.fingerprint,
                                                    P * (1 + sizeof(uint64_t)))}) {
+    if (!shm_) break;  // TCP only: nothing to mark
     SlotEntry* slot = shm_->Slot(key, fp, n, error);
     if (!slot) return true;
     slot->published.store(join - 1, std::memory_order_release);

@@ -136,15 +136,13 @@ def rejoin(timeout_s: float | None = None) -> list[int]:
                 continue
             raw = _client().blocking_key_value_get(_KEY.format(peer), timeout_ms)
             theirs = json.loads(raw)
-            if theirs["host"] != mine["host"] or theirs["tcp_only"] or mine["tcp_only"]:
-                raise NotImplementedError(
-                    "jaxcomm.ft.rejoin: rejoining works between processes of one host, over "
-                    f"shared memory; process {peer} is reached by TCP")
+            shared = (theirs["host"] == mine["host"] and not theirs["tcp_only"]
+                      and not mine["tcp_only"])
             label = f"{theirs['hostname']} ({theirs['address']})"
             try:
                 _jaxcomm.transport_link(peer, theirs["address"], label, theirs["pid"],
                                         theirs["control_fd"], theirs["control_bytes"],
-                                        theirs["port"], True, timeout_ms)
+                                        theirs["port"], shared, timeout_ms, rejoining=True)
             except RuntimeError:
                 unreachable.append(peer)  # gone as well: the survivors left it out
                 continue
