@@ -39,6 +39,11 @@ class Registry {
   CrossProcess* cross_process() const { return cross_process_.get(); }
   void set_cross_process(std::unique_ptr<CrossProcess> c) { cross_process_ = std::move(c); }
 
+  // How many processes of the job run on this host (this one included): they share its
+  // cores. Set as shared-memory peers are linked.
+  int host_processes() const { return host_processes_.load(std::memory_order_relaxed); }
+  void set_host_processes(int n) { host_processes_.store(n, std::memory_order_relaxed); }
+
   // Distinguishes instructions with identical attributes (a nested jit inlined twice):
   // how many instructions with this attribute hash were instantiated before. Every
   // process instantiates the programs it shares with others in the same order.
@@ -57,6 +62,7 @@ class Registry {
   Registry();
   std::atomic<int64_t> spin_us_;
   std::atomic<int64_t> process_index_{0};
+  std::atomic<int> host_processes_{1};
   CompletionPool pool_;
   FlightRecorder recorder_;
   FaultInjector faults_;

@@ -125,6 +125,9 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
   }
   std::lock_guard<std::mutex> lock(mu_);
   peers_[process] = link;
+  int same_host = 1;
+  for (const auto& [q, l] : peers_) same_host += l->shm != nullptr;
+  Registry::Get().set_host_processes(same_host);
   return "";
 }
 
