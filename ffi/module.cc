@@ -149,7 +149,7 @@ NB_MODULE(_jaxcomm, m) {
     return nb::make_tuple(r.rounds_completed.load(), r.rounds_failed.load());
   }, "(completed, failed) collective rounds since start.");
 
-  // ------------------------------------------------------------------ [trace] recorder
+  // ------------------------------------------------------------------ flight recorder
 
   // The dumper thread (automatic dumps) and the SIGUSR1 handler start with the module.
   jaxcomm::Registry::Get().recorder().StartDumper();

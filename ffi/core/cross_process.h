@@ -63,7 +63,7 @@ class CrossProcess {
   virtual void Release(const ExchangePlan& plan, int64_t seq) = 0;
   // Whether process `p` is reachable (connected); false until the bootstrap linked it.
   virtual bool Linked(int64_t p) const = 0;
-  // [trace] How process `p` is linked ("shm", "tcp"; "" when not linked): the flight
+  // How process `p` is linked ("shm", "tcp"; "" when not linked): the flight
   // recorder's algorithm field.
   virtual std::string LinkKind(int64_t /*p*/) const { return ""; }
 };

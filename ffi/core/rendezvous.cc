@@ -88,7 +88,7 @@ void CompleteAll(Round& round, int inline_rank, ffi::ErrorCode code) {
   if (round.after_work) round.after_work();
   auto& registry = Registry::Get();
   registry.recorder().Finish(round.peers, error, code == ffi::ErrorCode::kDeadlineExceeded ||
-                                                     code == ffi::ErrorCode::kUnavailable);  // [trace]
+                                                     code == ffi::ErrorCode::kUnavailable);
   (error.empty() ? registry.rounds_completed : registry.rounds_failed).fetch_add(1, std::memory_order_relaxed);
   std::vector<std::function<void()>> completions;
   for (size_t r = 0; r < round.promises.size(); ++r) {
@@ -123,7 +123,7 @@ void RunPart(const std::shared_ptr<Round>& round, const std::shared_ptr<const Wo
 
 // Runs the work of a round whose ranks all arrived; `me` is the arriving rank.
 void Execute(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int me) {
-  Registry::Get().recorder().Start(round->peers);  // [trace]
+  Registry::Get().recorder().Start(round->peers);
   if (round->parts == 1) {
     RecordError(*round, (*work)(round->peers, 0, 1));
     CompleteAll(*round, me, ffi::ErrorCode::kInternal);
@@ -239,7 +239,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->peers[rank] = call.mine;
         round->promises[rank].emplace(promise);
         round->partitions[rank] = call.ctx.partition;
-        Registry::Get().recorder().Arrived(call.mine.trace, round->execution);  // [trace]
+        Registry::Get().recorder().Arrived(call.mine.trace, round->execution);
         if (++round->arrived == local) {
           ready = round;
           rounds_.erase(key);
@@ -248,7 +248,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
     }
   }
   if (!refused.empty()) {
-    Registry::Get().recorder().Fail(call.mine.trace, ctx.execution, refused);  // [trace]
+    Registry::Get().recorder().Fail(call.mine.trace, ctx.execution, refused);
     promise.SetError(ffi::Error(ffi::ErrorCode::kFailedPrecondition, ctx.Describe() + ": " + refused));
     return future;
   }

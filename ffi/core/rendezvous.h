@@ -48,7 +48,7 @@ struct Peer {
   // Sizes of `in` and `aux`: what crosses to other processes. The same on every rank.
   size_t in_bytes = 0;
   std::array<size_t, 4> aux_bytes{};
-  // [trace] This rank's flight recorder entry (0: none) and what it records of `in`.
+  // This rank's flight recorder entry (0: none) and what it records of `in`.
   uint64_t trace = 0;
   uint8_t dtype = 0;  // XLA_FFI_DataType
   int64_t elements = 0;
@@ -97,7 +97,7 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
     return -1;
   }
   const std::vector<int64_t>& group(int index) const { return *groups_[index]; }
-  // [trace] What the flight recorder describes a call by: the instruction's key (the same
+  // What the flight recorder describes a call by: the instruction's key (the same
   // in every process) and the other processes a group spans.
   uint64_t instruction_key() const { return instruction_key_; }
   const std::vector<int64_t>& remote_processes(int index) const { return layouts_[index].processes; }

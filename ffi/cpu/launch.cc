@@ -49,7 +49,7 @@ Peer Buffers(const ffi::AnyBuffer& in, void* out, std::initializer_list<const ff
   Peer p;
   p.in = in.untyped_data();
   p.in_bytes = in.size_bytes();
-  p.dtype = static_cast<uint8_t>(in.element_type());  // [trace]
+  p.dtype = static_cast<uint8_t>(in.element_type());
   p.elements = static_cast<int64_t>(in.element_count());
   p.out = out;
   int k = 0;
@@ -107,7 +107,7 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   call.work_bytes = work_bytes;
   call.split_by_rank = options.split_by_rank;
   call.tolerant = options.tolerant;
-  // [trace] Injected faults first (a delayed rank arrives late, a hung one never joins),
+  // Injected faults first (a delayed rank arrives late, a hung one never joins),
   // then this call's flight recorder entry.
   Registry& registry = Registry::Get();
   if (registry.faults().any()) {

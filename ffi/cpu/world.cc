@@ -168,7 +168,7 @@ std::shared_ptr<World::PeerLink> World::Peer(int64_t process) const {
 
 bool World::Linked(int64_t p) const { return Peer(p) != nullptr; }
 
-std::string World::LinkKind(int64_t p) const {  // [trace]
+std::string World::LinkKind(int64_t p) const {
   auto link = Peer(p);
   return !link ? "" : link->shm ? "shm" : "tcp";
 }

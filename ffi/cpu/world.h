@@ -62,7 +62,7 @@ class World : public CrossProcess {
   // In a restarted process (jaxcomm.ft.rejoin): asks to be readmitted at its first
   // fault-tolerant call, then numbers that call's rounds as the survivors do.
   std::string Rejoin(uint64_t generation);
-  std::string LinkKind(int64_t p) const override;  // [trace]
+  std::string LinkKind(int64_t p) const override;
 
  private:
   struct PeerLink;
