@@ -181,8 +181,9 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
   p->blobs.assign(peers.size(), nullptr);
   p->left_out.assign(peers.size(), false);
   // Peers usually arrive within microseconds: checking their health (syscalls and a
-  // /proc read) before then would cost more than the whole exchange.
-  p->next_check = Clock::now() + kLivenessPeriod;
+  // /proc read) before then would cost more than the whole exchange. A dead peer is
+  // still noticed within milliseconds, then every kLivenessPeriod.
+  p->next_check = Clock::now() + kFirstLivenessCheck;
   for (size_t i = 0; i < peers.size(); ++i) {
     auto link = Peer(peers[i]);
     if (!link) {

@@ -39,7 +39,8 @@ struct World::Pending {
   std::chrono::steady_clock::time_point next_check{};
 };
 
-// How often a waiting exchange checks that its peers still live.
+// How often a waiting exchange checks that its peers still live, and when first.
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);
+constexpr auto kFirstLivenessCheck = std::chrono::milliseconds(5);
 
 }  // namespace jaxcomm::cpu
