@@ -4,16 +4,23 @@ Each rank reads its peers' token or expert rows in place, guided by every rank's
 (dest, pos) slot tables, so a dispatch is one copy per expert row and a combine one read
 per expert row: no send buffer, receive buffer or per-(token, rank) partial rows. Every
 call is a collective over the expert-parallel axis.
+
+The four modes are multilinear in their float operands (GATHER_COPY in src; GATHER_SCALED
+and REDUCE in src and w; DOT in src and g), and the transpose of each mode with respect to
+one of them is again one of the four. So the primitive has a JVP rule (the product rule)
+and a transpose rule, and forward mode, reverse mode and their compositions (e.g.
+Hessian-vector products) all come from JAX, with no custom_vjp.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax._src import core
-from jax._src.interpreters import batching, mlir
+from jax._src.interpreters import ad, batching, mlir
 
 from jaxcomm._src import compat, primitive
 from jaxcomm._src.ops import common
@@ -72,23 +79,92 @@ def available(dtype: Any) -> bool:
     return jax.default_backend() == "cpu" and not common.use_xla("moe_transport", dtype)
 
 
-def transport(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Array, axis_name: Any, *,
-              w: jax.Array | None = None, g: jax.Array | None = None, rows: int = 0,
-              after: jax.Array | None = None) -> jax.Array:
-    """One fused transport (see MoeMode in ffi/cpu/moe_kernels.cc for the four modes).
+# Operand positions: src, dest, pos, w, g. The float operands each mode is linear in.
+_SRC, _W, _G = 0, 3, 4
+_LINEAR = {GATHER_COPY: (_SRC,), GATHER_SCALED: (_SRC, _W), REDUCE: (_SRC, _W), DOT: (_SRC, _G)}
+_F32 = jnp.float32
 
-    ``after``: a float32 array the call takes as its unused ``g`` operand (modes other than
-    DOT), only so that it runs after whatever computes it. XLA:CPU starts independent
-    collectives in different orders on different ranks, and ranks then stall on each other.
-    """
+
+def _jvp(primals, tangents, *, mode, rows, **params):
+    out = moe_transport_p.bind(*primals, mode=mode, rows=rows, **params)
+    # Product rule: one call per linear operand with a nonzero tangent, that operand
+    # replaced by its tangent.
+    terms = []
+    for i in _LINEAR[mode]:
+        if type(tangents[i]) is ad.Zero:
+            continue
+        args = list(primals)
+        args[i] = tangents[i]
+        terms.append(moe_transport_p.bind(*args, mode=mode, rows=rows, **params))
+    if not terms:
+        return out, ad.Zero.from_primal_value(out)
+    return out, functools.reduce(jnp.add, terms)
+
+
+ad.primitive_jvps[moe_transport_p] = _jvp
+
+
+def _transpose(ct, src, dest, pos, w, g, *, mode, rows, **params):
+    undefined = [ad.is_undefined_primal(a) for a in (src, dest, pos, w, g)]
+    if undefined[1] or undefined[2]:
+        raise ValueError("jaxcomm.moe: the routing tables are not differentiable")
+    avals = [a.aval if ad.is_undefined_primal(a) else None for a in (src, dest, pos, w, g)]
+    if type(ct) is ad.Zero:
+        return [ad.Zero(a) if a is not None else None for a in avals]
+
+    def call(m, s, w_=None, g_=None, rows_=0):
+        return _bind(m, s, dest, pos, params, w=w_, g=g_, rows=rows_)
+
+    out: list[Any] = [None] * 5
+    if mode == GATHER_COPY:  # out[pos] = src[t]: each token sums its rows
+        out[_SRC] = call(REDUCE, ct.astype(_F32), w_=jnp.ones(dest.shape, _F32)).astype(avals[_SRC].dtype)
+    elif mode == GATHER_SCALED:  # out[pos] = w * src[t]
+        if undefined[_SRC]:
+            out[_SRC] = call(REDUCE, ct, w_=w)
+        else:
+            out[_W] = call(DOT, ct, g_=src)
+    elif mode == REDUCE:  # y[t] = sum_k w * src[pos]
+        if undefined[_SRC]:
+            out[_SRC] = call(GATHER_SCALED, ct, w_=w, rows_=avals[_SRC].shape[0])
+        else:
+            out[_W] = call(DOT, src, g_=ct)
+    else:  # DOT: out[t, k] = <g[t], src[pos]>
+        if undefined[_SRC]:
+            out[_SRC] = call(GATHER_SCALED, g, w_=ct, rows_=avals[_SRC].shape[0])
+        else:
+            out[_G] = call(REDUCE, src, w_=ct)
+    return out
+
+
+ad.primitive_transposes[moe_transport_p] = _transpose
+
+
+def _bind(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Array, params: dict, *,
+          w: jax.Array | None, g: jax.Array | None, rows: int) -> jax.Array:
     T, K = dest.shape
-    w = jnp.zeros((T, K), jnp.float32) if w is None else w.astype(jnp.float32)
-    if g is None:
-        g = jnp.zeros((1, 1), jnp.float32) if after is None else after.astype(jnp.float32)
-    src, params = common.prepare("moe_transport", src, axis_name, None)
+    w = jnp.zeros((T, K), _F32) if w is None else w.astype(_F32)
+    g = jnp.zeros((1, 1), _F32) if g is None else g.astype(_F32)
     args = [src, dest.astype(jnp.int32), pos.astype(jnp.int32), w, g]
     if params["vma_checked"]:
         args = [compat.pvary(a, tuple(x for x in params["axes"] if x not in compat.vma(jax.typeof(a))))
                 for a in args]
     return moe_transport_p.bind(*args, mode=mode, rows=rows, **params)
 
+
+def transport(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Array, axis_name: Any, *,
+              w: jax.Array | None = None, g: jax.Array | None = None, rows: int = 0) -> jax.Array:
+    """One fused transport (see MoeMode in ffi/cpu/moe_kernels.cc for the four modes).
+
+    Args:
+      mode: GATHER_COPY, GATHER_SCALED, REDUCE or DOT.
+      src: [T, H] token rows (gathers) or [rows, H] float32 expert rows (REDUCE, DOT).
+      dest, pos: [T, K] int32 slot tables (destination rank and row there, or -1).
+      w: [T, K] slot weights (GATHER_SCALED, REDUCE). g: [T, H] float32 (DOT).
+      rows: expert rows of the gathers' result.
+
+    Returns:
+      [rows, H] (gathers; src's dtype for GATHER_COPY, else float32), [T, H] float32
+      (REDUCE) or [T, K] float32 (DOT).
+    """
+    src, params = common.prepare("moe_transport", src, axis_name, None)
+    return _bind(mode, src, dest, pos, params, w=w, g=g, rows=rows)
