@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -393,3 +394,59 @@ def test_global_view_under_jit():
                                np.broadcast_to(2.0 * np.where(ids >= 0, w, 0).sum(-1, keepdims=True),
                                                (R, T, H)), rtol=1e-5)
     assert "all-gather" not in hlo
+
+
+def _no_allgather_of(hlo: str, dtype: str) -> bool:
+    """Whether no all-gather in compiled HLO text produces an array of ``dtype`` (e.g. f32)."""
+    return not re.search(rf"= {dtype}\[[^\]]*\][^ ]* all-gather\(", hlo)
+
+
+@pytest.mark.parametrize("spec,axis_types,padded", [
+    (P("ep"), "explicit", False),
+    (P(("dp", "ep")), "explicit", False),
+    (P(("dp", "ep")), "explicit", True),
+    (P("ep"), "auto", False),
+])
+def test_global_view_without_set_mesh(spec, axis_types, padded):
+    """pjit style: the mesh comes from the arguments' NamedSharding; results equal the
+    shard_map form over the same dim-0 spec; x is never all-gathered; jvp and grad work."""
+    kw = {} if axis_types == "explicit" else dict(axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((2, 4), ("dp", "ep"), **kw)
+    sh = NamedSharding(mesh, spec)
+    T, K, E, H = 3, 2, 8, 4
+    rng = np.random.default_rng(40)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(8 * T)]).astype(np.int32)
+    ids[rng.random(ids.shape) < 0.1] = -1
+    x = rng.normal(size=(8 * T, H)).astype(np.float32)
+    w = rng.random((8 * T, K)).astype(np.float32)
+    disp = jaxcomm.moe.dispatch_padded if padded else jaxcomm.moe.dispatch
+    comb = jaxcomm.moe.combine_padded if padded else jaxcomm.moe.combine
+
+    def layer(x, ids, w):
+        ex, sizes, h = disp(x, ids, num_experts=E, axis_name="ep")
+        return ex, sizes, comb(jnp.tanh(ex), h, w), h.dropped
+
+    args = [jax.device_put(a, sh) for a in (x, ids, w)]
+    glob = jax.jit(layer)
+    ex, sizes, y, dropped = glob(*args)
+    want = jax.jit(jax.shard_map(lambda *a: (lambda e, s, y, d: (e, s, y, d[None]))(*layer(*a)),
+                                 mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))(*args)
+    for got, ref in zip((ex, sizes, y, dropped), want):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert ex.sharding.spec[0] == spec[0]
+    np.testing.assert_allclose(np.asarray(y), np.tanh(x) * np.where(ids >= 0, w, 0).sum(1, keepdims=True),
+                               rtol=1e-5, atol=1e-6)
+    assert _no_allgather_of(glob.lower(*args).compile().as_text(), "f32")
+
+    loss = lambda x, w: jnp.sum(glob(x, args[1], w)[2] ** 2)
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(args[0], args[2])
+    y_np = np.asarray(y)
+    want_dx = 2 * y_np * (1 - np.tanh(x) ** 2) * np.where(ids >= 0, w, 0).sum(1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-4, atol=1e-5)
+    want_dw = np.where(ids >= 0, (2 * y_np * np.tanh(x)).sum(1, keepdims=True), 0)
+    np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-4, atol=1e-5)
+    _, t = jax.jit(lambda x, dx: jax.jvp(lambda v: glob(v, args[1], args[2])[2], (x,), (dx,)))(
+        args[0], args[0])
+    # tanh'(x) * x * sum of weights
+    np.testing.assert_allclose(np.asarray(t), (1 - np.tanh(x) ** 2) * x * np.where(ids >= 0, w, 0).sum(
+        1, keepdims=True), rtol=1e-4, atol=1e-5)

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
 
-from jaxcomm._src import compat, primitive
+from jaxcomm._src import callsite, compat, config, primitive
+from jaxcomm._src.moe import globalview
 from jaxcomm._src.ops import common
 
 GATHER_COPY, GATHER_SCALED, REDUCE, DOT = 0, 1, 2, 3
@@ -43,9 +44,11 @@ def _out_shape(mode: int, src: Any, dest: Any, rows: int) -> tuple[tuple[int, ..
     return (T, K), jnp.float32
 
 
-def _abstract_eval(src, dest, pos, w, g, *, mode, rows, axes, vma_checked, **_):
+def _abstract_eval(src, dest, pos, w, g, *, mode, rows, axes, vma_checked, shards, **_):
     shape, dtype = _out_shape(mode, src, dest, rows)
     out = src.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)
+    if shards:  # global view: no axis is bound here
+        return out, set()
     if vma_checked:
         out = compat.with_vma(out, frozenset().union(*(compat.vma(a) for a in (src, dest, pos, w, g))))
     return out, {compat.NamedAxisEffect(a) for a in axes}
@@ -54,7 +57,20 @@ def _abstract_eval(src, dest, pos, w, g, *, mode, rows, axes, vma_checked, **_):
 moe_transport_p.def_effectful_abstract_eval(_abstract_eval)
 
 
-def _lowering(ctx: mlir.LoweringRuleContext, *args: Any, mode: int, rows: int, **params: Any):
+def _lowering(ctx: mlir.LoweringRuleContext, *args: Any, mode: int, rows: int, shards: int,
+              dim0: tuple, mesh: Any, **params: Any):
+    if shards:
+        # Global view (shards > 0 dim-0 blocks over the mesh axes dim0): the same call on
+        # each block, with the expert-parallel axis bound (globalview.py).
+        def local(*blocks):
+            return [moe_transport_p.bind(*blocks, mode=mode, rows=rows // shards, shards=0, dim0=(),
+                                         mesh=None, **params)]
+
+        def run(*xs):
+            out = ctx.avals_out[0]
+            return globalview.sharded_call(local, xs, [jax.ShapeDtypeStruct(out.shape, out.dtype)],
+                                           shards, dim0, mesh)[0]
+        return mlir.lower_fun(run, multiple_results=False)(ctx, *args)
     return primitive.lower_collective(ctx, "moe_transport", list(args), params, {"mode": int(mode)})
 
 
@@ -143,7 +159,8 @@ def _bind(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Array, params: di
           w: jax.Array | None, g: jax.Array | None, rows: int) -> jax.Array:
     T, K = dest.shape
     w = jnp.zeros((T, K), _F32) if w is None else w.astype(_F32)
-    g = jnp.zeros((1, 1), _F32) if g is None else g.astype(_F32)
+    # The unused g has T rows, so that in the global view it splits like every operand.
+    g = jnp.zeros((T, 1), _F32) if g is None else g.astype(_F32)
     args = [src, dest.astype(jnp.int32), pos.astype(jnp.int32), w, g]
     if params["vma_checked"]:
         args = [compat.pvary(a, tuple(x for x in params["axes"] if x not in compat.vma(jax.typeof(a))))
@@ -152,7 +169,8 @@ def _bind(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Array, params: di
 
 
 def transport(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Array, axis_name: Any, *,
-              w: jax.Array | None = None, g: jax.Array | None = None, rows: int = 0) -> jax.Array:
+              w: jax.Array | None = None, g: jax.Array | None = None, rows: int = 0,
+              shards: int = 0, dim0: tuple = (), mesh: Any = None) -> jax.Array:
     """One fused transport (see MoeMode in ffi/cpu/moe_kernels.cc for the four modes).
 
     Args:
@@ -161,10 +179,19 @@ def transport(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Array, axis_n
       dest, pos: [T, K] int32 slot tables (destination rank and row there, or -1).
       w: [T, K] slot weights (GATHER_SCALED, REDUCE). g: [T, H] float32 (DOT).
       rows: expert rows of the gathers' result.
+      shards, dim0, mesh: 0 inside shard_map; in the global view (outside it) the number
+        of dim-0 blocks of every operand, the mesh axes they are sharded over and the mesh
+        (globalview.mesh_of), with all shapes (rows included) global.
 
     Returns:
       [rows, H] (gathers; src's dtype for GATHER_COPY, else float32), [T, H] float32
       (REDUCE) or [T, K] float32 (DOT).
     """
-    src, params = common.prepare("moe_transport", src, axis_name, None)
+    if shards:
+        params = dict(axes=tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,),
+                      call_site=callsite.user_call_site(), timeout_ms=config.timeout_ms(None),
+                      vma_checked=False)
+    else:
+        src, params = common.prepare("moe_transport", src, axis_name, None)
+    params.update(shards=shards, dim0=tuple(dim0), mesh=getattr(mesh, "abstract_mesh", mesh))
     return _bind(mode, src, dest, pos, params, w=w, g=g, rows=rows)
