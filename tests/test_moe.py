@@ -437,6 +437,10 @@ def test_global_view_without_set_mesh(spec, axis_types, padded):
     np.testing.assert_allclose(np.asarray(y), np.tanh(x) * np.where(ids >= 0, w, 0).sum(1, keepdims=True),
                                rtol=1e-5, atol=1e-6)
     assert _no_allgather_of(glob.lower(*args).compile().as_text(), "f32")
+    # The handle crosses programs: combine in a jit of its own, dispatch called eagerly.
+    ex2, _, h2 = disp(args[0], args[1], num_experts=E, axis_name="ep")
+    y2 = jax.jit(comb)(jnp.tanh(ex2), h2, args[2])
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
 
     loss = lambda x, w: jnp.sum(glob(x, args[1], w)[2] ** 2)
     dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(args[0], args[2])

@@ -75,6 +75,9 @@ def _lowering(ctx: mlir.LoweringRuleContext, *args: Any, mode: int, rows: int, s
 
 
 mlir.register_lowering(moe_transport_p, _lowering, platform="cpu")
+# The global view's lowering hands the devices to custom_partitioning; jax gives a lowering
+# the program's devices only when one of its primitives asks.
+compat.require_devices_at_lowering(moe_transport_p)
 
 
 def _batcher(axis_data, vals_in, dims_in, **params):
