@@ -454,3 +454,20 @@ def test_global_view_without_set_mesh(spec, axis_types, padded):
     # tanh'(x) * x * sum of weights
     np.testing.assert_allclose(np.asarray(t), (1 - np.tanh(x) ** 2) * x * np.where(ids >= 0, w, 0).sum(
         1, keepdims=True), rtol=1e-4, atol=1e-5)
+
+
+def test_moe_layer_example_runs():
+    """The README's main command: the example checks itself against the dense reference."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "moe_layer.py"), "--steps", "2"],
+                          env=env, capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "match the dense reference" in proc.stdout
+    losses = [float(line.split("loss")[1].split()[0]) for line in proc.stdout.splitlines()
+              if line.startswith("step")]
+    assert len(losses) == 2 and losses[1] < losses[0]
