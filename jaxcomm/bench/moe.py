@@ -44,27 +44,32 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=None,
                    help="expert FFN width (F) of the layer step (default hidden // 4)")
     p.add_argument("--iters", type=int, default=5,
-                   help="timed iterations of each side, alternating (median reported)")
+                   help="timed iterations of each side, in two alternating blocks (median reported)")
     p.add_argument("--skip-layer", action="store_true", help="leave out the MoE layer step")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
-def _time_pair(jc: Callable[[], Any], base: Callable[[], Any], iters: int) -> tuple[float, float]:
-    """Median seconds of jaxcomm's and the baseline's call, timed alternately.
+def _time_pair(jc: Callable[[], Any], base: Callable[[], Any], iters: int,
+               rounds: int = 2) -> tuple[float, float]:
+    """Median seconds of jaxcomm's and the baseline's call, over ``rounds`` alternating blocks.
 
-    Alternating keeps both sides under the same background load on a shared machine,
-    where back-to-back blocks of one side each would see different loads.
+    Alternating blocks keep both sides under the same background load on a shared machine.
+    Each block starts with an untimed call: the previous block's side leaves work behind
+    (XLA frees gigabytes of buffers after a call returns, and the kernel's page state
+    changes), which measured up to several times the next side's call when calls of the
+    two sides were interleaved one by one.
     """
     import jax
-    for fn in (jc, base):
-        jax.block_until_ready(fn())  # compile + warm up
     times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(iters):
+    per_block = max(1, -(-iters // rounds))
+    for _ in range(rounds):
         for fn, out in zip((jc, base), times):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            out.append(time.perf_counter() - t0)
+            jax.block_until_ready(fn())  # compile / settle
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                out.append(time.perf_counter() - t0)
     return statistics.median(times[0]), statistics.median(times[1])
 
 
