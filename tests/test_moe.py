@@ -471,3 +471,23 @@ def test_moe_layer_example_runs():
     losses = [float(line.split("loss")[1].split()[0]) for line in proc.stdout.splitlines()
               if line.startswith("step")]
     assert len(losses) == 2 and losses[1] < losses[0]
+
+
+def test_global_view_int64_ids_under_x64():
+    """The partitioner traces the per-rank code outside the caller's x64 context."""
+    mesh = _mesh()
+    sh = NamedSharding(mesh, P("ep"))
+    T, K, E, H = 4, 2, 16, 3
+    ids = routing(T, K, E, seed=41).astype(np.int64).reshape(R * T, K)
+    ids[0, 0] = 2**40  # would wrap to a valid id if truncated to int32
+    x = tagged_x(T, H).astype(np.float64).reshape(R * T, H)
+    with jax.enable_x64(True):
+        ex, sizes, h = jax.jit(lambda x, i: jaxcomm.moe.dispatch(x, i, num_experts=E, axis_name="ep"))(
+            jax.device_put(x, sh), jax.device_put(ids, sh))
+        invalid = np.asarray(h.invalid)
+    clean = np.where((ids >= 0) & (ids < E), ids, -1).reshape(R, T, K)
+    want_ex, want_sizes, _, _ = np_dispatch(x.reshape(R, T, H), clean, E)
+    assert invalid.tolist() == [1] + [0] * (R - 1)
+    assert ex.dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(ex).reshape(want_ex.shape), want_ex)
+    np.testing.assert_array_equal(np.asarray(sizes).reshape(R, -1), want_sizes)

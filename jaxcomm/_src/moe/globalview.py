@@ -74,6 +74,9 @@ def sharded_call(local: Callable[..., Sequence[jax.Array]], args: Sequence[jax.A
     """
     out_shapes = list(out_shapes)
     abstract = getattr(mesh, "abstract_mesh", mesh)
+    # The partitioner calls back outside the caller's jax.enable_x64 context: without it,
+    # int64 ids would be traced as int32 there (and 2**40 would wrap to a valid id).
+    x64 = bool(jax.config.jax_enable_x64)
 
     @custom_partitioning
     def call(*xs):
@@ -97,7 +100,7 @@ def sharded_call(local: Callable[..., Sequence[jax.Array]], args: Sequence[jax.A
         def lower(*xs):
             # Every mesh axis is manual here; jaxcomm's ops check the names against the
             # mesh in context, which the partitioner does not set.
-            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.enable_x64(x64):
                 return tuple(local(*xs))
         return mesh, lower, shardings(mesh, len(out_shapes)), shardings(mesh, len(arg_shapes))
 
