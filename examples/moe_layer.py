@@ -8,7 +8,9 @@ top-k router, sends them to the ranks that own their experts with
 results back with ``jaxcomm.moe.combine_padded``.
 
 Before training, the forward output and the gradients (router and expert weights) are
-checked against a dense single-device reference in plain ``jax.numpy``. Then a few SGD
+checked against a dense single-device reference in plain ``jax.numpy``, and the same layer
+written in the global view (``jax.jit`` on sharded arrays, no shard_map) against the
+shard_map one. Then a few SGD
 steps regress the layer onto a fixed random target, printing loss and step time.
 
     pip install . && python examples/moe_layer.py
@@ -69,6 +71,29 @@ def moe_layer_local(x: jax.Array, params: Params, *, num_experts: int, top_k: in
     return jaxcomm.moe.combine_padded(ey, handle, weights)
 
 
+def moe_layer_global(x: jax.Array, params: Params, mesh: Mesh, *, num_experts: int,
+                     top_k: int) -> jax.Array:
+    """The same layer in the global view (pjit style: jit on sharded arrays, no shard_map).
+
+    x [dp*ep*T, H] sharded P(("dp", "ep")); jaxcomm.moe takes the mesh and the token
+    layout from x's sharding. expert_x comes back as [dp*ep*E_local, S, H], block (d, p)
+    holding "ep" rank p's experts, so the weights [E, H, F] meet it as [ep, E_local, H, F].
+    """
+    dp, ep = mesh.shape["dp"], mesh.shape["ep"]
+    el = num_experts // ep
+    ids, weights = route(x, params["router"], top_k)
+    ex, _, handle = jaxcomm.moe.dispatch_padded(x, ids, num_experts=num_experts, axis_name="ep")
+    slab, hidden = ex.shape[1:]
+    on = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    ex = ex.reshape(dp, ep, el, slab, hidden, out_sharding=on("dp", "ep"))
+    w_in = params["w_in"].reshape(ep, el, *params["w_in"].shape[1:], out_sharding=on("ep"))
+    w_out = params["w_out"].reshape(ep, el, *params["w_out"].shape[1:], out_sharding=on("ep"))
+    h = jax.nn.gelu(jnp.einsum("dperh,pehf->dperf", ex, w_in))
+    ey = jnp.einsum("dperf,pefh->dperh", h, w_out)
+    ey = ey.reshape(dp * ep * el, slab, hidden, out_sharding=on(("dp", "ep")))
+    return jaxcomm.moe.combine_padded(ey, handle, weights)
+
+
 def make_programs(mesh: Mesh, num_experts: int, top_k: int, n_elems: int
                   ) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
     """Returns (forward, loss): jittable global-view functions, each one shard_map."""
@@ -121,8 +146,10 @@ def to_host(tree: Any) -> Any:
 
 
 def check_against_dense(forward: Callable, loss: Callable, x: jax.Array, target: jax.Array,
-                        params: Params, top_k: int) -> None:
+                        params: Params, top_k: int, global_forward: Callable) -> None:
     y = jax.jit(forward)(x, params)
+    np.testing.assert_allclose(np.asarray(jax.jit(global_forward)(x, params)), np.asarray(y),
+                               rtol=1e-5, atol=1e-6)
     g = jax.jit(jax.grad(loss, argnums=2))(x, target, params)
 
     # The reference sees plain single-device arrays: nothing sharded, nothing collective.
@@ -135,7 +162,7 @@ def check_against_dense(forward: Callable, loss: Callable, x: jax.Array, target:
     for name in ("router", "w_in", "w_out"):
         np.testing.assert_allclose(np.asarray(g[name]), np.asarray(g_ref[name]),
                                    rtol=1e-4, atol=1e-6, err_msg=f"gradient of {name}")
-    print("forward and gradients match the dense reference")
+    print("forward (shard_map and global view) and gradients match the dense reference")
 
 
 def main() -> None:
@@ -170,7 +197,9 @@ def main() -> None:
           f"H={args.hidden}, F={args.ffn}, {args.experts} experts "
           f"({args.experts // args.ep}/rank), top-{args.top_k}")
     forward, loss = make_programs(mesh, args.experts, args.top_k, n_total * args.hidden)
-    check_against_dense(forward, loss, x, target, params, args.top_k)
+    global_forward = lambda x, p: moe_layer_global(x, p, mesh, num_experts=args.experts,  # noqa: E731
+                                                   top_k=args.top_k)
+    check_against_dense(forward, loss, x, target, params, args.top_k, global_forward)
 
     @jax.jit
     def train_step(params: Params, x: jax.Array, target: jax.Array) -> tuple[Params, jax.Array]:

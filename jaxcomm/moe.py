@@ -9,8 +9,15 @@ Two call forms:
 
 * inside ``jax.shard_map`` with ``axis_name`` bound: per-rank shapes as documented below;
 * under ``jax.jit`` on arrays with a ``NamedSharding`` over a mesh that has ``axis_name``
-  (global view): the shard_map form over ``P(axis_name)``: x ``[R*T, H]`` sharded on dim 0
-  gives expert_x ``[R*C, H]`` and group_sizes ``[num_experts]``, both sharded on dim 0.
+  (global view, no ``jax.set_mesh`` needed): the shard_map form over ``P(dim0)``, the mesh
+  taken from the arguments' sharding. ``dim0`` is the mesh axes x's dim 0 is sharded over
+  when x's type says so (Explicit mesh axes, e.g. ``P(("dp", "ep"))``: one ``axis_name``
+  group per ``dp`` index), else ``axis_name``. x ``[n*T, H]`` (n blocks) gives expert_x
+  ``[n*C, H]`` (padded: ``[n*E_local, S, H]``) and group_sizes ``[n*E_local]``, all
+  sharded on dim 0; an x laid out as ``P(dim0)`` is never all-gathered.
+
+Autodiff: forward (``jax.jvp``) and reverse mode, to any order, in both forms; ``jax.vmap``
+inside shard_map. Gradients reach x (through dispatch), expert_y and weights (through combine).
 
 Semantics of repeated experts in one row of ``expert_ids`` (top-k gives distinct ones): each
 slot is its own assignment (its own row, its own weight in combine); the padded layout keeps

@@ -61,6 +61,13 @@ def replica_groups(axis_context: Any, axes: tuple) -> tuple[tuple[int, ...], ...
     return tuple(tuple(int(i) for i in g) for g in _pxla.axis_groups(axis_context, axes))
 
 
+def require_devices_at_lowering(prim: Any) -> None:
+    """Makes jax lower programs containing ``prim`` with their device assignment known
+    (as it does for callbacks and custom_partitioning)."""
+    from jax._src import dispatch as _dispatch
+    _dispatch.prim_requires_devices_during_lowering.add(prim)
+
+
 def concrete_mesh() -> Any:
     """The concrete mesh set by ``jax.set_mesh`` (None or an empty mesh when none is)."""
     from jax._src import mesh as _mesh

@@ -43,20 +43,34 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="token dtype (float32, bfloat16)")
     p.add_argument("--ffn", type=int, default=None,
                    help="expert FFN width (F) of the layer step (default hidden // 4)")
-    p.add_argument("--iters", type=int, default=5, help="timed iterations (median reported)")
+    p.add_argument("--iters", type=int, default=5,
+                   help="timed iterations of each side, in two alternating blocks (median reported)")
+    p.add_argument("--skip-layer", action="store_true", help="leave out the MoE layer step")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
-def _time(fn: Callable[[], Any], iters: int) -> float:
+def _time_pair(jc: Callable[[], Any], base: Callable[[], Any], iters: int,
+               rounds: int = 2) -> tuple[float, float]:
+    """Median seconds of jaxcomm's and the baseline's call, over ``rounds`` alternating blocks.
+
+    Alternating blocks keep both sides under the same background load on a shared machine.
+    Each block starts with an untimed call: the previous block's side leaves work behind
+    (XLA frees gigabytes of buffers after a call returns, and the kernel's page state
+    changes), which measured up to several times the next side's call when calls of the
+    two sides were interleaved one by one.
+    """
     import jax
-    jax.block_until_ready(fn())  # compile + warm up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: tuple[list[float], list[float]] = ([], [])
+    per_block = max(1, -(-iters // rounds))
+    for _ in range(rounds):
+        for fn, out in zip((jc, base), times):
+            jax.block_until_ready(fn())  # compile / settle
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                out.append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def main(argv: list[str]) -> None:
@@ -147,30 +161,30 @@ def main(argv: list[str]) -> None:
     # dispatch only
     jd = smap(lambda x, ids: jc_dispatch(x, ids)[0], 2)
     bd = smap(lambda x, ids: base_dispatch(x, ids)[0], 2)
-    results["dispatch"] = (_time(lambda: jd(xs, idss), args.iters), _time(lambda: bd(xs, idss), args.iters))
+    results["dispatch"] = _time_pair(lambda: jd(xs, idss), lambda: bd(xs, idss), args.iters)
     # combine only: inputs prepared by a dispatch outside the timed region
-    with jax.set_mesh(mesh):
-        ex, _, handle = jax.jit(lambda x, ids: jaxcomm.moe.dispatch(
-            x, ids, num_experts=E, axis_name="ep", capacity=C))(xs, idss)
-        jc_c = jax.jit(lambda ey, h, w: jaxcomm.moe.combine(ey, h, w))
-        t_jc_c = _time(lambda: jc_c(ex, handle, ws), args.iters)
+    # (global view: the mesh comes from the arrays' sharding)
+    ex, _, handle = jax.jit(lambda x, ids: jaxcomm.moe.dispatch(
+        x, ids, num_experts=E, axis_name="ep", capacity=C))(xs, idss)
+    jc_c = jax.jit(jaxcomm.moe.combine)
     bd2 = smap(lambda x, ids: base_dispatch(x, ids), 2)
     buf, slot = bd2(xs, idss)
     bc = smap(base_combine, 3)
-    results["combine"] = (t_jc_c, _time(lambda: bc(buf, slot, ws), args.iters))
+    results["combine"] = _time_pair(lambda: jc_c(ex, handle, ws), lambda: bc(buf, slot, ws), args.iters)
     jl, bl = smap(jc_layer, 3), smap(base_layer, 3)
-    results["dispatch+combine"] = (_time(lambda: jl(xs, idss, ws), args.iters),
-                                   _time(lambda: bl(xs, idss, ws), args.iters))
+    results["dispatch+combine"] = _time_pair(lambda: jl(xs, idss, ws), lambda: bl(xs, idss, ws),
+                                             args.iters)
     jg, bg = smap(grad_of(jc_layer), 4), smap(grad_of(base_layer), 4)
-    results["dispatch+combine fwd+bwd"] = (_time(lambda: jg(xs, idss, ws, ct), args.iters),
-                                           _time(lambda: bg(xs, idss, ws, ct), args.iters))
+    results["dispatch+combine fwd+bwd"] = _time_pair(lambda: jg(xs, idss, ws, ct),
+                                                     lambda: bg(xs, idss, ws, ct), args.iters)
 
     # correctness of the two sides against each other, once
     np.testing.assert_allclose(np.asarray(jl(xs, idss, ws), np.float32),
                                np.asarray(bl(xs, idss, ws), np.float32), rtol=2e-2, atol=2e-2)
 
-    layer_times, layer_info = _layer_step(args, mesh, xs, base_plan)
-    results["MoE layer train step"] = layer_times
+    layer_info = ""
+    if not args.skip_layer:
+        results["MoE layer train step"], layer_info = _layer_step(args, mesh, xs, base_plan)
 
     print(f"MoE dispatch/combine: R={R} T={T} H={H} K={K} E={E} dtype={dtype.name}; "
           f"jaxcomm capacity C={C}, baseline capacity {cap} per (rank, expert); "
@@ -183,7 +197,8 @@ def main(argv: list[str]) -> None:
         moved = nbytes * (2 if "+" in name else 1) * (2 if "bwd" in name else 1)
         print(f"{name:<28}{tj * 1e3:>12.2f}{moved / tj / 1e9:>9.2f}{tb * 1e3:>13.2f}"
               f"{moved / tb / 1e9:>9.2f}{tb / tj:>8.2f}x")
-    print(layer_info)
+    if layer_info:
+        print(layer_info)
 
 
 def _layer_step(args: argparse.Namespace, mesh: Any, xs: Any, base_plan: Callable
@@ -257,8 +272,7 @@ def _layer_step(args: argparse.Namespace, mesh: Any, xs: Any, base_plan: Callabl
     for k in params:
         np.testing.assert_allclose(np.asarray(gj[k]), np.asarray(gb[k]), rtol=2e-2, atol=2e-4,
                                    err_msg=f"layer gradient of {k}")
-    times = (_time(lambda: js(xs, target, params), args.iters),
-             _time(lambda: bs(xs, target, params), args.iters))
+    times = _time_pair(lambda: js(xs, target, params), lambda: bs(xs, target, params), args.iters)
     info = (f"MoE layer step: F={F}; jaxcomm dispatch_padded slabs of {slab} rows per expert; "
             f"baseline slabs of R*cap = {R * cap} rows per expert")
     return times, info

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm._src import compat
 from jaxcomm._src.moe import dispatch as impl
+from jaxcomm._src.moe import fused, globalview
 
 
 def _axes(axis_name: Any) -> tuple:
@@ -21,10 +22,12 @@ def _in_shard_map(axis_name: Any) -> bool:
 
 
 def _global_mesh(x: jax.Array, axis_name: Any, op: str):
-    """The concrete mesh of the global-view form: jax.set_mesh's, or that of x's sharding.
+    """The concrete mesh of the composed transport's global view: jax.set_mesh's, or that
+    of x's sharding (eager calls).
 
-    Under jit, x's type carries only an abstract mesh, and jaxcomm's lowering needs the
-    devices (to map partitions to ranks), hence jax.set_mesh there.
+    Under jit, x's type carries only an abstract mesh, and the shard_map of the composed
+    transport lowers only with the devices, hence jax.set_mesh there. (The fused transports'
+    global view takes the devices from the partitioner instead: globalview.py.)
     """
     names = _axes(axis_name)
     candidates = [compat.concrete_mesh()]
@@ -71,12 +74,6 @@ def check_inputs(op: str, x: Any, expert_ids: Any, num_experts: int, R: int,
         raise ValueError(f"jaxcomm.moe.{op}: capacity must be an int >= 1, got {capacity!r}")
 
 
-def check_weights(op: str, weights: Any, handle: Any) -> None:
-    T, K = handle.layout.T, handle.layout.K
-    if weights.ndim != 2 or weights.shape != (T, K):
-        raise ValueError(f"jaxcomm.moe.{op}: weights must be [T, K] = [{T}, {K}], got {weights.shape}")
-
-
 _SCALARS = ("dropped", "invalid", "recv_dropped")
 
 
@@ -92,8 +89,12 @@ class Handle:
       (send_tok, slot, offsets, sizes, recv_pos, inv, ...) for the composed one.
     """
 
-    def __init__(self, arrays: dict, axis_name: Any, padded: bool, x_dtype: Any, layout: Any):
+    def __init__(self, arrays: dict, axis_name: Any, padded: bool, x_dtype: Any, layout: Any,
+                 view: tuple | None = None):
         self.arrays = dict(arrays)
+        # Global view on the fused transports: (dim-0 blocks, their mesh axes, the mesh); None inside
+        # shard_map (and for the composed transport's global view, a shard_map itself).
+        self.view = view
         # Static shape facts of the dispatch (impl.Layout): the fused transports' handle
         # has no array whose shape would tell combine the buffer sizes.
         self.layout = layout
@@ -119,12 +120,12 @@ class Handle:
     def tree_flatten(self):
         keys = tuple(sorted(self.arrays))
         return tuple(self.arrays[k] for k in keys), (keys, self.axis_name, self.padded, self.x_dtype,
-                                                       self.layout)
+                                                       self.layout, self.view)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        keys, axis_name, padded, x_dtype, layout = aux
-        return cls(dict(zip(keys, children)), axis_name, padded, x_dtype, layout)
+        keys, axis_name, padded, x_dtype, layout, view = aux
+        return cls(dict(zip(keys, children)), axis_name, padded, x_dtype, layout, view)
 
     def __repr__(self) -> str:
         return f"Handle(axis_name={self.axis_name!r}, padded={self.padded}, keys={sorted(self.arrays)})"
@@ -140,21 +141,65 @@ def run_dispatch(op: str, x: Any, expert_ids: Any, num_experts: int, axis_name: 
         lay = impl.layout(T, K, num_experts, R, capacity, padded)
         expert_x, sizes, arrays = impl.dispatch(x, expert_ids, lay, axis_name)
         return expert_x, sizes, Handle(arrays, axis_name, padded, x.dtype, lay)
-    # Global view: the shard_map form over P(axis_name), every output sharded on dim 0.
+    if not isinstance(x, jax.core.Tracer) and not isinstance(expert_ids, jax.core.Tracer):
+        # Eager call on global arrays: the global view is a program of its own.
+        return _jit_dispatch(op, x, expert_ids, num_experts, axis_name, capacity, padded)
+    if impl.use_fused(x.dtype):
+        return _global_dispatch(op, x, expert_ids, num_experts, axis_name, capacity, padded)
+    return _global_dispatch_shard_map(op, x, expert_ids, num_experts, axis_name, capacity, padded)
+
+
+_jit_dispatch = jax.jit(lambda *a: run_dispatch(*a), static_argnums=(0, 3, 4, 5, 6))
+
+
+def _global_dispatch(op: str, x: jax.Array, expert_ids: jax.Array, num_experts: int,
+                     axis_name: Any, capacity: int | None, padded: bool):
+    """The global view on the fused transports: the shard_map form over P(dim0), with the
+    mesh (and dim0, when x's type says) taken from x's sharding (see globalview.py)."""
+    axes = _axes(axis_name)
+    mesh, dim0, n = globalview.mesh_of(x, axes, op)
+    R = _group_size_any(axis_name, mesh)
+    check_inputs(op, x, expert_ids, num_experts, R, capacity)
+    if x.shape[0] % n:
+        raise ValueError(f"jaxcomm.moe.{op}: global x must be [{n}*T, H] (dim 0 split over mesh axes "
+                         f"{dim0}), got {x.shape}")
+    T, K = x.shape[0] // n, expert_ids.shape[1]
+    lay = impl.layout(T, K, num_experts, R, capacity, padded)
+
+    def plan(ids):
+        h, sizes = impl.plan(ids, lay, axis_name, fused=True)
+        # Scalars gain a leading dimension so that every handle leaf is sharded on dim 0.
+        return [h["dest"], h["pos"], *(h[k][None] for k in _SCALARS), sizes]
+
+    i32 = jnp.int32
+    shapes = ([jax.ShapeDtypeStruct((n * T, K), i32)] * 2 + [jax.ShapeDtypeStruct((n,), i32)] * 3
+              + [jax.ShapeDtypeStruct((n * lay.El,), i32)])
+    dest, pos, *scalars, sizes = globalview.sharded_call(plan, [expert_ids], shapes, n, dim0, mesh)
+    arrays = dict(dest=dest, pos=pos, **dict(zip(_SCALARS, scalars)))
+    expert_x = fused.transport(fused.GATHER_COPY, x, dest, pos, axis_name, rows=n * lay.rows,
+                               shards=n, dim0=dim0, mesh=mesh)
+    if padded:
+        expert_x = expert_x.reshape(n * lay.El, lay.rows // lay.El, x.shape[1])
+    return expert_x, sizes, Handle(arrays, axis_name, padded, x.dtype, lay, view=(n, dim0, mesh))
+
+
+def _global_dispatch_shard_map(op: str, x: jax.Array, expert_ids: jax.Array, num_experts: int,
+                               axis_name: Any, capacity: int | None, padded: bool):
+    """The global view on the composed transport (jax.lax collectives or ragged_all_to_all):
+    a shard_map over P(axis_name), which needs a concrete mesh (jax.set_mesh)."""
     mesh = _global_mesh(x, axis_name, op)
     R = _group_size_any(axis_name, mesh)
-    check_inputs(op, x, jnp.asarray(expert_ids), num_experts, R, capacity)
+    check_inputs(op, x, expert_ids, num_experts, R, capacity)
     if x.shape[0] % R:
         raise ValueError(f"jaxcomm.moe.{op}: global x must be [R*T, H] with R = {R}, got {x.shape}")
     spec = P(axis_name)
 
     def local(a, b):
         ex, sizes, h = run_dispatch(op, a, b, num_experts, axis_name, capacity, padded)
-        # Scalars gain a leading dimension so that every handle leaf is sharded on dim 0.
         h.arrays = {k: (v[None] if k in _SCALARS else v) for k, v in h.arrays.items()}
         return ex, sizes, h
 
-    x, expert_ids = _to_spec(mesh, spec, (x, jnp.asarray(expert_ids)))
+    x, expert_ids = _to_spec(mesh, spec, (x, expert_ids))
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec)(x, expert_ids)
 
 
@@ -164,15 +209,23 @@ def _to_spec(mesh: Any, spec: P, tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.reshard(a, sharding), tree)
 
 
-def _combine_in_map(op: str, expert_y: jax.Array, handle: Handle, weights: jax.Array) -> jax.Array:
-    check_weights(op, weights, handle)
+def _check_combine_shapes(op: str, expert_y: jax.Array, weights: jax.Array, handle: Handle,
+                          n: int = 1) -> None:
+    """weights [n*T, K] and expert_y shaped as dispatch's expert_x (n: global-view blocks)."""
     lay = handle.layout
-    rows = lay.rows
+    if weights.ndim != 2 or weights.shape != (n * lay.T, lay.K):
+        raise ValueError(f"jaxcomm.moe.{op}: weights must be [T, K] = [{n * lay.T}, {lay.K}], "
+                         f"got {weights.shape}")
     H = expert_y.shape[-1]
-    want = (lay.El, rows // lay.El, H) if handle.padded else (rows, H)
+    want = (n * lay.El, lay.rows // lay.El, H) if handle.padded else (n * lay.rows, H)
     if expert_y.shape != want:
         raise ValueError(f"jaxcomm.moe.{op}: expert_y must have dispatch's expert_x shape {want}, "
                          f"got {expert_y.shape}")
+
+
+def _combine_in_map(op: str, expert_y: jax.Array, handle: Handle, weights: jax.Array) -> jax.Array:
+    _check_combine_shapes(op, expert_y, weights, handle)
+    lay = handle.layout
     return impl.combine(expert_y, handle.arrays, weights, lay, handle.axis_name, handle.x_dtype)
 
 
@@ -185,6 +238,8 @@ def run_combine(op: str, expert_y: Any, handle: Handle, weights: Any) -> jax.Arr
     axis_name = handle.axis_name
     if _in_shard_map(axis_name):
         return _combine_in_map(op, expert_y, handle, weights)
+    if handle.view is not None:
+        return _global_combine(op, expert_y, handle, weights)
     mesh = _global_mesh(expert_y, axis_name, op)
     spec = P(axis_name)
 
@@ -195,3 +250,13 @@ def run_combine(op: str, expert_y: Any, handle: Handle, weights: Any) -> jax.Arr
     expert_y, handle, weights = _to_spec(mesh, spec, (expert_y, handle, weights))
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(
         expert_y, handle, weights)
+
+
+def _global_combine(op: str, expert_y: jax.Array, handle: Handle, weights: jax.Array) -> jax.Array:
+    n, dim0, mesh = handle.view
+    lay = handle.layout
+    _check_combine_shapes(op, expert_y, weights, handle, n)
+    ey = expert_y.reshape(n * lay.rows, expert_y.shape[-1]).astype(jnp.float32)
+    y = fused.transport(fused.REDUCE, ey, handle["dest"], handle["pos"], handle.axis_name,
+                        w=weights, shards=n, dim0=dim0, mesh=mesh)
+    return y.astype(handle.x_dtype)

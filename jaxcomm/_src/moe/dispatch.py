@@ -19,20 +19,16 @@ the receiver expands each token into its rows with one gather. combine sends the
 the same way, reduces each received token over its slots on the receiver and returns one
 float32 row per (token, rank) with the reverse ragged_all_to_all; the source sums the ranks.
 
-Gradients are custom VJPs that reuse the transports in reverse: dispatch's backward is a
-combine with unit weights, combine's backward a dispatch of the weighted cotangent (plus
-one dot product per slot for the weights). Both are gathers and row reductions over index
-lists (:func:`_gather_reduce` in the composed form), never the serial scatter-adds that
-autodiff of the gathers would give, nor [recv, K, H] intermediates. Forward-mode autodiff
-(jvp) is not supported: custom VJPs only transpose.
+Autodiff, forward and reverse: the fused transports are one primitive with JVP and
+transpose rules (fused.py): dispatch's transpose is a combine with unit weights, combine's
+a dispatch of the weighted cotangent plus one dot product per slot for the weights. The
+composed transport is built from ragged_all_to_all (which has both rules) and gathers,
+and JAX differentiates it as it is.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
-
-import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -154,15 +150,11 @@ def plan(expert_ids: jax.Array, lay: Layout, axis_name: Any,
     target = jnp.where(recv_pos >= 0, recv_pos, lay.rows).reshape(-1)
     src = jnp.broadcast_to(jnp.arange(lay.recv, dtype=jnp.int32)[:, None], (lay.recv, K)).reshape(-1)
     inv = jnp.full((lay.rows,), lay.recv, jnp.int32).at[target].set(src, mode="drop")
-    # invk[row] = recv_row * K + slot of expert row `row` (lay.recv * K: none), for the
-    # per-row weight of combine and its gradient.
-    invk = jnp.full((lay.rows,), lay.recv * K, jnp.int32).at[target].set(
-        jnp.arange(lay.recv * K, dtype=jnp.int32), mode="drop")
 
     handle = dict(
         send_tok=send_tok, send_mask=send_pos >= 0, slot=slot,
         in_off=in_off, send_sizes=cnt_d, out_off=out_off, recv_sizes=recv_sizes,
-        recv_off=recv_off, back_off=back_off, recv_pos=recv_pos, inv=inv, invk=invk,
+        recv_off=recv_off, back_off=back_off, recv_pos=recv_pos, inv=inv,
         **stats,
     )
     return handle, sizes.astype(jnp.int32)
@@ -198,15 +190,6 @@ def _take(a: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take(a, idx, axis=0, mode="fill", fill_value=0)
 
 
-def _ones(shape: tuple[int, ...]) -> jax.Array:
-    return jnp.ones(shape, _F32)
-
-
-def _int_zeros(tree: Any) -> Any:
-    """Cotangents of integer leaves (the routing plan): float0 zeros."""
-    return jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), tree)
-
-
 def _forward(a: jax.Array, out_rows: int, h: Handle, axis_name: Any) -> jax.Array:
     """(token, rank) rows from the send layout to the receive layout."""
     return ragged_all_to_all(a, jnp.zeros((out_rows, a.shape[1]), a.dtype), h["in_off"],
@@ -220,6 +203,7 @@ def _backward(a: jax.Array, out_rows: int, h: Handle, axis_name: Any) -> jax.Arr
 
 
 def _expand(x: jax.Array, h: Handle, lay: Layout, axis_name: Any) -> jax.Array:
+    """expert_x as [rows, H] (composed transport)."""
     recv_x = _forward(x[h["send_tok"]], lay.recv, h, axis_name)
     return _take(recv_x, h["inv"])
 
@@ -228,27 +212,7 @@ def _reduce(ey: jax.Array, w_recv: jax.Array, h: Handle, lay: Layout, axis_name:
     """float32 [T, H]: each receiver sums its slots in k order, the source sums ranks in order."""
     partial = _gather_reduce(ey, h["recv_pos"], w_recv)
     back = _backward(partial, lay.send, h, axis_name)
-    return _gather_reduce(back, h["slot"], _ones(h["slot"].shape))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dispatch_rows(x: jax.Array, h: Handle, lay: Layout, axis_name: Any) -> jax.Array:
-    """expert_x as [rows, H]."""
-    return _expand(x, h, lay, axis_name)
-
-
-def _dispatch_fwd(x, h, lay, axis_name):
-    return _expand(x, h, lay, axis_name), h
-
-
-def _dispatch_bwd(lay, axis_name, h, g):
-    # Every expert row is a copy of one received token row: its cotangent is the sum of
-    # that token's rows, i.e. combine with unit weights.
-    dx = _reduce(g, _ones(h["recv_pos"].shape), h, lay, axis_name)
-    return dx.astype(g.dtype), _int_zeros(h)
-
-
-_dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
+    return _gather_reduce(back, h["slot"], jnp.ones(h["slot"].shape, _F32))
 
 
 def _send_weights(weights: jax.Array, h: Handle, lay: Layout, axis_name: Any) -> jax.Array:
@@ -256,82 +220,20 @@ def _send_weights(weights: jax.Array, h: Handle, lay: Layout, axis_name: Any) ->
     return _forward(w_send, lay.recv, h, axis_name)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _combine_rows(ey: jax.Array, weights: jax.Array, h: Handle, lay: Layout, axis_name: Any,
                   out_dtype: Any) -> jax.Array:
+    """y [T, H] (composed transport)."""
     return _reduce(ey, _send_weights(weights, h, lay, axis_name), h, lay, axis_name).astype(out_dtype)
 
 
-def _combine_fwd(ey, weights, h, lay, axis_name, out_dtype):
-    w_recv = _send_weights(weights, h, lay, axis_name)
-    y = _reduce(ey, w_recv, h, lay, axis_name).astype(out_dtype)
-    return y, (ey, w_recv, h, jnp.zeros((0,), weights.dtype))
-
-
-def _combine_bwd(lay, axis_name, out_dtype, res, g):
-    ey, w_recv, h, w_proto = res
-    # The cotangent of each token travels to the ranks that hold its rows (a dispatch
-    # without the expansion): send_tok's unused tail rows are never transported.
-    d_partial = _forward(g.astype(_F32)[h["send_tok"]], lay.recv, h, axis_name)
-    invk, inv = h["invk"], h["inv"]
-    d_rows = _take(d_partial, inv)  # [rows, H]: the cotangent of each expert row's token
-    w_row = _take(w_recv.reshape(-1), invk)
-    d_ey = (w_row[:, None] * d_rows).astype(ey.dtype)
-    dot = jnp.sum(d_rows * ey.astype(_F32), axis=1)
-    d_w_recv = jnp.zeros((lay.recv * lay.K,), _F32).at[invk].set(dot, mode="drop")
-    d_w_send = _backward(d_w_recv.reshape(lay.recv, lay.K), lay.send, h, axis_name)
-    d_w_send = jnp.concatenate([d_w_send, jnp.zeros((1, lay.K), _F32)])
-    mask = jnp.concatenate([h["send_mask"], jnp.zeros((1, lay.K), bool)])
-    slot = h["slot"]
-    d_w = jnp.sum(jnp.where(mask[slot], d_w_send[slot], 0), axis=1)  # [T, R, K] -> [T, K]
-    return d_ey, d_w.astype(w_proto.dtype), _int_zeros(h)
-
-
-_combine_rows.defvjp(_combine_fwd, _combine_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _fused_dispatch_rows(x: jax.Array, h: Handle, lay: Layout, axis_name: Any) -> jax.Array:
     return fused.transport(fused.GATHER_COPY, x, h["dest"], h["pos"], axis_name, rows=lay.rows)
 
 
-def _fused_dispatch_fwd(x, h, lay, axis_name):
-    return _fused_dispatch_rows(x, h, lay, axis_name), h
-
-
-def _fused_dispatch_bwd(lay, axis_name, h, g):
-    dx = fused.transport(fused.REDUCE, g.astype(_F32), h["dest"], h["pos"], axis_name,
-                         w=_ones(h["pos"].shape))
-    return dx.astype(g.dtype), _int_zeros(h)
-
-
-_fused_dispatch_rows.defvjp(_fused_dispatch_fwd, _fused_dispatch_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _fused_combine_rows(ey: jax.Array, weights: jax.Array, h: Handle, lay: Layout,
                         axis_name: Any, out_dtype: Any) -> jax.Array:
     y = fused.transport(fused.REDUCE, ey.astype(_F32), h["dest"], h["pos"], axis_name, w=weights)
     return y.astype(out_dtype)
-
-
-def _fused_combine_fwd(ey, weights, h, lay, axis_name, out_dtype):
-    y = _fused_combine_rows(ey, weights, h, lay, axis_name, out_dtype)
-    return y, (ey, weights, h)
-
-
-def _fused_combine_bwd(lay, axis_name, out_dtype, res, g):
-    ey, weights, h = res
-    g = g.astype(_F32)
-    d_w = fused.transport(fused.DOT, ey.astype(_F32), h["dest"], h["pos"], axis_name, g=g)
-    # After d_w, so that the group runs DOT, GATHER_SCALED and then dispatch's backward (which
-    # consumes d_ey) in one order on every rank.
-    d_ey = fused.transport(fused.GATHER_SCALED, g, h["dest"], h["pos"], axis_name, w=weights,
-                           rows=lay.rows, after=d_w)
-    return d_ey.astype(ey.dtype), d_w.astype(weights.dtype), _int_zeros(h)
-
-
-_fused_combine_rows.defvjp(_fused_combine_fwd, _fused_combine_bwd)
 
 
 def use_fused(dtype: Any, group_size: int | None = None) -> bool:
@@ -342,7 +244,7 @@ def use_fused(dtype: Any, group_size: int | None = None) -> bool:
 def dispatch(x: jax.Array, expert_ids: jax.Array, lay: Layout, axis_name: Any):
     is_fused = use_fused(x.dtype, lay.R)
     handle, sizes = plan(expert_ids, lay, axis_name, fused=is_fused)
-    rows = _fused_dispatch_rows if is_fused else _dispatch_rows
+    rows = _fused_dispatch_rows if is_fused else _expand
     expert_x = rows(x, handle, lay, axis_name)
     if lay.padded:
         expert_x = expert_x.reshape(lay.El, lay.rows // lay.El, x.shape[1])
