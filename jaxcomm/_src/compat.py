@@ -68,6 +68,11 @@ def require_devices_at_lowering(prim: Any) -> None:
     _dispatch.prim_requires_devices_during_lowering.add(prim)
 
 
+def device_assignment(sharding: Any) -> tuple:
+    """The devices of ``sharding`` in partition order (GSPMDSharding and NamedSharding)."""
+    return tuple(sharding._device_assignment)
+
+
 def concrete_mesh() -> Any:
     """The concrete mesh set by ``jax.set_mesh`` (None or an empty mesh when none is)."""
     from jax._src import mesh as _mesh

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxcomm._src import compat
+
 
 def _rule(in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]],
           shards: int) -> tuple[str, dict[str, int]]:
@@ -94,7 +96,7 @@ def sharded_call(local: Callable[..., Sequence[jax.Array]], args: Sequence[jax.A
             # jax passes an empty mesh when the program's context has no abstract mesh (e.g.
             # the arrays' mesh came from jax.set_mesh); the partitioner's device order is
             # the mesh's, as in jax's own abstract-to-concrete conversion.
-            devices = np.asarray(arg_shapes[0].sharding._device_assignment, dtype=object)
+            devices = np.asarray(compat.device_assignment(arg_shapes[0].sharding), dtype=object)
             mesh = Mesh(devices.reshape(abstract.axis_sizes), abstract.axis_names)
 
         def lower(*xs):
