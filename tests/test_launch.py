@@ -20,11 +20,16 @@ import time
 import numpy as np
 import pytest
 
+import jaxcomm
 from jaxcomm import launch
 from jaxcomm._src import distributed
 from mp_util import assert_ok, results, run_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Children import the jaxcomm this test imported (installed, or the built source tree),
+# and run from the tests directory: from the repository root, `python -m` would find the
+# unbuilt source tree first.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
 _LAUNCH_VARS = distributed.LAUNCH_ENV + ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID",
                                          "SLURM_LOCALID", "SLURM_STEP_NODELIST",
                                          "OMPI_COMM_WORLD_SIZE", "OMPI_MCA_orte_hnp_uri",
@@ -34,7 +39,7 @@ _LAUNCH_VARS = distributed.LAUNCH_ENV + ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_
 def _child_env(**extra: str) -> dict[str, str]:
     """This environment without any multi-process job in it, jaxcomm importable."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["JAX_PLATFORMS"] = "cpu"
     env.update(extra)
     return env
@@ -42,7 +47,7 @@ def _child_env(**extra: str) -> dict[str, str]:
 
 def _python(code: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                          capture_output=True, text=True, timeout=timeout, cwd=HERE)
 
 
 # ------------------------------------------------------------------ collectives across processes
@@ -113,7 +118,7 @@ def test_cli_prefixes_every_line_with_its_rank(tmp_path):
                                "--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-m", "jaxcomm.launch", "-n", "2", "-d", "3",
                            "--timeout", "60", str(script)],
-                          env=env, capture_output=True, text=True, timeout=90, cwd=REPO)
+                          env=env, capture_output=True, text=True, timeout=90, cwd=HERE)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out, err = proc.stdout.splitlines(), proc.stderr.splitlines()
     assert out and all(re.match(r"^\[[01]\] ", line) for line in out), proc.stdout
@@ -228,7 +233,7 @@ def test_ctrl_c_is_forwarded_to_every_rank(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "jaxcomm.launch", "-n", "2", "--grace", "20",
                              "--timeout", "60", str(script)],
                             env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=REPO)
+                            text=True, cwd=HERE)
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True)
     reader.start()
@@ -274,7 +279,7 @@ def test_ranks_stop_when_the_launcher_is_killed(tmp_path):
     script.write_text(WAITER)
     proc = subprocess.Popen([sys.executable, "-m", "jaxcomm.launch", "-n", "2", "--timeout",
                              "60", str(script)], env=_child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+                            stderr=subprocess.DEVNULL, text=True, cwd=HERE)
     pids: list[int] = []
     try:
         lines: queue.Queue[str] = queue.Queue()
@@ -384,7 +389,7 @@ def _bench(tmp_path, backend: str, *args: str) -> tuple[subprocess.CompletedProc
                            "--iters", "2", "--warmup", "1", "--no-progress", "--json",
                            str(out), *args],
                           env=_child_env(JAXCOMM_BACKEND=backend, JAXCOMM_TIMEOUT_S="20"),
-                          capture_output=True, text=True, timeout=240, cwd=REPO)
+                          capture_output=True, text=True, timeout=240, cwd=HERE)
     records = json.loads(out.read_text()) if out.exists() else []
     return proc, records
 

@@ -460,10 +460,12 @@ def test_moe_layer_example_runs():
     """The README's main command: the example checks itself against the dense reference."""
     import subprocess
     import sys
+    # The example from this checkout; jaxcomm as this test imported it (installed or built).
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "moe_layer.py"), "--steps", "2"],
+    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "moe_layer.py"), "--steps", "2"],
                           env=env, capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
