@@ -27,8 +27,7 @@ from jaxcomm import _jaxcomm
 from jaxcomm._src import config
 
 _KEY = "jaxcomm/endpoint/{}"
-_lock = threading.Lock()
-_linked: set[int] = set()
+_lock = threading.Lock()  # one bootstrap at a time (the links themselves live in C++)
 
 
 @functools.cache
@@ -94,14 +93,14 @@ def ensure_linked(processes: Iterable[int]) -> None:
     most the collective timeout (JAXCOMM_TIMEOUT_S).
     """
     me = jax.process_index()
-    wanted = sorted(set(processes) - {me} - _linked)
+    wanted = [p for p in sorted(set(processes) - {me}) if not _jaxcomm.transport_linked(p)]
     if not wanted:
         return
     with _lock:
         mine = _endpoint()
         timeout_ms = config.timeout_ms()
         for peer in wanted:
-            if peer in _linked:
+            if _jaxcomm.transport_linked(peer):
                 continue
             try:
                 raw = _client().blocking_key_value_get(_KEY.format(peer), timeout_ms)
@@ -115,27 +114,26 @@ def ensure_linked(processes: Iterable[int]) -> None:
             label = f"{theirs['hostname']} ({theirs['address']})"
             _jaxcomm.transport_link(peer, theirs["address"], label, theirs["pid"], theirs["control_fd"],
                                     theirs["control_bytes"], theirs["port"], shared, timeout_ms)
-            _linked.add(peer)
 
 
-def rejoin(timeout_s: float | None = None) -> list[int]:
-    """Links a restarted process to the processes still running; returns those left out.
+def rejoin(timeout_s: float | None = None) -> None:
+    """Links a restarted process to every other process and marks it as rejoining.
 
-    Peers whose endpoint no longer answers (they died too) are left out. The request to
-    be readmitted is posted by this process's first fault-tolerant call.
+    The request to be readmitted is posted by this process's first fault-tolerant call.
+    Raises when another process cannot be reached (down as well): rejoining while other
+    processes are down is not supported.
     """
     import time
 
     me = jax.process_index()
     timeout_ms = config.timeout_ms(timeout_s)
-    unreachable = []
+    unreachable: list[str] = []
     with _lock:
         mine = _endpoint()
         for peer in range(jax.process_count()):
-            if peer == me or peer in _linked:
+            if peer == me or _jaxcomm.transport_linked(peer):
                 continue
-            raw = _client().blocking_key_value_get(_KEY.format(peer), timeout_ms)
-            theirs = json.loads(raw)
+            theirs = json.loads(_client().blocking_key_value_get(_KEY.format(peer), timeout_ms))
             shared = (theirs["host"] == mine["host"] and not theirs["tcp_only"]
                       and not mine["tcp_only"])
             label = f"{theirs['hostname']} ({theirs['address']})"
@@ -143,14 +141,10 @@ def rejoin(timeout_s: float | None = None) -> list[int]:
                 _jaxcomm.transport_link(peer, theirs["address"], label, theirs["pid"],
                                         theirs["control_fd"], theirs["control_bytes"],
                                         theirs["port"], shared, timeout_ms, rejoining=True)
-            except RuntimeError:
-                unreachable.append(peer)  # gone as well: the survivors left it out
-                continue
-            _linked.add(peer)
+            except RuntimeError as e:
+                unreachable.append(f"process {peer}: {e}")
+        if unreachable:
+            raise RuntimeError(
+                "jaxcomm.ft.rejoin: cannot reach every other process (rejoining while others "
+                "are down is not supported): " + "; ".join(unreachable))
         _jaxcomm.transport_rejoin(time.time_ns())
-    return unreachable
-
-
-def linked_processes() -> frozenset[int]:
-    """The peers this process is linked to."""
-    return frozenset(_linked)
