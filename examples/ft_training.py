@@ -86,11 +86,19 @@ def worker(args: argparse.Namespace) -> None:
         print(f"step {i}: loss {float(local_loss.addressable_shards[0].data[0]):.4f}, "
               f"replicas {mask.astype(int).tolist()}, {ms:.1f} ms", flush=True)
     final = np.asarray(w.addressable_shards[0].data)
+    # Every survivor must hold the same parameters: their mean over the survivors is the
+    # survivors' own (one more fault-tolerant call).
+    mean = jax.jit(jax.shard_map(lambda v: jaxcomm.ft.all_reduce(v, "dp"), mesh=mesh,
+                                 in_specs=P(), out_specs=(P(), P()), check_vma=False))(w)
+    total, alive = (np.asarray(a.addressable_shards[0].data) for a in mean)
+    spread = float(np.max(np.abs(total / alive.sum() - final)))
+    if spread > 1e-6:
+        sys.exit(f"the survivors' parameters differ (max |mean - mine| = {spread:.2e})")
     if rank == 0:
         want = numpy_replay(args.processes, args.steps, args.kill_rank, args.kill_step)
         err = float(np.max(np.abs(final - want)))
-        print(f"final parameters match the NumPy replay of the survivors' schedule: "
-              f"max |diff| = {err:.2e}", flush=True)
+        print(f"the survivors hold the same parameters, and they match the NumPy replay of "
+              f"the survivors' schedule: max |diff| = {err:.2e}", flush=True)
         if err > 1e-4:
             sys.exit(f"mismatch: {final} vs {want}")
     print("RESULT " + json.dumps({"excluded": jaxcomm.ft.excluded()}), flush=True)
