@@ -22,22 +22,6 @@
 namespace jaxcomm::cpu {
 namespace {
 
-enum MoeMode : int64_t {
-  // Rank r: out[pos_s[t, k]] = src_s[t] for every source s and slot with dest_s[t, k] == r;
-  // rows nobody writes are zero. src [T, H] any dtype, out [rows, H] the same (dispatch).
-  kGatherCopy = 0,
-  // As kGatherCopy with out[pos] = w_s[t, k] * src_s[t] in float32 (combine's gradient
-  // towards expert_y).
-  kGatherScaled = 1,
-  // Rank s: y[t] = sum over ranks d in order of (sum over slots k with dest_s[t, k] == d, in
-  // order, of w_s[t, k] * src_d[pos_s[t, k]]); src [rows, H] f32, out [T, H] f32 (combine,
-  // and with unit weights dispatch's gradient).
-  kReduce = 2,
-  // Rank s: out[t, k] = <g_s[t], src_d[pos_s[t, k]]> for d = dest_s[t, k], else 0; out [T, K]
-  // f32 (combine's gradient towards the weights).
-  kDot = 3,
-};
-
 // Asks the kernel to back the 2 MiB-aligned interior of a large output buffer with
 // transparent huge pages (what glibc's malloc.hugetlb=1 tunable does for its whole heap).
 // XLA allocates a fresh output buffer for every execution, and above glibc's mmap
@@ -158,43 +142,16 @@ ffi::Future MoeTransport(InstructionState* st, ffi::RunId run, int32_t ordinal,
   MoePlan p{};
   p.mode = mode;
   p.R = group_size;
-  auto sd = src.dimensions(), td = dest.dimensions(), od = result->dimensions();
-  if (sd.size() != 2 || td.size() != 2 || od.size() != 2 || pos.dimensions().size() != 2 ||
-      dest.element_type() != ffi::DataType::S32 || pos.element_type() != ffi::DataType::S32 ||
-      w.element_type() != ffi::DataType::F32 || w.element_count() != dest.element_count() ||
-      pos.element_count() != dest.element_count()) {
-    return Reject(c, "bad operand shapes or dtypes");
+  MoeOperandShape shape;
+  if (std::string why = CheckMoeOperands(mode, src, dest, pos, w, g, *result, &shape); !why.empty()) {
+    return Reject(c, why);
   }
-  p.T = td[0];
-  p.K = td[1];
-  p.H = sd[1];
+  p.T = shape.T;
+  p.K = shape.K;
+  p.H = shape.H;
+  p.rows = shape.rows;
+  p.row_bytes = shape.row_bytes;
   const bool gather = mode == kGatherCopy || mode == kGatherScaled;
-  p.rows = gather ? od[0] : sd[0];
-  p.row_bytes = gather ? static_cast<int64_t>(result->size_bytes()) / std::max<int64_t>(od[0], 1)
-                       : p.H * 4;
-  const bool f32 = src.element_type() == ffi::DataType::F32 &&
-                   result->element_type() == ffi::DataType::F32;
-  bool ok = true;
-  switch (mode) {
-    case kGatherCopy:
-      ok = sd[0] == p.T && od[1] == p.H && src.element_type() == result->element_type();
-      break;
-    case kGatherScaled:
-      ok = f32 && sd[0] == p.T && od[1] == p.H;
-      break;
-    case kReduce:
-      ok = f32 && od[0] == p.T && od[1] == p.H;
-      break;
-    case kDot:
-      ok = f32 && od[0] == p.T && od[1] == p.K && g.element_type() == ffi::DataType::F32 &&
-           static_cast<int64_t>(g.element_count()) == p.T * p.H;
-      break;
-    default:
-      ok = false;
-  }
-  if (!ok) {
-    return Reject(c, "operands disagree with the mode");
-  }
   AdviseHugePages(result->untyped_data(), result->size_bytes());
   const Peer mine = Buffers(src, result->untyped_data(), {&dest, &pos, &w, &g});
   const WorkFn work = [p](const std::vector<Peer>& peers, int part, int parts) -> std::string {
@@ -213,6 +170,46 @@ ffi::Future MoeTransport(InstructionState* st, ffi::RunId run, int32_t ordinal,
 }
 
 }  // namespace
+
+std::string CheckMoeOperands(int64_t mode, const ffi::AnyBuffer& src, const ffi::AnyBuffer& dest,
+                             const ffi::AnyBuffer& pos, const ffi::AnyBuffer& w,
+                             const ffi::AnyBuffer& g, const ffi::AnyBuffer& result,
+                             MoeOperandShape* shape) {
+  auto sd = src.dimensions(), td = dest.dimensions(), od = result.dimensions();
+  if (sd.size() != 2 || td.size() != 2 || od.size() != 2 || pos.dimensions().size() != 2 ||
+      dest.element_type() != ffi::DataType::S32 || pos.element_type() != ffi::DataType::S32 ||
+      w.element_type() != ffi::DataType::F32 || w.element_count() != dest.element_count() ||
+      pos.element_count() != dest.element_count()) {
+    return "bad operand shapes or dtypes";
+  }
+  MoeOperandShape& s = *shape;
+  s.T = td[0];
+  s.K = td[1];
+  s.H = sd[1];
+  const bool gather = mode == kGatherCopy || mode == kGatherScaled;
+  s.rows = gather ? od[0] : sd[0];
+  s.row_bytes = gather ? (od[0] ? static_cast<int64_t>(result.size_bytes()) / od[0] : 0) : s.H * 4;
+  const bool f32 = src.element_type() == ffi::DataType::F32 && result.element_type() == ffi::DataType::F32;
+  bool ok = false;
+  switch (mode) {
+    case kGatherCopy:
+      ok = sd[0] == s.T && od[1] == s.H && src.element_type() == result.element_type();
+      break;
+    case kGatherScaled:
+      ok = f32 && sd[0] == s.T && od[1] == s.H;
+      break;
+    case kReduce:
+      ok = f32 && od[0] == s.T && od[1] == s.H;
+      break;
+    case kDot:
+      ok = f32 && od[0] == s.T && od[1] == s.K && g.element_type() == ffi::DataType::F32 &&
+           static_cast<int64_t>(g.element_count()) == s.T * s.H;
+      break;
+    default:
+      break;
+  }
+  return ok ? "" : "operands disagree with the mode";
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_MoeTransport, MoeTransport,
                               BindCommon(ffi::Ffi::Bind(),

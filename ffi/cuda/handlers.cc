@@ -20,6 +20,7 @@
 #include "cuda/kernels.h"
 #include "cuda/nccl.h"
 #include "cpu/launch.h"
+#include "cpu/moe_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cuda {
@@ -529,33 +530,18 @@ ffi::Error MoeTransport(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi
   }
   if (c.size > kMaxPeers) return Reject(c, "more ranks than the MoE kernels address (16)");
   const int64_t mode = st->attrs().mode;
-  auto sd = src.dimensions(), td = dest.dimensions(), od = result->dimensions();
-  if (sd.size() != 2 || td.size() != 2 || od.size() != 2 || pos.dimensions().size() != 2 ||
-      dest.element_type() != ffi::DataType::S32 || pos.element_type() != ffi::DataType::S32 ||
-      w.element_type() != ffi::DataType::F32 || w.element_count() != dest.element_count() ||
-      pos.element_count() != dest.element_count()) {
-    return Reject(c, "bad operand shapes or dtypes");
+  cpu::MoeOperandShape checked;
+  if (std::string why = cpu::CheckMoeOperands(mode, src, dest, pos, w, g, *result, &checked);
+      !why.empty()) {
+    return Reject(c, why);
   }
   MoeShape s;
-  s.T = td[0];
-  s.K = td[1];
-  s.H = sd[1];
+  s.T = checked.T;
+  s.K = checked.K;
+  s.H = checked.H;
+  s.rows = checked.rows;
+  s.row_bytes = checked.row_bytes;
   const bool gather = mode == kGatherCopy || mode == kGatherScaled;
-  s.rows = gather ? od[0] : sd[0];
-  s.row_bytes = gather ? (od[0] ? static_cast<int64_t>(result->size_bytes()) / od[0] : 0) : s.H * 4;
-  const bool f32 = src.element_type() == ffi::DataType::F32 &&
-                   result->element_type() == ffi::DataType::F32;
-  bool ok = false;
-  switch (mode) {
-    case kGatherCopy: ok = sd[0] == s.T && od[1] == s.H && src.element_type() == result->element_type(); break;
-    case kGatherScaled: ok = f32 && sd[0] == s.T && od[1] == s.H; break;
-    case kReduce: ok = f32 && od[0] == s.T && od[1] == s.H; break;
-    case kDot:
-      ok = f32 && od[0] == s.T && od[1] == s.K && g.element_type() == ffi::DataType::F32 &&
-           static_cast<int64_t>(g.element_count()) == s.T * s.H;
-      break;
-  }
-  if (!ok) return Reject(c, "operands disagree with the mode");
   if (s.K > kMaxSlots) return Reject(c, "more than 64 experts per token (top-k)");
   if (result->size_bytes() == 0) return ffi::Error::Success();
   uint8_t* written = nullptr;
