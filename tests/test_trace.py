@@ -21,7 +21,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
