@@ -36,8 +36,8 @@ void AdviseHugePages(void* data, size_t bytes) {
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }
 
-struct MoePlan {
-  int64_t mode, R, T, K, H, rows, row_bytes;
+struct MoePlan : MoeOperandShape {
+  int64_t mode = 0, R = 0;
 };
 
 // Peer::aux: dest, pos, w, g.
@@ -142,16 +142,10 @@ ffi::Future MoeTransport(InstructionState* st, ffi::RunId run, int32_t ordinal,
   MoePlan p{};
   p.mode = mode;
   p.R = group_size;
-  MoeOperandShape shape;
-  if (std::string why = CheckMoeOperands(mode, src, dest, pos, w, g, *result, &shape); !why.empty()) {
+  if (std::string why = CheckMoeOperands(mode, src, dest, pos, w, g, *result, &p); !why.empty()) {
     return Reject(c, why);
   }
-  p.T = shape.T;
-  p.K = shape.K;
-  p.H = shape.H;
-  p.rows = shape.rows;
-  p.row_bytes = shape.row_bytes;
-  const bool gather = mode == kGatherCopy || mode == kGatherScaled;
+  const bool gather = p.gather;
   AdviseHugePages(result->untyped_data(), result->size_bytes());
   const Peer mine = Buffers(src, result->untyped_data(), {&dest, &pos, &w, &g});
   const WorkFn work = [p](const std::vector<Peer>& peers, int part, int parts) -> std::string {
@@ -186,9 +180,9 @@ std::string CheckMoeOperands(int64_t mode, const ffi::AnyBuffer& src, const ffi:
   s.T = td[0];
   s.K = td[1];
   s.H = sd[1];
-  const bool gather = mode == kGatherCopy || mode == kGatherScaled;
-  s.rows = gather ? od[0] : sd[0];
-  s.row_bytes = gather ? (od[0] ? static_cast<int64_t>(result.size_bytes()) / od[0] : 0) : s.H * 4;
+  s.gather = mode == kGatherCopy || mode == kGatherScaled;
+  s.rows = s.gather ? od[0] : sd[0];
+  s.row_bytes = s.gather ? (od[0] ? static_cast<int64_t>(result.size_bytes()) / od[0] : 0) : s.H * 4;
   const bool f32 = src.element_type() == ffi::DataType::F32 && result.element_type() == ffi::DataType::F32;
   bool ok = false;
   switch (mode) {

@@ -26,10 +26,11 @@ enum MoeMode : int64_t {
   kDot = 3,
 };
 
-// What a transport call's operands say: tokens T, slots K, hidden H, result rows, and the
-// bytes of one moved row.
+// What a transport call's operands say: tokens T, slots K, hidden H, result rows, the
+// bytes of one moved row, and whether the mode gathers rows (kGatherCopy/kGatherScaled).
 struct MoeOperandShape {
   int64_t T = 0, K = 0, H = 0, rows = 0, row_bytes = 0;
+  bool gather = false;
 };
 
 // Checks a transport call's operands against its mode (every backend checks alike);

@@ -541,7 +541,7 @@ ffi::Error MoeTransport(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi
   s.H = checked.H;
   s.rows = checked.rows;
   s.row_bytes = checked.row_bytes;
-  const bool gather = mode == kGatherCopy || mode == kGatherScaled;
+  const bool gather = checked.gather;
   if (s.K > kMaxSlots) return Reject(c, "more than 64 experts per token (top-k)");
   if (result->size_bytes() == 0) return ffi::Error::Success();
   uint8_t* written = nullptr;
