@@ -1,17 +1,20 @@
 #include "cpu/shm_link.h"
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 
 namespace jaxcomm::cpu {
 namespace {
 
-constexpr uint64_t kMagic = 0x6a6178636f6d6d31ull;  // "jaxcomm1"
+constexpr uint64_t kMagic = 0x6a6178636f6d6d32ull;  // "jaxcomm2": the layout's version
 // Data segments grow by at least this much, so that a program of many small collectives
 // maps a handful of segments, not one per call.
 constexpr size_t kMinGeneration = size_t{64} << 20;
@@ -21,7 +24,29 @@ std::string Errno(const std::string& what) { return what + ": " + std::strerror(
 
 size_t Slot0(uint64_t key) { return static_cast<size_t>(key % kMaxSlots); }
 
+// A shared (not FUTEX_PRIVATE) futex: the word lives in a MAP_SHARED mapping of a memfd,
+// so the kernel keys it by the file page and a peer process's wake reaches the sleeper.
+long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word");
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
 }  // namespace
+
+void Ring(Doorbell& bell) {
+  bell.rings.fetch_add(1, std::memory_order_seq_cst);
+  if (bell.sleeping.load(std::memory_order_seq_cst) != 0) Futex(&bell.rings, FUTEX_WAKE, INT_MAX, nullptr);
+}
+
+void SleepOnBell(Doorbell& bell, uint32_t seen, std::chrono::microseconds timeout) {
+  // Ordered against Ring: either the ringer sees `sleeping` and wakes us, or its ring
+  // came first and the futex sees `rings` != `seen` and returns at once.
+  bell.sleeping.store(1, std::memory_order_seq_cst);
+  const auto us = timeout.count();
+  const timespec ts{static_cast<time_t>(us / 1000000), static_cast<long>(us % 1000000) * 1000};
+  Futex(&bell.rings, FUTEX_WAIT, seen, &ts);  // EAGAIN, EINTR, ETIMEDOUT: the caller rechecks
+  bell.sleeping.store(0, std::memory_order_relaxed);
+}
 
 std::unique_ptr<Segment> Segment::Create(const std::string& name, size_t bytes, std::string* error) {
   int fd = memfd_create(name.c_str(), MFD_CLOEXEC);
@@ -205,6 +230,7 @@ void ShmPeer::RequestJoin(int64_t process, uint64_t generation, int pid, int con
   j.control_fd = control_fd;
   j.control_bytes = control_bytes;
   j.generation.store(generation, std::memory_order_release);
+  Ring(block().bell);
 }
 
 }  // namespace jaxcomm::cpu

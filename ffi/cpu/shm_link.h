@@ -12,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -73,10 +74,26 @@ struct JoinRequest {
   uint64_t control_bytes;
 };
 
+// How a waiting process is woken by its peers: each process sleeps (its progress thread,
+// on a futex) on the doorbell of its own control block, and a peer that publishes a
+// round or releases one rings the doorbell of every shared-memory peer of that round.
+// `sleeping` spares the ringer the system call while nobody sleeps.
+struct Doorbell {
+  alignas(64) std::atomic<uint32_t> rings;
+  std::atomic<uint32_t> sleeping;
+};
+
+// Rings `bell`: wakes its owner if it sleeps on it.
+void Ring(Doorbell& bell);
+// Sleeps until `bell` rings after `seen` (its `rings` read before checking for work; a
+// ring since then returns at once) or `timeout` passes. Only the bell's owner sleeps.
+void SleepOnBell(Doorbell& bell, uint32_t seen, std::chrono::microseconds timeout);
+
 struct ControlBlock {
   uint64_t magic;
   int32_t pid;
   int32_t process;
+  Doorbell bell;
   GenerationEntry generations[kMaxGenerations];
   SlotEntry slots[kMaxSlots];
   JoinRequest joins[kMaxJoinProcesses];

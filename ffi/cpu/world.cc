@@ -18,8 +18,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The progress thread's longest sleep between polls once spinning stopped paying off.
-constexpr auto kMaxNap = std::chrono::microseconds(1000);
+// The progress thread's longest sleep while exchanges wait: peers ring its doorbell
+// (shared memory) or its TCP reader wakes it, so this only paces the liveness checks.
+constexpr auto kMaxNap = std::chrono::microseconds(5000);
+// ... and while none waits: late connections (rejoining processes) are accepted this often.
+constexpr auto kIdleNap = std::chrono::microseconds(50000);
 
 // Why process `pid` on this host is gone, or "" while it runs.
 std::string ProcessGone(int pid) {
@@ -292,6 +295,9 @@ bool World::Advance(Pending& p) {
         dst += n;
       }
       slot->published.store(s.seq, std::memory_order_release);
+      for (size_t i = 0; i < p.links.size(); ++i) {
+        if (p.links[i]->shm && !p.left_out[i]) Ring(p.links[i]->shm->block().bell);
+      }
     }
     for (size_t i = 0; i < p.links.size(); ++i) {
       PeerLink& link = *p.links[i];
@@ -433,22 +439,34 @@ void World::ReleaseRound(const ExchangePlan& plan, int64_t seq) {
     if (SlotEntry* slot = shm_->Find(key)) {
       slot->done.store(seq, std::memory_order_release);
     }
+    // A peer may wait for this to reuse its buffer of the round.
+    for (int64_t q : plan.peers) {
+      auto link = Peer(q);
+      if (link && link->shm) Ring(link->shm->block().bell);
+    }
   }
   if (plan.agreement) ReleaseRound(*plan.agreement, seq);
 }
 
 void World::Wake() {
-  wakes_.fetch_add(1, std::memory_order_release);
-  cv_.notify_one();
+  wakes_.fetch_add(1, std::memory_order_seq_cst);
+  if (shm_) {
+    Ring(shm_->block().bell);
+  } else {
+    cv_.notify_one();
+  }
 }
 
 void World::Progress() {
   std::vector<std::unique_ptr<Pending>> mine;
   auto last_progress = Clock::now();
-  auto nap = std::chrono::microseconds(20);
   int spin_step = 0;
   auto next_accept = Clock::now();
+  // With shared memory the thread sleeps on its doorbell, which the peers ring; it is
+  // read before looking for work, so a ring during the look is never lost.
+  Doorbell* bell = shm_ ? &shm_->block().bell : nullptr;
   while (!stop_.load()) {
+    const uint32_t rings = bell ? bell->rings.load(std::memory_order_seq_cst) : 0;
     const int wakes = wakes_.load(std::memory_order_acquire);
     if (Clock::now() >= next_accept) {
       AcceptLate();
@@ -473,19 +491,21 @@ void World::Progress() {
     const auto now = Clock::now();
     if (progressed) {
       last_progress = now;
-      nap = std::chrono::microseconds(20);
       continue;
     }
     if (!mine.empty() && now - last_progress < Registry::Get().spin()) {
       SpinStep(spin_step);
       continue;
     }
-    // Sleep until woken (a new exchange, a TCP frame) or, with exchanges waiting on
-    // shared memory, a short nap that grows while nothing happens. Never unbounded.
-    std::unique_lock<std::mutex> lock(mu_);
-    auto limit = mine.empty() ? std::chrono::microseconds(1000000) : nap;
-    cv_.wait_for(lock, limit, [&] { return stop_.load() || wakes_.load() != wakes; });
-    nap = std::min(nap * 2, std::chrono::duration_cast<std::chrono::microseconds>(kMaxNap));
+    // Sleep until woken: a peer published or released a round (doorbell), a new
+    // exchange or TCP frame arrived (Wake), or the nap ends. Never unbounded.
+    const auto limit = mine.empty() ? kIdleNap : kMaxNap;
+    if (bell) {
+      if (wakes_.load() == wakes && !stop_.load()) SleepOnBell(*bell, rings, limit);
+    } else {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, limit, [&] { return stop_.load() || wakes_.load() != wakes; });
+    }
   }
 }
 
