@@ -55,7 +55,7 @@ mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
 step = jax.jit(jax.shard_map(
     lambda v: jax.lax.fori_loop(0, 50, lambda i, a: jaxcomm.all_reduce(a, "x") * 0.5, v),
     mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-x = jax.device_put(np.ones((jax.device_count() * 65536,), np.float32), NamedSharding(mesh, P("x")))
+x = jax.device_put(np.ones((jax.device_count() * ELEMENTS,), np.float32), NamedSharding(mesh, P("x")))
 step(x).block_until_ready()
 print("WARM", flush=True)
 if RANK == 1:
@@ -71,10 +71,14 @@ except Exception as e:
 """
 
 
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
-def test_killed_process_is_named_by_the_survivors(transport: str) -> None:
+@pytest.mark.parametrize("transport,elements", [
+    ("auto", 65536),
+    ("tcp", 65536),
+    ("auto", 1 << 19),  # 2 MiB per rank: streamed through shared memory
+])
+def test_killed_process_is_named_by_the_survivors(transport: str, elements: int) -> None:
     before = jaxcomm_segments()
-    res = run_script(KILLED_MID_COLLECTIVE, 2, 1, env={"JAXCOMM_TRANSPORT": transport,
+    res = run_script(f"ELEMENTS = {elements}\n" + KILLED_MID_COLLECTIVE, 2, 1, env={"JAXCOMM_TRANSPORT": transport,
                                                        "JAXCOMM_TIMEOUT_S": "60"},
                      timeout_s=90, grace_s=20)
     assert res.returncode != 0

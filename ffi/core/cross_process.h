@@ -34,6 +34,9 @@ struct ExchangePlan {
   // Fault-tolerant calls: the plan of the second phase, in which the survivors agree on
   // whose contributions count (each sends one byte per process of the group).
   std::shared_ptr<const ExchangePlan> agreement;
+  // Rounds that may be streamed (CanStream): the plan of their arrival handshake, an
+  // exchange of nothing that tells every process that all the others are in the call.
+  std::shared_ptr<const ExchangePlan> arrival;
 };
 
 struct ExchangeSpec {
@@ -47,6 +50,25 @@ struct ExchangeSpec {
   // and those stay out of every later exchange (the group shrinks).
   bool tolerant = false;
 };
+
+// A round streamed through shared memory: every process copies its ranks' inputs into a
+// small ring in cache-sized chunks while the peers consume the chunks already there, so
+// the data crosses through the shared cache instead of a full copy in memory and back
+// (16 MiB across 2 processes: 2.8 -> 1.5 ms in a two-thread model of it).
+struct StreamSpec {
+  std::shared_ptr<const ExchangePlan> plan;
+  int64_t seq = 0;
+  std::vector<const char*> mine;   // this process's ranks' inputs, in rank order
+  std::vector<size_t> peer_ranks;  // how many ranks each peer (plan order) has
+  size_t elements = 0;             // per rank
+  size_t item_bytes = 0;
+  std::chrono::steady_clock::time_point deadline;
+};
+
+// Consumes elements [lo, hi) of every remote rank's input: remote[k] points at element
+// lo of the k-th remote rank's (peers in plan order, each one's ranks ascending).
+using StreamConsume =
+    std::function<std::string(const std::vector<const char*>& remote, size_t lo, size_t hi)>;
 
 // Called once: with the peers' contributions (same order as spec.peers) or an error.
 // `timed_out` tells a deadline from a failure (dead peer, mismatch, transport error).
@@ -63,6 +85,15 @@ class CrossProcess {
   virtual void Release(const ExchangePlan& plan, int64_t seq) = 0;
   // Whether process `p` is reachable (connected); false until the bootstrap linked it.
   virtual bool Linked(int64_t p) const = 0;
+  // Whether the rounds of `plan` can be streamed (every peer on this host). The answer
+  // is the same in every process of the group.
+  virtual bool CanStream(const ExchangePlan& /*plan*/) const { return false; }
+  // Streams round spec.seq, once every process of the group arrived at it (its arrival
+  // handshake finished): returns once this process published all its chunks and
+  // consumed every peer's (its inputs are no longer read); "" or the error.
+  virtual std::string Stream(const StreamSpec& /*spec*/, const StreamConsume& /*consume*/) {
+    return "this transport cannot stream";
+  }
   // How process `p` is linked ("shm", "tcp"; "" when not linked): the flight
   // recorder's algorithm field.
   virtual std::string LinkKind(int64_t /*p*/) const { return ""; }

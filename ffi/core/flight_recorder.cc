@@ -225,7 +225,7 @@ const TraceSite* FlightRecorder::AddSite(std::unique_ptr<TraceSite> site) {
   return overflow_.get();
 }
 
-const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallContext& ctx) {
+const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallContext& ctx, bool streamed) {
   const int g = static_cast<int>(ctx.group_index);
   if (const TraceSite* s = FindSite(&table, table.instruction_key(), g)) return s;
   auto site = std::make_unique<TraceSite>();
@@ -250,7 +250,7 @@ const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallConte
   }
   site->algorithm = remote.empty() ? "in-process zero-copy"
                     : shm && tcp   ? "shm+tcp"
-                    : shm          ? "shm"
+                    : shm          ? (streamed ? "shm stream" : "shm")
                     : tcp          ? "tcp"
                                    : "cross-process (not linked)";
   return AddSite(std::move(site));

@@ -69,8 +69,9 @@ class FlightRecorder {
   // Adds a described site (once per instruction and group; takes a lock).
   const TraceSite* AddSite(std::unique_ptr<TraceSite> site);
   // The site of a call (ctx: op, axis, call site, group index) of `table`'s instruction:
-  // found lock-free, or described (group, processes, algorithm) and added.
-  const TraceSite* SiteOf(const RoundTable& table, const CallContext& ctx);
+  // found lock-free, or described (group, processes, algorithm) and added. `streamed`:
+  // the call's rounds stream when all its peers share this host (RoundTable::Streams).
+  const TraceSite* SiteOf(const RoundTable& table, const CallContext& ctx, bool streamed = false);
 
   // Records a call of `partition` entering jaxcomm (pending); returns its handle for the
   // updates below (0 when recording is off). Called on the device thread.

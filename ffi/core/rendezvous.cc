@@ -22,6 +22,7 @@ struct Round {
   int arrived = 0;
   int parts = 1;
   bool tolerant = false;
+  std::shared_ptr<const RangeFn> range;
   int64_t execution = 0;
   int64_t group_index = 0;
   std::shared_ptr<const std::vector<int64_t>> group;
@@ -223,6 +224,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->parts = my_bytes < kSplitBytes ? 1 : std::min(call.split_by_rank ? local : size, MaxParts());
         round->timeout = call.timeout;
         round->tolerant = call.tolerant;
+        round->range = call.range;
         round->op = std::string(call.ctx.op);
         round->axis = std::string(call.ctx.axis);
         round->call_site = std::string(call.ctx.call_site);
@@ -329,10 +331,21 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
         agreement->peer_bytes.assign(l.processes.size(), (l.processes.size() + 1) * (1 + sizeof(uint64_t)));
         p->agreement = std::move(agreement);
       }
+      if (Streamable(l.shape, round->range != nullptr, round->tolerant)) {
+        auto arrival = std::make_shared<ExchangePlan>(*p);
+        arrival->key = Mix(p->key, 0x6172726976616c00ull);  // "arrival"
+        arrival->fingerprint = Mix(p->fingerprint, 2);
+        arrival->peer_bytes.assign(l.processes.size(), 0);
+        p->arrival = std::move(arrival);
+      }
       l.plan = std::move(p);
     }
     plan = l.plan;
     shape = l.shape;
+  }
+  if (plan->arrival && world->CanStream(*plan)) {
+    StartStream(round, me, plan, shape);
+    return;
   }
   ExchangeSpec spec;
   spec.plan = plan;
@@ -379,6 +392,63 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
       Execute(round, work, me);
     } else {
       Registry::Get().pool().Post([round, work, me] { Execute(round, work, me); });
+    }
+  });
+}
+
+void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::shared_ptr<const ExchangePlan> plan,
+                             const Peer& shape) {
+  CrossProcess* world = Registry::Get().cross_process();
+  const Layout& layout = layouts_[round->group_index];
+  const int64_t seq = round->execution;
+  const auto deadline = Clock::now() + round->timeout;
+  // The whole round is one stream on one thread: its chunks are consumed in order.
+  round->parts = 1;
+  auto stream = std::make_shared<const WorkFn>(
+      [world, plan, seq, shape, deadline, &layout, range = round->range](
+          const std::vector<Peer>& peers, int, int) -> std::string {
+        StreamSpec spec;
+        spec.plan = plan;
+        spec.seq = seq;
+        for (int r : layout.local) spec.mine.push_back(static_cast<const char*>(peers[r].in));
+        for (const auto& ranks : layout.remote) spec.peer_ranks.push_back(ranks.size());
+        spec.elements = static_cast<size_t>(shape.elements);
+        spec.item_bytes = shape.in_bytes / spec.elements;
+        spec.deadline = deadline;
+        std::vector<Peer> view = peers;
+        return world->Stream(spec, [&](const std::vector<const char*>& remote, size_t lo, size_t hi) {
+          for (size_t i = 0; i < layout.local.size(); ++i) {
+            view[layout.local[i]].in = spec.mine[i] + lo * spec.item_bytes;
+          }
+          size_t k = 0;
+          for (const auto& ranks : layout.remote) {
+            for (int r : ranks) view[r].in = remote[k++];
+          }
+          return (*range)(view, lo, hi);
+        });
+      });
+  // First every process learns that all the others are in this round (an exchange of
+  // nothing); from then on each one streams, and no wait in the stream can be on a
+  // process that is still busy elsewhere.
+  ExchangeSpec arrival;
+  arrival.plan = plan->arrival;
+  arrival.seq = seq;
+  arrival.deadline = deadline;
+  const auto caller = std::this_thread::get_id();
+  world->Exchange(std::move(arrival), [round, stream, me, caller, seq, world, plan](
+                                          const std::string& error, bool timed_out, const std::vector<const char*>&) {
+    const bool inline_here = std::this_thread::get_id() == caller;
+    if (!error.empty()) {
+      RecordError(*round, error);
+      CompleteAll(*round, inline_here ? me : -1,
+                  timed_out ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kUnavailable);
+      return;
+    }
+    round->after_work = [world, plan, seq] { world->Release(*plan->arrival, seq); };
+    if (inline_here) {
+      Execute(round, stream, me);
+    } else {
+      Registry::Get().pool().Post([round, stream, me] { Execute(round, stream, me); });
     }
   });
 }

@@ -59,6 +59,23 @@ struct Peer {
 // or an error message.
 using WorkFn = std::function<std::string(const std::vector<Peer>& peers, int part, int num_parts)>;
 
+// The same data movement for ops that split by element ranges of the inputs: for
+// elements [lo, hi) of every rank's input, where peers[r].in points at element lo of
+// rank r's, writes every result element that depends only on that range. With it, a
+// large cross-process round streams through shared memory (core/cross_process.h).
+using RangeFn = std::function<std::string(const std::vector<Peer>& peers, size_t lo, size_t hi)>;
+
+// From this many bytes of input per rank, a cross-process round of an op with a RangeFn
+// streams through shared memory (CrossProcess::Stream) instead of being copied whole.
+constexpr size_t kStreamBytes = 1 << 20;
+// Whether a call's rounds stream when all the processes of its group share a host.
+inline bool Streamable(const Peer& mine, bool has_range, bool tolerant) {
+  for (size_t b : mine.aux_bytes) {
+    if (b != 0) return false;
+  }
+  return has_range && !tolerant && mine.in_bytes >= kStreamBytes;
+}
+
 struct CollectiveCall {
   CallContext ctx;               // execution is filled in by the rendezvous
   int64_t run_id = 0;
@@ -71,6 +88,8 @@ struct CollectiveCall {
   // Fault tolerant (ft.all_reduce): ranks of processes that die or miss the deadline are
   // left out (their Peer has no `in`) instead of failing the call.
   bool tolerant = false;
+  // The op's work by element ranges, when it has one.
+  std::shared_ptr<const RangeFn> range;
 };
 
 struct Round;
@@ -113,6 +132,10 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   // Exchanges the inputs of a round whose local ranks all arrived with the group's other
   // processes, then runs its work (core/cross_process.h).
   void StartCrossProcess(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work, int me);
+  // The same for a round that streams (ExchangePlan::arrival): a handshake, then the
+  // stream, with the op's RangeFn consuming the chunks.
+  void StartStream(const std::shared_ptr<Round>& round, int me, std::shared_ptr<const ExchangePlan> plan,
+                   const Peer& shape);
 
   // Where a group's ranks live: this process's ranks, and each other process's.
   struct Layout {

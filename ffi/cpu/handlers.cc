@@ -48,7 +48,18 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
         size_t begin = std::min(n, chunk * part), end = std::min(n, begin + chunk);
         return Reduce(dtype, op, in, out, begin, end);
       };
-  return Launch(c, mine, 2 * x.size_bytes() * group_size, std::move(work), LaunchOptions{/*split_by_rank=*/false});
+  const size_t item = x.size_bytes() / n;
+  LaunchOptions options{/*split_by_rank=*/false};
+  options.range = [dtype, op, item](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
+    std::vector<const void*> in;
+    std::vector<void*> out;
+    for (const Peer& p : peers) {
+      in.push_back(p.in);
+      if (p.out != nullptr) out.push_back(static_cast<char*>(p.out) + lo * item);
+    }
+    return Reduce(dtype, op, in, out, 0, hi - lo);
+  };
+  return Launch(c, mine, 2 * x.size_bytes() * group_size, std::move(work), std::move(options));
 }
 
 // ---------------------------------------------------------------------------- all_gather
@@ -77,7 +88,17 @@ ffi::Future AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
         });
         return "";
       };
-  return Launch(c, mine, 2 * y->size_bytes() * R, std::move(work));
+  LaunchOptions options;
+  if (outer == 1) {  // each rank's input lands whole in one block of every result
+    options.range = [inner, item, R](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
+      ForEachOwnedRank(peers, 0, 1, [&](int d) {
+        char* out = static_cast<char*>(peers[d].out) + lo * item;
+        for (int64_t j = 0; j < R; ++j) std::memcpy(out + j * inner, peers[j].in, (hi - lo) * item);
+      });
+      return "";
+    };
+  }
+  return Launch(c, mine, 2 * y->size_bytes() * R, std::move(work), std::move(options));
 }
 
 // ------------------------------------------------------------------------ reduce_scatter
@@ -115,7 +136,22 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
         });
         return err;
       };
-  return Launch(c, mine, 2 * x.size_bytes() * R, std::move(work));
+  LaunchOptions options;
+  if (outer == 1) {  // result d is the reduction of block d of the inputs
+    options.range = [dtype, op, inner, item](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
+      std::string err;
+      std::vector<const void*> in(peers.size());
+      ForEachOwnedRank(peers, 0, 1, [&](int d) {
+        const size_t begin = std::max(lo, d * inner), end = std::min(hi, (d + 1) * inner);
+        if (begin >= end || !err.empty()) return;
+        for (size_t j = 0; j < peers.size(); ++j) in[j] = static_cast<const char*>(peers[j].in) + (begin - lo) * item;
+        std::vector<void*> out{static_cast<char*>(peers[d].out) + (begin - d * inner) * item};
+        err = Reduce(dtype, op, in, out, 0, end - begin);
+      });
+      return err;
+    };
+  }
+  return Launch(c, mine, 2 * x.size_bytes() * R, std::move(work), std::move(options));
 }
 
 // ---------------------------------------------------------------------------- all_to_all
@@ -151,7 +187,24 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
         });
         return "";
       };
-  return Launch(c, mine, 2 * x.size_bytes() * R, std::move(work));
+  LaunchOptions options;
+  if (split_axis == 0 && concat_axis == 0) {
+    // Block d of rank j's input is block j of result d, both contiguous.
+    const size_t block = x.element_count() / R;
+    options.range = [block, item, R](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
+      ForEachOwnedRank(peers, 0, 1, [&](int d) {
+        const size_t begin = std::max(lo, d * block), end = std::min(hi, (d + 1) * block);
+        if (begin >= end) return;
+        char* out = static_cast<char*>(peers[d].out) + (begin - d * block) * item;
+        for (int64_t j = 0; j < R; ++j) {
+          std::memcpy(out + j * block * item, static_cast<const char*>(peers[j].in) + (begin - lo) * item,
+                      (end - begin) * item);
+        }
+      });
+      return "";
+    };
+  }
+  return Launch(c, mine, 2 * x.size_bytes() * R, std::move(work), std::move(options));
 }
 
 // ------------------------------------------------------------------------------- ppermute
@@ -179,7 +232,20 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
         });
         return "";
       };
-  return Launch(c, mine, 2 * bytes * group_size, std::move(work));
+  LaunchOptions options;
+  const size_t item = bytes / x.element_count();
+  options.range = [src, item](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
+    ForEachOwnedRank(peers, 0, 1, [&](int d) {
+      char* out = static_cast<char*>(peers[d].out) + lo * item;
+      if (src[d] < 0) {
+        std::memset(out, 0, (hi - lo) * item);
+      } else {
+        std::memcpy(out, peers[src[d]].in, (hi - lo) * item);
+      }
+    });
+    return "";
+  };
+  return Launch(c, mine, 2 * bytes * group_size, std::move(work), std::move(options));
 }
 
 // ------------------------------------------------------------------------------ broadcast

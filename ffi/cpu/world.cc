@@ -24,7 +24,11 @@ constexpr auto kMaxNap = std::chrono::microseconds(5000);
 // ... and while none waits: late connections (rejoining processes) are accepted this often.
 constexpr auto kIdleNap = std::chrono::microseconds(50000);
 
-// Why process `pid` on this host is gone, or "" while it runs.
+// Which of a slot's two buffers a round uses.
+size_t Parity(int64_t seq) { return static_cast<size_t>(seq & 1); }
+
+}  // namespace
+
 std::string ProcessGone(int pid) {
   if (kill(pid, 0) != 0 && errno == ESRCH) return "it exited";
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
@@ -38,8 +42,7 @@ std::string ProcessGone(int pid) {
   return "";
 }
 
-// One step of waiting for a peer process that is likely running on another core: a
-// burst of pause instructions (the peer's flag shows up within ~100 ns), and every 16th
+// A burst of pause instructions (the peer's flag shows up within ~100 ns), and every 16th
 // step a yield, so that with more runnable threads than cores the peer gets the core.
 void SpinStep(int& step) {
   if (++step % 16 == 0) {
@@ -54,11 +57,6 @@ void SpinStep(int& step) {
 #endif
   }
 }
-
-// Which of a slot's two buffers a round uses.
-size_t Parity(int64_t seq) { return static_cast<size_t>(seq & 1); }
-
-}  // namespace
 
 World::World() = default;
 

@@ -55,6 +55,8 @@ class World : public CrossProcess {
                    bool rejoining = false);
 
   void Exchange(ExchangeSpec spec, ExchangeDone done) override;
+  bool CanStream(const ExchangePlan& plan) const override;
+  std::string Stream(const StreamSpec& spec, const StreamConsume& consume) override;  // world_stream.cc
   void Release(const ExchangePlan& plan, int64_t seq) override;
   bool Linked(int64_t p) const override;
   // Processes left out after they failed in a fault-tolerant exchange.

@@ -39,6 +39,11 @@ struct World::Pending {
   std::chrono::steady_clock::time_point next_check{};
 };
 
+// Why process `pid` on this host is gone, or "" while it runs.
+std::string ProcessGone(int pid);
+// One step of waiting for a peer process that is likely running on another core.
+void SpinStep(int& step);
+
 // How often a waiting exchange checks that its peers still live, and when first.
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);
 constexpr auto kFirstLivenessCheck = std::chrono::milliseconds(5);

@@ -33,13 +33,15 @@ def message_bytes(op: str, operand_bytes: int, n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class OpStats:
-    """Counters of one op over one group, summed over the call sites that use it.
+    """Counters of one op over one group and algorithm, summed over the call sites.
 
     Attributes:
       op: the jaxcomm op (``"all_reduce"``, ...).
       group: the partitions of the group, in rank order.
       axis: the axis name(s) as written at the (first) call site.
-      algorithm: how the data moved (``"in-process zero-copy"``, ``"shm"``, ``"tcp"``).
+      algorithm: how the data moved (``"in-process zero-copy"``, ``"shm"``, ``"shm stream"``
+        (operands of 1 MiB and more per rank, streamed through shared memory in chunks),
+        ``"tcp"``, ``"shm+tcp"``).
       calls: rounds completed or failed (one per execution of the group, not per rank).
       failed: rounds that failed (timeouts, transport errors).
       bytes: message bytes (nccl-tests "size") summed over the completed rounds.
@@ -66,24 +68,25 @@ class OpStats:
 
 
 def _aggregate(sites: Iterable[dict[str, Any]]) -> list[OpStats]:
-    acc: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+    # Calls of one op over one group that moved data differently (e.g. small ones copied
+    # whole and large ones streamed) are counted apart: their speeds differ.
+    acc: dict[tuple[str, tuple[int, ...], str], dict[str, Any]] = {}
     for s in sites:
         n = len(s["group"])
-        key = (s["op"], tuple(s["group"]))
-        a = acc.setdefault(key, dict(axis=s["axis"], algorithm=s["algorithm"], calls=0, failed=0,
-                                     bytes=0, busy=0, wait=0))
+        key = (s["op"], tuple(s["group"]), s["algorithm"])
+        a = acc.setdefault(key, dict(axis=s["axis"], calls=0, failed=0, bytes=0, busy=0, wait=0))
         a["calls"] += s["calls"]
         a["failed"] += s["failed"]
         a["bytes"] += message_bytes(s["op"], s["bytes"], n)
         a["busy"] += s["busy_us"]
         a["wait"] += s["wait_us"]
     out = []
-    for (op, group), a in sorted(acc.items()):
+    for (op, group, algorithm), a in sorted(acc.items()):
         if a["calls"] == 0:
             continue
         done = a["calls"] - a["failed"]
         algbw = a["bytes"] / (a["busy"] * 1e-6) / 1e9 if a["busy"] > 0 else 0.0
-        out.append(OpStats(op=op, group=group, axis=a["axis"], algorithm=a["algorithm"],
+        out.append(OpStats(op=op, group=group, axis=a["axis"], algorithm=algorithm,
                            calls=a["calls"], failed=a["failed"], bytes=a["bytes"],
                            total_us=float(a["busy"]), wait_us=float(a["wait"]),
                            mean_us=a["busy"] / done if done else 0.0,
@@ -92,7 +95,7 @@ def _aggregate(sites: Iterable[dict[str, Any]]) -> list[OpStats]:
 
 
 def stats(reset: bool = False) -> list[OpStats]:
-    """Per op and group: calls, bytes, total and mean time, bus bandwidth of this process.
+    """Per op, group and algorithm: calls, bytes, total and mean time, bus bandwidth of this process.
 
     Counts every round since start (or the last reset), also when the flight recorder's
     ring has wrapped; nothing is counted while recording is off (JAXCOMM_TRACE_ENTRIES=0

@@ -7,6 +7,8 @@ rebuild from the seed, so each process checks its own devices' results with NumP
 Prints "CHECKED <name>" per case and raises on the first mismatch.
 """
 
+import os
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -29,17 +31,18 @@ def groups_of(mesh, axes):
     return where
 
 
-def run_case(name, mesh, axes, f, expected):
+def run_case(name, mesh, axes, f, expected, block=(4, 6), donate=False):
     """Runs f per device under shard_map; expected(X, group, rank) gives one block."""
     n = mesh.devices.size
-    X = np.random.default_rng(7).standard_normal((n, 4, 6)).astype(np.float32)
+    X = np.random.default_rng(7).standard_normal((n, *block)).astype(np.float32)
     spec = P(tuple(mesh.axis_names))
     sharding = NamedSharding(mesh, spec)
     flat = list(mesh.devices.reshape(-1))
     local = {d: X[flat.index(d)] for d in jax.local_devices() if d in flat}
     arr = jax.make_array_from_single_device_arrays(
-        (n * 4, 6), sharding, [jax.device_put(local[d], d) for d in local])
-    out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))(arr)
+        (n * block[0], block[1]), sharding, [jax.device_put(local[d], d) for d in local])
+    out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False),
+                  donate_argnums=(0,) if donate else ())(arr)
     where = groups_of(mesh, axes)
     for shard in out.addressable_shards:
         p = flat.index(shard.device)
@@ -117,6 +120,42 @@ def check_all(mesh, axes, tag):
     run_case(f"{tag} moe padded", mesh, axes, moe_padded, lambda X, g, r: 0.75 * X[g[r]])
 
 
+def check_streamed(mesh, axes, tag):
+    """Operands of over 1 MiB per rank: across processes of one host these stream through
+    shared memory in chunks (ffi/cpu/world_stream.cc); 301 columns make the last chunk,
+    and the reduce_scatter and all_to_all blocks, end mid-chunk."""
+    a = axes if len(axes) > 1 else axes[0]
+    G = int(np.prod([mesh.shape[x] for x in axes]))
+    rows, cols = 1000, 301
+    big = (rows, cols)
+    run_case(f"{tag} streamed all_reduce sum", mesh, axes, lambda x: jaxcomm.all_reduce(x, a),
+             lambda X, g, r: X[g].sum(0), big)
+    # Donated: the result overwrites the operand as the chunks go.
+    run_case(f"{tag} streamed all_reduce in place", mesh, axes, lambda x: jaxcomm.all_reduce(x, a),
+             lambda X, g, r: X[g].sum(0), big, donate=True)
+    run_case(f"{tag} streamed all_reduce max", mesh, axes, lambda x: jaxcomm.all_reduce(x, a, op="max"),
+             lambda X, g, r: X[g].max(0), big)
+    run_case(f"{tag} streamed all_gather", mesh, axes,
+             lambda x: jaxcomm.all_gather(x, a, tiled=True).reshape(G, rows, cols).sum(0),
+             lambda X, g, r: X[g].sum(0), big)
+    scaled = lambda x: jnp.concatenate([x * (k + 1) + k for k in range(G)])
+    run_case(f"{tag} streamed reduce_scatter", mesh, axes,
+             lambda x: jaxcomm.reduce_scatter(scaled(x), a, scatter_dimension=0, tiled=True),
+             lambda X, g, r: (X[g] * (r + 1) + r).sum(0), big)
+    run_case(f"{tag} streamed all_to_all", mesh, axes,
+             lambda x: jaxcomm.all_to_all(scaled(x), a, 0, 0, tiled=True).reshape(G, rows, cols)[0],
+             lambda X, g, r: X[g[0]] * (r + 1) + r, big)
+    # Rank 0 receives from nobody: zeros.
+    perm = [(i, i + 1) for i in range(G - 1)]
+    run_case(f"{tag} streamed ppermute", mesh, axes, lambda x: jaxcomm.ppermute(x, a, perm),
+             lambda X, g, r: X[g[r - 1]] if r > 0 else np.zeros(big, np.float32), big)
+    # They did stream, unless TCP was forced.
+    streamed = {s.op for s in jaxcomm.stats() if s.algorithm == "shm stream"}
+    want = set() if os.environ.get("JAXCOMM_TRANSPORT") == "tcp" else {
+        "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute"}
+    assert streamed == want, (tag, streamed, [(s.op, s.algorithm, s.bytes) for s in jaxcomm.stats()])
+
+
 devices = np.asarray(jax.devices()).reshape(NPROC, LOCAL)
 if LOCAL > 1:
     # "p" crosses processes, "l" stays in one; the pair mixes both.
@@ -127,7 +166,10 @@ if LOCAL > 1:
     # Groups that hold one device of each process, in an order unlike the processes'.
     mesh_t = jax.sharding.Mesh(devices.T[:, ::-1], ("l", "p"))
     check_all(mesh_t, ("p",), "transposed p")
+    check_streamed(mesh2, ("p", "l"), "pl")
+    check_streamed(mesh_t, ("p",), "transposed p")
 else:
     mesh1 = jax.sharding.Mesh(devices.reshape(-1)[::-1], ("x",))
     check_all(mesh1, ("x",), "x")
+    check_streamed(mesh1, ("x",), "x")
 print("ALL CHECKED", flush=True)
