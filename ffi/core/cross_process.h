@@ -85,9 +85,10 @@ class CrossProcess {
   virtual void Release(const ExchangePlan& plan, int64_t seq) = 0;
   // Whether process `p` is reachable (connected); false until the bootstrap linked it.
   virtual bool Linked(int64_t p) const = 0;
-  // Whether the rounds of `plan` can be streamed (every peer on this host). The answer
-  // is the same in every process of the group.
-  virtual bool CanStream(const ExchangePlan& /*plan*/) const { return false; }
+  // Whether the rounds of a group whose other processes are `peers` can be streamed
+  // (every peer on this host, no more processes than cores). The answer is the same in
+  // every process of the group.
+  virtual bool CanStream(const std::vector<int64_t>& /*peers*/) const { return false; }
   // Streams round spec.seq, once every process of the group arrived at it (its arrival
   // handshake finished): returns once this process published all its chunks and
   // consumed every peer's (its inputs are no longer read); "" or the error.

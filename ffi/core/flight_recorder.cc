@@ -240,8 +240,9 @@ const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallConte
   site->processes = remote;
   site->processes.push_back(Registry::Get().process_index());
   std::sort(site->processes.begin(), site->processes.end());
-  bool shm = false, tcp = false;
+  bool shm = false, tcp = false, stream = false;
   if (const CrossProcess* world = Registry::Get().cross_process()) {
+    stream = streamed && world->CanStream(remote);
     for (int64_t p : remote) {
       const std::string kind = world->LinkKind(p);
       shm |= kind == "shm";
@@ -250,7 +251,8 @@ const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallConte
   }
   site->algorithm = remote.empty() ? "in-process zero-copy"
                     : shm && tcp   ? "shm+tcp"
-                    : shm          ? (streamed ? "shm stream" : "shm")
+                    : stream       ? "shm stream"
+                    : shm          ? "shm"
                     : tcp          ? "tcp"
                                    : "cross-process (not linked)";
   return AddSite(std::move(site));

@@ -70,7 +70,7 @@ class FlightRecorder {
   const TraceSite* AddSite(std::unique_ptr<TraceSite> site);
   // The site of a call (ctx: op, axis, call site, group index) of `table`'s instruction:
   // found lock-free, or described (group, processes, algorithm) and added. `streamed`:
-  // the call's rounds stream when all its peers share this host (RoundTable::Streams).
+  // the call's rounds stream if the transport can (Streamable, CrossProcess::CanStream).
   const TraceSite* SiteOf(const RoundTable& table, const CallContext& ctx, bool streamed = false);
 
   // Records a call of `partition` entering jaxcomm (pending); returns its handle for the

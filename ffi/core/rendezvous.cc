@@ -343,7 +343,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
     plan = l.plan;
     shape = l.shape;
   }
-  if (plan->arrival && world->CanStream(*plan)) {
+  if (plan->arrival && world->CanStream(plan->peers)) {
     StartStream(round, me, plan, shape);
     return;
   }

@@ -55,7 +55,7 @@ class World : public CrossProcess {
                    bool rejoining = false);
 
   void Exchange(ExchangeSpec spec, ExchangeDone done) override;
-  bool CanStream(const ExchangePlan& plan) const override;
+  bool CanStream(const std::vector<int64_t>& peers) const override;
   std::string Stream(const StreamSpec& spec, const StreamConsume& consume) override;  // world_stream.cc
   void Release(const ExchangePlan& plan, int64_t seq) override;
   bool Linked(int64_t p) const override;
