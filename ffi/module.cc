@@ -84,12 +84,12 @@ NB_MODULE(_jaxcomm, m) {
   m.def("set_process_index", [](int64_t i) { jaxcomm::Registry::Get().set_process_index(i); },
         "Tells the runtime which process of the job this is (jax.process_index()).");
 
-  m.def("transport_open", [](int64_t process, bool shared_memory) {
+  m.def("transport_open", [](int64_t process, bool shared_memory, const std::string& host) {
     std::string error;
     jaxcomm::cpu::Endpoint e;
     {
       nb::gil_scoped_release release;
-      e = World().Open(process, shared_memory, &error);
+      e = World().Open(process, shared_memory, host, &error);
     }
     if (!error.empty()) throw std::runtime_error("jaxcomm: opening this process's endpoint: " + error);
     nb::dict d;
@@ -98,14 +98,14 @@ NB_MODULE(_jaxcomm, m) {
     d["control_bytes"] = e.control_bytes;
     d["port"] = e.port;
     return d;
-  }, nb::arg("process"), nb::arg("shared_memory"),
-     "Creates this process's endpoint (shared memory control block, TCP listener); returns "
+  }, nb::arg("process"), nb::arg("shared_memory"), nb::arg("host"),
+     "Creates this process's endpoint (`host`: the processes whose memory it shares have this key) (shared memory control block, TCP listener); returns "
      "what peers need to link to it: {pid, control_fd, control_bytes, port}.");
 
   m.def("transport_link", [](int64_t process, const std::string& host, const std::string& label, int pid,
                              int control_fd, size_t control_bytes, int port, bool shared_memory,
-                             int64_t timeout_ms, bool rejoining) {
-    jaxcomm::cpu::Endpoint e{pid, control_fd, control_bytes, port};
+                             int64_t timeout_ms, bool rejoining, const std::string& peer_host) {
+    jaxcomm::cpu::Endpoint e{pid, control_fd, control_bytes, port, peer_host};
     std::string error;
     {
       nb::gil_scoped_release release;
@@ -115,8 +115,9 @@ NB_MODULE(_jaxcomm, m) {
     if (!error.empty()) throw std::runtime_error("jaxcomm: linking process " + std::to_string(process) + ": " + error);
   }, nb::arg("process"), nb::arg("host"), nb::arg("label"), nb::arg("pid"), nb::arg("control_fd"),
      nb::arg("control_bytes"), nb::arg("port"), nb::arg("shared_memory"), nb::arg("timeout_ms"),
-     nb::arg("rejoining") = false,
-     "Links peer `process` through shared memory or TCP (idempotent).");
+     nb::arg("rejoining") = false, nb::arg("peer_host") = "",
+     "Links peer `process` through shared memory or TCP (idempotent); `peer_host`: its "
+     "host key (as given to its transport_open).");
 
   m.def("excluded_processes", [] { return World().excluded(); },
         "Processes left out after they failed in a fault-tolerant collective.");

@@ -30,16 +30,24 @@ def jaxcomm_segments() -> set[str]:
         return set()
 
 
+# Processes 2h and 2h+1 play one host (JAXCOMM_HOST_ID): shared memory within, TCP
+# across, all_reduce hierarchical.
+TWO_PER_HOST = 'os.environ["JAXCOMM_HOST_ID"] = f"test-host-{RANK // 2}"\n'
+
+
 @pytest.mark.parametrize("processes,devices,transport", [
     (2, 1, "auto"),
     (2, 2, "auto"),
     (4, 1, "auto"),
     (2, 2, "tcp"),
     (4, 2, "tcp"),
+    (4, 1, "hosts"),
+    (4, 2, "hosts"),
 ])
 def test_every_op_matches_numpy_across_processes(processes: int, devices: int, transport: str) -> None:
     before = jaxcomm_segments()
-    res = run_script(CHECK_OPS, processes, devices, env={"JAXCOMM_TRANSPORT": transport},
+    body = TWO_PER_HOST + CHECK_OPS if transport == "hosts" else CHECK_OPS
+    res = run_script(body, processes, devices, env={"JAXCOMM_TRANSPORT": "auto" if transport == "hosts" else transport},
                      timeout_s=180)
     assert_ok(res)
     for rank in range(processes):

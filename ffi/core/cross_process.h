@@ -95,6 +95,9 @@ class CrossProcess {
   virtual std::string Stream(const StreamSpec& /*spec*/, const StreamConsume& /*consume*/) {
     return "this transport cannot stream";
   }
+  // The host key of process `p` (this one's too): processes with the same key share
+  // memory. "" when unknown (not linked).
+  virtual std::string HostOf(int64_t /*p*/) const { return ""; }
   // How process `p` is linked ("shm", "tcp"; "" when not linked): the flight
   // recorder's algorithm field.
   virtual std::string LinkKind(int64_t /*p*/) const { return ""; }

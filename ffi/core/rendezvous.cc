@@ -6,39 +6,11 @@
 
 #include "core/cross_process.h"
 #include "core/registry.h"
+#include "core/round.h"
 
 namespace jaxcomm {
 
 ffi::TypeId InstructionState::id = {};
-
-// One execution of one instruction by one group.
-struct Round {
-  explicit Round(int size) : peers(size), promises(size), partitions(size, -1) {}
-
-  // Written under the table's lock until the last rank arrives, read-only afterwards.
-  std::vector<Peer> peers;
-  std::vector<std::optional<ffi::Promise>> promises;  // engaged once that rank arrived
-  std::vector<int64_t> partitions;
-  int arrived = 0;
-  int parts = 1;
-  bool tolerant = false;
-  std::shared_ptr<const RangeFn> range;
-  int64_t execution = 0;
-  int64_t group_index = 0;
-  std::shared_ptr<const std::vector<int64_t>> group;
-  uint64_t watchdog_id = 0;
-  std::chrono::milliseconds timeout{0};
-  // Copied from the first arrival: attribute storage is not ours to keep.
-  std::string op, axis, call_site;
-
-  // Runs once the work is done, before the futures complete (cross-process rounds:
-  // tells the peers their inputs were read).
-  std::function<void()> after_work;
-
-  std::atomic<int> parts_left{0};
-  std::mutex error_mu;
-  std::string error;
-};
 
 namespace {
 
@@ -78,8 +50,8 @@ void Settle(ffi::Promise& promise, const std::string& prefix, const std::string&
   }
 }
 
-// Completes every rank's future: `inline_rank`'s on this thread (it continues that
-// rank's program), the others' on pool threads.
+}  // namespace
+
 void CompleteAll(Round& round, int inline_rank, ffi::ErrorCode code) {
   std::string error;
   {
@@ -111,6 +83,8 @@ void RecordError(Round& round, std::string err) {
   std::lock_guard<std::mutex> lock(round.error_mu);
   if (round.error.empty()) round.error = std::move(err);
 }
+
+namespace {
 
 // Runs part `part` of the work; the thread that finishes the last part completes every
 // rank's future, `inline_rank`'s on this thread.
@@ -225,6 +199,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->timeout = call.timeout;
         round->tolerant = call.tolerant;
         round->range = call.range;
+        round->combine = call.combine;
         round->op = std::string(call.ctx.op);
         round->axis = std::string(call.ctx.axis);
         round->call_site = std::string(call.ctx.call_site);
@@ -267,10 +242,6 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
   return future;
 }
 
-namespace {
-
-// Combines two 64-bit values so that any change of either changes every output bit
-// with probability 1/2 (splitmix64's finalizer).
 uint64_t Mix(uint64_t h, uint64_t v) {
   uint64_t z = h ^ (v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -288,7 +259,6 @@ std::string RankList(const std::vector<int>& ranks, const std::vector<int64_t>& 
   return s.str();
 }
 
-}  // namespace
 
 void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work,
                                    int me) {
@@ -301,6 +271,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
   }
   const Layout& layout = layouts_[round->group_index];
   std::shared_ptr<const ExchangePlan> plan;
+  std::shared_ptr<const Hierarchy> hierarchy;
   Peer shape;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -331,6 +302,11 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
         agreement->peer_bytes.assign(l.processes.size(), (l.processes.size() + 1) * (1 + sizeof(uint64_t)));
         p->agreement = std::move(agreement);
       }
+      const bool no_aux = std::all_of(l.shape.aux_bytes.begin(), l.shape.aux_bytes.end(),
+                                      [](size_t b) { return b == 0; });
+      if (round->combine && !round->tolerant && no_aux) {
+        l.hierarchy = PlanHierarchy(*world, *p, Registry::Get().process_index(), l.shape.in_bytes, l.remote);
+      }
       if (Streamable(l.shape, round->range != nullptr, round->tolerant)) {
         auto arrival = std::make_shared<ExchangePlan>(*p);
         arrival->key = Mix(p->key, 0x6172726976616c00ull);  // "arrival"
@@ -341,7 +317,12 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
       l.plan = std::move(p);
     }
     plan = l.plan;
+    hierarchy = l.hierarchy;
     shape = l.shape;
+  }
+  if (hierarchy) {
+    StartHierarchical(round, me, std::move(hierarchy), shape);
+    return;
   }
   if (plan->arrival && world->CanStream(plan->peers)) {
     StartStream(round, me, plan, shape);

@@ -76,6 +76,15 @@ inline bool Streamable(const Peer& mine, bool has_range, bool tolerant) {
   return has_range && !tolerant && mine.in_bytes >= kStreamBytes;
 }
 
+// Reductions (all_reduce): out = op over in[0], in[1], ... elementwise, `elements` each.
+// With it, a round over processes on several hosts reduces within each host first
+// (core/hierarchical.cc).
+using CombineFn = std::function<std::string(const std::vector<const void*>& in, void* out, size_t elements)>;
+
+// Whether a round over `processes` (this one included) runs hierarchically when its op
+// has a CombineFn: they span several hosts and some host holds several of them.
+bool SpansHostsHierarchically(const CrossProcess& world, const std::vector<int64_t>& processes);
+
 struct CollectiveCall {
   CallContext ctx;               // execution is filled in by the rendezvous
   int64_t run_id = 0;
@@ -88,11 +97,13 @@ struct CollectiveCall {
   // Fault tolerant (ft.all_reduce): ranks of processes that die or miss the deadline are
   // left out (their Peer has no `in`) instead of failing the call.
   bool tolerant = false;
-  // The op's work by element ranges, when it has one.
+  // The op's work by element ranges, and its combining step, when it has them.
   std::shared_ptr<const RangeFn> range;
+  std::shared_ptr<const CombineFn> combine;
 };
 
 struct Round;
+struct Hierarchy;
 
 // The state of one custom-call instruction: its groups and its rounds in flight.
 class RoundTable : public std::enable_shared_from_this<RoundTable> {
@@ -136,6 +147,9 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   // stream, with the op's RangeFn consuming the chunks.
   void StartStream(const std::shared_ptr<Round>& round, int me, std::shared_ptr<const ExchangePlan> plan,
                    const Peer& shape);
+  // The same for a round that runs in phases across hosts (core/hierarchical.cc).
+  void StartHierarchical(const std::shared_ptr<Round>& round, int me, std::shared_ptr<const Hierarchy> hierarchy,
+                         const Peer& shape);
 
   // Where a group's ranks live: this process's ranks, and each other process's.
   struct Layout {
@@ -145,6 +159,7 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
     bool cross_process() const { return !processes.empty(); }
     // Made by the first cross-process round (it needs the operands' sizes), under mu_.
     std::shared_ptr<const ExchangePlan> plan;
+    std::shared_ptr<const Hierarchy> hierarchy;  // rounds that run in phases across hosts
     Peer shape;  // the sizes every rank's operands have
   };
 

@@ -108,6 +108,7 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   call.split_by_rank = options.split_by_rank;
   call.tolerant = options.tolerant;
   if (options.range) call.range = std::make_shared<const RangeFn>(std::move(options.range));
+  if (options.combine) call.combine = std::make_shared<const CombineFn>(std::move(options.combine));
   // Injected faults first (a delayed rank arrives late, a hung one never joins),
   // then this call's flight recorder entry.
   Registry& registry = Registry::Get();
@@ -117,7 +118,8 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
     }
   }
   if (FlightRecorder& rec = registry.recorder(); rec.enabled()) {
-    call.mine.trace = rec.Enqueue(call.ctx.partition, rec.SiteOf(*c.state->table, call.ctx, Streamable(mine, call.range != nullptr, call.tolerant)), call.ctx.rank,
+    call.mine.trace = rec.Enqueue(call.ctx.partition, rec.SiteOf(*c.state->table, call.ctx, Streamable(mine, call.range != nullptr, call.tolerant),
+                                  call.combine && !call.tolerant && !mine.aux_bytes[0]), call.ctx.rank,
                                   call.run_id, mine.dtype, mine.elements, static_cast<int64_t>(mine.in_bytes));
   }
   return c.state->table->Arrive(call, std::make_shared<const WorkFn>(std::move(work)));

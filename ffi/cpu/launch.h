@@ -81,8 +81,10 @@ int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to);
 struct LaunchOptions {
   bool split_by_rank = true;
   bool tolerant = false;
-  // The work by element ranges (see RangeFn), for ops whose results allow it.
+  // The work by element ranges (see RangeFn), for ops whose results allow it, and the
+  // combining step of reductions (see CombineFn).
   RangeFn range;
+  CombineFn combine;
 };
 ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options = {});
 

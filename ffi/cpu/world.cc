@@ -66,7 +66,7 @@ World::~World() {
   if (progress_.joinable()) progress_.join();
 }
 
-Endpoint World::Open(int64_t process, bool shared_memory, std::string* error) {
+Endpoint World::Open(int64_t process, bool shared_memory, const std::string& host, std::string* error) {
   std::lock_guard<std::mutex> lock(mu_);
   if (process_ >= 0 && process_ != process) {
     *error = "jaxcomm's endpoint was opened as process " + std::to_string(process_) + ", not " +
@@ -81,6 +81,7 @@ Endpoint World::Open(int64_t process, bool shared_memory, std::string* error) {
     listener_ = TcpListener::Create(error);
     if (!listener_) return {};
     process_ = process;
+    host_ = host;
     progress_ = std::thread([this] { Progress(); });
   }
   Endpoint e;
@@ -98,10 +99,21 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
                         bool rejoining) {
   const auto deadline = Clock::now() + timeout;
   if (process_ < 0) return "jaxcomm's endpoint is not open";
-  if (Peer(process)) return "";
+  if (auto known = Peer(process)) {
+    // It may have connected before this call (taken by the progress thread): what only
+    // the bootstrap knows is filled in here.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (known->pid == 0) {
+      known->host = label;
+      known->host_key = peer.host;
+      known->pid = peer.pid;
+    }
+    return "";
+  }
   auto link = std::make_shared<PeerLink>();
   link->process = process;
   link->host = label;
+  link->host_key = peer.host;
   link->pid = peer.pid;
   std::string error;
   if (shared_memory) {
@@ -121,6 +133,7 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
     }
     std::lock_guard<std::mutex> lock(mu_);
     peers_[process]->host = label;
+    peers_[process]->host_key = peer.host;
     peers_[process]->pid = peer.pid;
     return "";
   }
@@ -167,7 +180,19 @@ std::shared_ptr<World::PeerLink> World::Peer(int64_t process) const {
   return it == peers_.end() ? nullptr : it->second;
 }
 
-bool World::Linked(int64_t p) const { return Peer(p) != nullptr; }
+bool World::Linked(int64_t p) const {
+  // A peer that connected on its own (TCP, taken by the progress thread) is linked once
+  // the bootstrap told us who it is (pid, host), not before.
+  auto link = Peer(p);
+  std::lock_guard<std::mutex> lock(mu_);
+  return link && link->pid != 0;
+}
+
+std::string World::HostOf(int64_t p) const {
+  if (p == process_) return host_;
+  auto link = Peer(p);
+  return link ? link->host_key : "";
+}
 
 std::string World::LinkKind(int64_t p) const {
   auto link = Peer(p);

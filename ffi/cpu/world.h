@@ -37,6 +37,9 @@ struct Endpoint {
   int control_fd = -1;  // -1: no shared memory (TCP only)
   size_t control_bytes = 0;
   int port = 0;
+  // Processes with the same key share memory (one host): hierarchical algorithms group
+  // by it. Not part of what Open returns; the bootstrap passes it along.
+  std::string host;
 };
 
 class World : public CrossProcess {
@@ -45,7 +48,7 @@ class World : public CrossProcess {
   ~World() override;
 
   // Creates this process's endpoint (once; later calls return the same one).
-  Endpoint Open(int64_t process, bool shared_memory, std::string* error);
+  Endpoint Open(int64_t process, bool shared_memory, const std::string& host, std::string* error);
   // Links peer `process`: through its shared memory when `peer.control_fd >= 0` and both
   // ends agreed on it, else TCP to host:port (the lower process index connects).
   // `label` names the peer's host in messages. A restarted process (`rejoining`)
@@ -65,6 +68,7 @@ class World : public CrossProcess {
   // fault-tolerant call, then numbers that call's rounds as the survivors do.
   std::string Rejoin(uint64_t generation);
   std::string LinkKind(int64_t p) const override;
+  std::string HostOf(int64_t p) const override;
 
  private:
   struct PeerLink;
@@ -102,6 +106,7 @@ class World : public CrossProcess {
   mutable std::mutex mu_;  // peers_, pending_, the endpoint
   std::condition_variable cv_;
   int64_t process_ = -1;
+  std::string host_;
   std::unique_ptr<ShmOwner> shm_;
   std::unique_ptr<TcpListener> listener_;
   std::map<int64_t, std::shared_ptr<PeerLink>> peers_;

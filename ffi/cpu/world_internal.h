@@ -16,6 +16,7 @@ namespace jaxcomm::cpu {
 struct World::PeerLink {
   int64_t process = -1;
   std::string host;
+  std::string host_key;  // Endpoint::host
   int pid = 0;
   std::mutex mu;  // the ShmPeer's lookup cache
   std::unique_ptr<ShmPeer> shm;

@@ -32,7 +32,14 @@ _lock = threading.Lock()  # one bootstrap at a time (the links themselves live i
 
 @functools.cache
 def host_identity() -> str:
-    """Names this host for the purpose of sharing memory: same string, same machine."""
+    """Names this host for the purpose of sharing memory: same string, same machine.
+
+    ``JAXCOMM_HOST_ID`` replaces it: processes of one machine given different ids link
+    through TCP as if on different hosts (how the tests exercise multi-host algorithms).
+    """
+    override = os.environ.get("JAXCOMM_HOST_ID")
+    if override:
+        return override
     parts = [socket.gethostname()]
     for path in ("/proc/sys/kernel/random/boot_id",):
         try:
@@ -78,8 +85,10 @@ def _endpoint() -> dict[str, Any]:
 
     tcp_only = config.transport() == "tcp"
     me = jax.process_index()
-    endpoint = dict(_jaxcomm.transport_open(me, not tcp_only))
-    endpoint.update(host=host_identity(), hostname=socket.gethostname(), tcp_only=tcp_only,
+    # With TCP forced, no two processes share memory: each is its own "host".
+    host = f"tcp-only process {me}" if tcp_only else host_identity()
+    endpoint = dict(_jaxcomm.transport_open(me, not tcp_only, host))
+    endpoint.update(host=host, hostname=socket.gethostname(), tcp_only=tcp_only,
                     address=_reachable_address(distributed.global_state.coordinator_address))
     # A restarted process (jaxcomm.ft.rejoin) replaces the endpoint of its previous life.
     _client().key_value_set(_KEY.format(me), json.dumps(endpoint), allow_overwrite=True)
@@ -113,7 +122,8 @@ def ensure_linked(processes: Iterable[int]) -> None:
                       and not mine["tcp_only"])
             label = f"{theirs['hostname']} ({theirs['address']})"
             _jaxcomm.transport_link(peer, theirs["address"], label, theirs["pid"], theirs["control_fd"],
-                                    theirs["control_bytes"], theirs["port"], shared, timeout_ms)
+                                    theirs["control_bytes"], theirs["port"], shared, timeout_ms,
+                                    peer_host=theirs["host"])
 
 
 def rejoin(timeout_s: float | None = None) -> None:
@@ -140,7 +150,8 @@ def rejoin(timeout_s: float | None = None) -> None:
             try:
                 _jaxcomm.transport_link(peer, theirs["address"], label, theirs["pid"],
                                         theirs["control_fd"], theirs["control_bytes"],
-                                        theirs["port"], shared, timeout_ms, rejoining=True)
+                                        theirs["port"], shared, timeout_ms, rejoining=True,
+                                        peer_host=theirs["host"])
             except RuntimeError as e:
                 unreachable.append(f"process {peer}: {e}")
         if unreachable:

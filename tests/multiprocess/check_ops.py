@@ -149,11 +149,11 @@ def check_streamed(mesh, axes, tag):
     perm = [(i, i + 1) for i in range(G - 1)]
     run_case(f"{tag} streamed ppermute", mesh, axes, lambda x: jaxcomm.ppermute(x, a, perm),
              lambda X, g, r: X[g[r - 1]] if r > 0 else np.zeros(big, np.float32), big)
-    # They did stream, unless TCP was forced or the group has more processes than the
-    # host has cores (streams wait by spinning).
+    # They did stream, unless TCP was forced, the processes play several hosts, or the
+    # group has more processes than the host has cores (streams wait by spinning).
     streamed = {s.op for s in jaxcomm.stats() if s.algorithm == "shm stream"}
-    tcp = os.environ.get("JAXCOMM_TRANSPORT") == "tcp"
-    want = set() if tcp or NPROC > os.cpu_count() else {
+    one_host = os.environ.get("JAXCOMM_TRANSPORT") != "tcp" and "JAXCOMM_HOST_ID" not in os.environ
+    want = set() if not one_host or NPROC > os.cpu_count() else {
         "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute"}
     assert streamed == want, (tag, streamed, [(s.op, s.algorithm, s.bytes) for s in jaxcomm.stats()])
 
@@ -174,4 +174,9 @@ else:
     mesh1 = jax.sharding.Mesh(devices.reshape(-1)[::-1], ("x",))
     check_all(mesh1, ("x",), "x")
     check_streamed(mesh1, ("x",), "x")
+if "JAXCOMM_HOST_ID" in os.environ and NPROC >= 4:
+    # Two processes per "host": all_reduce (not bf16) reduced within each host first.
+    hierarchical = {s.op for s in jaxcomm.stats() if s.algorithm == "hierarchical shm+tcp"}
+    assert hierarchical == {"all_reduce"}, [(s.op, s.algorithm) for s in jaxcomm.stats()]
+    print("CHECKED hierarchical", flush=True)
 print("ALL CHECKED", flush=True)

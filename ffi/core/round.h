@@ -1,0 +1,79 @@
+// A round (one execution of one instruction by one group) and what the rendezvous's
+// source files share to complete it: rendezvous.cc matches calls and runs their work,
+// hierarchical.cc runs a cross-host round in phases.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/rendezvous.h"
+
+namespace jaxcomm {
+
+// One execution of one instruction by one group.
+struct Round {
+  explicit Round(int size) : peers(size), promises(size), partitions(size, -1) {}
+
+  // Written under the table's lock until the last rank arrives, read-only afterwards.
+  std::vector<Peer> peers;
+  std::vector<std::optional<ffi::Promise>> promises;  // engaged once that rank arrived
+  std::vector<int64_t> partitions;
+  int arrived = 0;
+  int parts = 1;
+  bool tolerant = false;
+  std::shared_ptr<const RangeFn> range;
+  std::shared_ptr<const CombineFn> combine;
+  int64_t execution = 0;
+  int64_t group_index = 0;
+  std::shared_ptr<const std::vector<int64_t>> group;
+  uint64_t watchdog_id = 0;
+  std::chrono::milliseconds timeout{0};
+  // Copied from the first arrival: attribute storage is not ours to keep.
+  std::string op, axis, call_site;
+
+  // Runs once the work is done, before the futures complete (cross-process rounds:
+  // tells the peers their inputs were read).
+  std::function<void()> after_work;
+
+  std::atomic<int> parts_left{0};
+  std::mutex error_mu;
+  std::string error;
+};
+
+// How one process takes part in a round across hosts: the phases' exchanges (plans
+// whose keys derive from the flat plan's, so they never mix with other calls).
+struct Hierarchy {
+  std::shared_ptr<const ExchangePlan> local;   // operands, with this host's other processes
+  std::shared_ptr<const ExchangePlan> across;  // leaders: host results, with the other leaders
+  std::shared_ptr<const ExchangePlan> spread;  // the result, from the leader to its host
+  bool leader = false;        // the lowest process index of its host
+  size_t host_index = 0;      // this host's place among the hosts (ordered by leader)
+  size_t leader_index = 0;    // non-leaders: the leader's place in spread->peers
+  std::vector<size_t> local_ranks;  // per peer of `local`: how many ranks it has
+};
+
+// The hierarchy of a round of `layout_processes` (the group's other processes, with
+// `remote_ranks` each), or nullptr when the flat exchange is as good (one host, or one
+// process per host) or a host is unknown. The same answer in every process.
+std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const ExchangePlan& flat,
+                                               int64_t self, size_t rank_bytes,
+                                               const std::vector<std::vector<int>>& remote_ranks);
+
+// Completes every rank's future: `inline_rank`'s on this thread (it continues that
+// rank's program), the others' on pool threads.
+void CompleteAll(Round& round, int inline_rank, ffi::ErrorCode code);
+// Keeps the round's first error.
+void RecordError(Round& round, std::string err);
+// Combines two 64-bit values so that any change of either changes every output bit
+// with probability 1/2 (splitmix64's finalizer).
+uint64_t Mix(uint64_t h, uint64_t v);
+// "ranks [..] (partitions [..])", for messages.
+std::string RankList(const std::vector<int>& ranks, const std::vector<int64_t>& group);
+
+}  // namespace jaxcomm
