@@ -213,6 +213,16 @@ void TcpLink::Receive() {
     auto frame = std::make_unique<Frame>();
     if (err.empty()) {
       frame->fingerprint = h.fingerprint;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = std::find_if(spare_.begin(), spare_.end(),
+                               [&h](const std::vector<char>& b) { return b.size() == h.bytes; });
+        if (it != spare_.end()) {
+          spare_bytes_ -= it->size();
+          frame->bytes = std::move(*it);
+          spare_.erase(it);
+        }
+      }
       frame->bytes.resize(h.bytes);
       err = ReadAll(fd_, frame->bytes.data(), h.bytes, forever, &stop_);
     }
@@ -281,8 +291,21 @@ std::pair<int64_t, std::vector<char>> TcpLink::Newest(uint64_t key) {
 }
 
 void TcpLink::Drop(uint64_t key, int64_t seq) {
+  // At most this many bytes of spare buffers per link.
+  constexpr size_t kMaxSpareBytes = size_t{256} << 20;
+  constexpr size_t kMaxSpares = 8;
   std::lock_guard<std::mutex> lock(mu_);
-  inbox_.erase({key, seq});
+  auto it = inbox_.find({key, seq});
+  if (it == inbox_.end()) return;
+  std::vector<char> bytes = std::move(it->second->bytes);
+  inbox_.erase(it);
+  if (bytes.empty() || bytes.size() > kMaxSpareBytes) return;
+  while (!spare_.empty() && (spare_.size() >= kMaxSpares || spare_bytes_ + bytes.size() > kMaxSpareBytes)) {
+    spare_bytes_ -= spare_.front().size();
+    spare_.erase(spare_.begin());
+  }
+  spare_bytes_ += bytes.size();
+  spare_.push_back(std::move(bytes));
 }
 
 }  // namespace jaxcomm::cpu

@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run across N processes of --devices CPU devices each")
     p.add_argument("--latency", action="store_true",
                    help=f"only the latency loop: all_reduce at {LATENCY_SIZES}")
+    p.add_argument("--hosts", type=int, default=1, metavar="H",
+                   help="play H hosts on this machine: the processes split into H consecutive "
+                        "groups with their own JAXCOMM_HOST_ID (shared memory within a group, "
+                        "TCP across; all_reduce hierarchical) (default %(default)s)")
     p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                    help="launcher grace period after a process fails (default %(default)g)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -152,6 +156,9 @@ def worker(args: argparse.Namespace) -> int:
     import jax
     ops, sizes = _ops_and_sizes(args)
     rank = jax.process_index()
+    if args.hosts > 1:
+        # Read when the first program is lowered (jaxcomm/_src/transport.py).
+        os.environ["JAXCOMM_HOST_ID"] = f"bench-host-{rank * args.hosts // jax.process_count()}"
     # Generous: a process may be a whole jaxcomm timeout plus a compilation behind.
     sync = KVSync(timeout_s=2 * (args.timeout or DEFAULT_TIMEOUT_S) + 120)
     records = collectives.run(
@@ -210,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.processes < 1 or args.devices < 1:
         parser.error(f"need --processes >= 1 and --devices >= 1, got {args.processes} and "
                      f"{args.devices}")
+    if not 1 <= args.hosts <= args.processes:
+        parser.error(f"need 1 <= --hosts <= --processes, got {args.hosts}")
     try:
         ops, sizes = _ops_and_sizes(args)
         import jax.numpy as jnp
@@ -228,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jaxcomm
     report.print_header({
         "jax": jax.__version__, "jaxcomm": jaxcomm.__version__,
-        "processes": args.processes, "devices/process": args.devices,
+        "processes": args.processes, "devices/process": args.devices, "hosts": args.hosts,
         "xla collectives": "gloo", "JAXCOMM_BACKEND": os.environ.get("JAXCOMM_BACKEND", "auto"),
         "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
         "cpus": os.cpu_count(), "hugetlb": args.hugetlb, "inplace": args.inplace,
