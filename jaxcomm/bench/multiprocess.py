@@ -1,6 +1,6 @@
 """Collective benchmark across processes: ``python -m jaxcomm.bench --processes N``.
 
-    python -m jaxcomm.bench --processes 2 [--devices 1] [--sizes 4B:16MiB] [--latency]
+    python -m jaxcomm.bench --processes 2 [--devices 1] [--hosts 1] [--sizes 4B:16MiB] [--latency]
 
 Starts N processes (x ``--devices`` CPU devices each) with :mod:`jaxcomm.launch`; in each,
 :func:`jaxcomm.bench.collectives.run` times jaxcomm's collectives against XLA's
@@ -8,7 +8,8 @@ multi-process ones (gloo over TCP) on one mesh spanning every device of the job,
 same run, with the same programs, sizes and conventions as the single-process benchmark
 (see :mod:`jaxcomm.bench.collectives`; sizes up to 64 KiB are timed as a
 ``lax.fori_loop`` of 100 collectives in one program). ``--latency`` measures only that
-loop for all_reduce at 4 B..4 KiB.
+loop for all_reduce at 4 B..4 KiB. ``--hosts H`` has the processes play H hosts
+(``JAXCOMM_HOST_ID``): shared memory within each, TCP across, hierarchical all_reduce.
 
 The processes keep in step through the jax.distributed key-value store, not through
 collectives: for each case they agree which sides compiled and ran everywhere (a side
