@@ -424,6 +424,23 @@ def test_bench_latency_mode_reports_failing_sides_per_row(tmp_path):
     assert "all_reduce  (2 processes x 1 devices" in proc.stdout
 
 
+def test_bench_plays_hosts_with_hierarchical_all_reduce(tmp_path):
+    # 4 processes as 2 hosts of 2: shared memory within, TCP across, all_reduce in phases.
+    proc, records = _bench(tmp_path, "auto", "--processes", "4", "--hosts", "2",
+                           "--ops", "all_reduce", "--sizes", "16B,1MiB")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [(r["op"], r["bytes"]) for r in records] == [("all_reduce", 16), ("all_reduce", 1 << 20)]
+    for r in records:
+        assert r["processes"] == 4 and r["error"] is None and r["match"] is True, r
+
+
+@pytest.mark.parametrize("hosts", ["0", "3"])
+def test_bench_rejects_more_hosts_than_processes(tmp_path, hosts):
+    proc, _ = _bench(tmp_path, "auto", "--hosts", hosts)
+    assert proc.returncode == 2
+    assert f"need 1 <= --hosts <= --processes, got {hosts}" in proc.stderr
+
+
 def test_single_process_bench_is_unchanged_by_the_sync_hook():
     # The in-process suite has 8 devices; run() with no Sync keeps its own view.
     from jaxcomm.bench import collectives
