@@ -103,7 +103,7 @@ class HierarchicalRound : public std::enable_shared_from_this<HierarchicalRound>
       for (size_t i = 0; i < blobs.size(); ++i) {
         for (size_t k = 0; k < h_->local_ranks[i]; ++k) in.push_back(blobs[i] + k * shape_.in_bytes);
       }
-      partial_.resize(shape_.in_bytes);
+      partial_ = h_->TakeBuffer(shape_.in_bytes);
       RecordError(*round_, Combine(in, partial_.data()));
     }
     if (h_->local) world_->Release(*h_->local, seq_);
@@ -122,6 +122,7 @@ class HierarchicalRound : public std::enable_shared_from_this<HierarchicalRound>
     RecordError(*round_, Combine(in, first));
     for (size_t i = 1; i < local_.size(); ++i) std::memcpy(round_->peers[local_[i]].out, first, shape_.in_bytes);
     world_->Release(*h_->across, seq_);
+    h_->GiveBuffer(std::move(partial_));
     if (h_->spread) {
       Phase(h_->spread, {{first, shape_.in_bytes}}, &HierarchicalRound::Spread);
     } else {
@@ -150,6 +151,21 @@ class HierarchicalRound : public std::enable_shared_from_this<HierarchicalRound>
 };
 
 }  // namespace
+
+std::vector<char> Hierarchy::TakeBuffer(size_t bytes) const {
+  std::vector<char> b;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    b.swap(spare_);
+  }
+  b.resize(bytes);
+  return b;
+}
+
+void Hierarchy::GiveBuffer(std::vector<char> buffer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  spare_ = std::move(buffer);
+}
 
 bool SpansHostsHierarchically(const CrossProcess& world, const std::vector<int64_t>& processes) {
   return Worthwhile(Hosts(world, processes));

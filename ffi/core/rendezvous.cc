@@ -259,7 +259,6 @@ std::string RankList(const std::vector<int>& ranks, const std::vector<int64_t>& 
   return s.str();
 }
 
-
 void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work,
                                    int me) {
   CrossProcess* world = Registry::Get().cross_process();

@@ -56,6 +56,15 @@ struct Hierarchy {
   size_t host_index = 0;      // this host's place among the hosts (ordered by leader)
   size_t leader_index = 0;    // non-leaders: the leader's place in spread->peers
   std::vector<size_t> local_ranks;  // per peer of `local`: how many ranks it has
+
+  // The leader's buffer for its host's result, kept from one round to the next: a fresh
+  // one costs a page fault per 4 KiB.
+  std::vector<char> TakeBuffer(size_t bytes) const;
+  void GiveBuffer(std::vector<char> buffer) const;
+
+ private:
+  mutable std::mutex mu_;
+  mutable std::vector<char> spare_;
 };
 
 // The hierarchy of a round of `layout_processes` (the group's other processes, with
