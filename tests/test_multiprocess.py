@@ -102,6 +102,44 @@ def test_killed_process_is_named_by_the_survivors(transport: str, elements: int)
     assert jaxcomm_segments() <= before
 
 
+KILLED_IN_A_HIERARCHY = TWO_PER_HOST + """
+import threading, signal, time
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
+step = jax.jit(jax.shard_map(
+    lambda v: jax.lax.fori_loop(0, 50, lambda i, a: jaxcomm.all_reduce(a, "x") * 0.5, v),
+    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+x = jax.device_put(np.ones((jax.device_count() * 4096,), np.float32), NamedSharding(mesh, P("x")))
+step(x).block_until_ready()
+assert [s.algorithm for s in jaxcomm.stats()] == ["hierarchical shm+tcp"]
+print("WARM", flush=True)
+if RANK == 3:
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+try:
+    for _ in range(10000):
+        step(x).block_until_ready()
+    print("NO ERROR", flush=True)
+except Exception as e:
+    print("ERROR", str(e).replace("\\n", " "), flush=True)
+    time.sleep(3)  # the others tell the dead process from this one's exit
+    os._exit(3)
+"""
+
+
+def test_killed_process_in_a_hierarchical_round_is_named_by_every_survivor() -> None:
+    # Process 3 (not a leader) dies: its host's leader hears it in the host phase, the
+    # others, waiting on their leaders, watch it over their own links.
+    res = run_script(KILLED_IN_A_HIERARCHY, 4, 1, env={"JAXCOMM_TIMEOUT_S": "60"},
+                     timeout_s=120, grace_s=20)
+    assert res.returncode != 0
+    for rank in range(3):
+        out = res.output[rank]
+        assert "WARM" in out and "NO ERROR" not in out, res.format()
+        line = next(l for l in out.splitlines() if "ERROR" in l)
+        assert "timed out" not in line, line
+        assert re.search(r"process 3 \(host \S+ \(127\.0\.0\.1\), pid \d+\) with ranks \[3\]", line), line
+        assert "jaxcomm.all_reduce over axis 'x'" in line, line
+
+
 LATE_PROCESS = """
 import time
 mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))

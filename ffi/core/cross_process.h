@@ -31,6 +31,11 @@ struct ExchangePlan {
   std::vector<int64_t> peers;          // the other processes of the group
   std::vector<size_t> peer_bytes;      // the size of each peer's contribution
   std::vector<std::string> peer_desc;  // each peer's ranks, for messages ("ranks [1] ...")
+  // Other processes of the call that this exchange does not hear from (a phase of a
+  // hierarchical round): their death fails it too, named, instead of the phase waiting
+  // for a peer that waits for them.
+  std::vector<int64_t> watched;
+  std::vector<std::string> watched_desc;
   // Fault-tolerant calls: the plan of the second phase, in which the survivors agree on
   // whose contributions count (each sends one byte per process of the group).
   std::shared_ptr<const ExchangePlan> agreement;

@@ -181,12 +181,20 @@ std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const 
   const auto index_of = [&flat](int64_t q) {
     return static_cast<size_t>(std::find(flat.peers.begin(), flat.peers.end(), q) - flat.peers.begin());
   };
-  // A sub-plan of the flat one: its own key and fingerprint, some of its peers.
+  // A sub-plan of the flat one: its own key and fingerprint, some of its peers; it
+  // watches the others (ExchangePlan::watched) once they are all added.
   const auto sub = [&flat](uint64_t tag) {
     auto p = std::make_shared<ExchangePlan>();
     p->key = Mix(flat.key, tag);
     p->fingerprint = Mix(flat.fingerprint, tag);
     return p;
+  };
+  const auto watch_the_rest = [&flat](ExchangePlan& p) {
+    for (size_t i = 0; i < flat.peers.size(); ++i) {
+      if (std::find(p.peers.begin(), p.peers.end(), flat.peers[i]) != p.peers.end()) continue;
+      p.watched.push_back(flat.peers[i]);
+      p.watched_desc.push_back(flat.peer_desc[i]);
+    }
   };
   const std::vector<int64_t>* mine = nullptr;
   for (size_t i = 0; i < hosts.size(); ++i) {
@@ -212,6 +220,8 @@ std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const 
       spread->peer_bytes.push_back(q == leader ? rank_bytes : 0);
       spread->peer_desc.push_back(flat.peer_desc[i] + " (the leader of this host)");
     }
+    watch_the_rest(*local);
+    watch_the_rest(*spread);
     h->local = std::move(local);
     h->spread = std::move(spread);
   }
@@ -225,6 +235,7 @@ std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const 
       across->peer_bytes.push_back(rank_bytes);
       across->peer_desc.push_back(flat.peer_desc[i] + " (the leader of its host)");
     }
+    watch_the_rest(*across);
     h->across = std::move(across);
   }
   return h;

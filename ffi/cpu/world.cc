@@ -413,6 +413,16 @@ bool World::Failure(Pending& p, std::string* error) {
              (p.blobs[i] ? " after it arrived at this call" : " before it arrived at this call");
     return true;
   }
+  for (size_t i = 0; i < plan.watched.size(); ++i) {
+    auto link = Peer(plan.watched[i]);
+    if (!link) continue;
+    std::string gone = link->tcp ? link->tcp->failure() : "";
+    if (gone.empty() && link->shm) gone = ProcessGone(link->pid);
+    if (gone.empty()) continue;
+    *error = link->Describe() + " with " + plan.watched_desc[i] + " failed: " + gone +
+             " (it takes part in this call through the other phases of a hierarchical round)";
+    return true;
+  }
   if (now < s.deadline) return false;
   if (s.tolerant) {
     for (size_t i = 0; i < p.links.size(); ++i) {
