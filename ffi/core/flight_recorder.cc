@@ -226,7 +226,7 @@ const TraceSite* FlightRecorder::AddSite(std::unique_ptr<TraceSite> site) {
 }
 
 const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallContext& ctx, bool streamed,
-                                        bool combines) {
+                                        bool phased) {
   const int g = static_cast<int>(ctx.group_index);
   if (const TraceSite* s = FindSite(&table, table.instruction_key(), g)) return s;
   auto site = std::make_unique<TraceSite>();
@@ -241,10 +241,10 @@ const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallConte
   site->processes = remote;
   site->processes.push_back(Registry::Get().process_index());
   std::sort(site->processes.begin(), site->processes.end());
-  bool shm = false, tcp = false, stream = false, hierarchical = false;
+  bool shm = false, tcp = false, stream = false, hierarchical = false;  // what the call does
   if (const CrossProcess* world = Registry::Get().cross_process()) {
     stream = streamed && world->CanStream(remote);
-    hierarchical = combines && SpansHostsHierarchically(*world, site->processes);
+    hierarchical = phased && SpansHostsHierarchically(*world, site->processes);
     for (int64_t p : remote) {
       const std::string kind = world->LinkKind(p);
       shm |= kind == "shm";

@@ -71,9 +71,9 @@ class FlightRecorder {
   // The site of a call (ctx: op, axis, call site, group index) of `table`'s instruction:
   // found lock-free, or described (group, processes, algorithm) and added. `streamed`:
   // the call's rounds stream if the transport can (Streamable, CrossProcess::CanStream);
-  // `combines`: across hosts they run hierarchically (SpansHostsHierarchically).
+  // `hierarchical`: across hosts they run in phases (SpansHostsHierarchically).
   const TraceSite* SiteOf(const RoundTable& table, const CallContext& ctx, bool streamed = false,
-                          bool combines = false);
+                          bool hierarchical = false);
 
   // Records a call of `partition` entering jaxcomm (pending); returns its handle for the
   // updates below (0 when recording is off). Called on the device thread.

@@ -1,12 +1,14 @@
-// A reduction over processes on several hosts, in three phases instead of every
-// process sending its operands to every other:
-//   1. local:  the processes of each host exchange their operands (shared memory), and
-//              the host's leader (its lowest process index) reduces them;
-//   2. across: the leaders exchange their hosts' results (TCP) and each reduces those,
-//              in host order, so that every leader gets the same bits;
-//   3. spread: each leader hands the result to the other processes of its host.
-// What crosses between hosts drops from (processes per host)^2 copies of an operand per
-// pair of hosts to one. Each phase is an exchange (core/cross_process.h) with its own
+// A round over processes on several hosts, in three phases instead of every process
+// sending its operands to every other:
+//   1. local:  the processes of each host exchange their operands (shared memory);
+//   2. across: the hosts' leaders (their lowest process index) exchange, over TCP,
+//              reductions: their host's result, which each leader combines in host
+//              order, so that every leader gets the same bits;
+//              other ops (a relay): their host's bundle of operands;
+//   3. spread: each leader hands the result (relay: the other hosts' bundles) to the
+//              other processes of its host, which then run the op's work as usual.
+// What crosses between two hosts drops from (processes per host)^2 copies of an operand
+// to one. Each phase is an exchange (core/cross_process.h) with its own
 // plan, deadline and errors; a phase's continuation never runs on the transport's
 // progress thread.
 #include <algorithm>
@@ -46,18 +48,27 @@ bool Worthwhile(const std::vector<std::vector<int64_t>>& hosts) {
 // One process's part in one hierarchical round; owned by the exchanges' callbacks.
 class HierarchicalRound : public std::enable_shared_from_this<HierarchicalRound> {
  public:
-  HierarchicalRound(std::shared_ptr<Round> round, int me, std::shared_ptr<const Hierarchy> h,
-                    std::vector<int> local, const Peer& shape)
-      : round_(std::move(round)), me_(me), h_(std::move(h)), local_(std::move(local)), shape_(shape),
-        world_(Registry::Get().cross_process()), seq_(round_->execution),
-        deadline_(Clock::now() + round_->timeout) {}
+  HierarchicalRound(std::shared_ptr<Round> round, std::shared_ptr<const WorkFn> work, int me,
+                    std::shared_ptr<const Hierarchy> h, const std::vector<int>& local,
+                    const std::vector<std::vector<int>>& remote, const Peer& shape)
+      : round_(std::move(round)), work_(std::move(work)), me_(me), h_(std::move(h)), local_(local),
+        remote_(remote), shape_(shape), world_(Registry::Get().cross_process()), seq_(round_->execution),
+        deadline_(Clock::now() + round_->timeout) {
+    // This process's contribution, as the flat exchange sends it.
+    for (int r : local_) {
+      const Peer& p = round_->peers[r];
+      mine_.emplace_back(p.in, p.in_bytes);
+      for (int k = 0; k < 4; ++k) {
+        if (p.aux_bytes[k] > 0) mine_.emplace_back(p.aux[k], p.aux_bytes[k]);
+      }
+    }
+  }
 
   void Start() {
-    Registry::Get().recorder().Start(round_->peers);
-    if (!h_->local) return Reduced({});
-    std::vector<std::pair<const void*, size_t>> mine;
-    for (int r : local_) mine.emplace_back(round_->peers[r].in, shape_.in_bytes);
-    Phase(h_->local, std::move(mine), &HierarchicalRound::Reduced);
+    const Next next = h_->relay ? &HierarchicalRound::Gathered : &HierarchicalRound::Reduced;
+    if (!h_->relay) Registry::Get().recorder().Start(round_->peers);
+    if (!h_->local) return ((*this).*next)({});
+    Phase(h_->local, mine_, next);
   }
 
  private:
@@ -139,11 +150,54 @@ class HierarchicalRound : public std::enable_shared_from_this<HierarchicalRound>
     CompleteAll(*round_, me_, ffi::ErrorCode::kInternal);
   }
 
+  // Relay, after phase 1: leaders send their host's bundle to the other leaders.
+  void Gathered(const std::vector<const char*>& blobs) {
+    local_blobs_ = blobs;
+    if (!h_->leader) return Phase(h_->spread, {}, &HierarchicalRound::Relayed);
+    std::vector<std::pair<const void*, size_t>> bundle;
+    for (int q : h_->bundle) {
+      if (q < 0) {
+        bundle.insert(bundle.end(), mine_.begin(), mine_.end());
+      } else {
+        bundle.emplace_back(blobs[q], h_->local->peer_bytes[q]);
+      }
+    }
+    Phase(h_->across, std::move(bundle), &HierarchicalRound::Crossed);
+  }
+
+  // Relay, after phase 2 (leaders): the other hosts' bundles go to this host.
+  void Crossed(const std::vector<const char*>& blobs) {
+    across_blobs_ = blobs;
+    if (!h_->spread) return Relayed({});
+    std::vector<std::pair<const void*, size_t>> others;
+    for (size_t i = 0; i < blobs.size(); ++i) others.emplace_back(blobs[i], h_->across->peer_bytes[i]);
+    Phase(h_->spread, std::move(others), &HierarchicalRound::Relayed);
+  }
+
+  // Relay, after phase 3: every process's operands are here; the op's work runs as in a
+  // flat round, and the phases are released once it has read them.
+  void Relayed(const std::vector<const char*>& blobs) {
+    const std::vector<const char*>* phases[3] = {&local_blobs_, &across_blobs_, &blobs};
+    std::vector<const char*> operands;
+    for (const Hierarchy::Source& src : h_->sources) operands.push_back((*phases[src.phase])[src.index] + src.offset);
+    PlaceRemoteOperands(*round_, remote_, shape_, operands);
+    round_->after_work = [world = world_, h = h_, seq = seq_] {
+      for (const auto* plan : {h->local.get(), h->across.get(), h->spread.get()}) {
+        if (plan) world->Release(*plan, seq);
+      }
+    };
+    Execute(round_, work_, me_);
+  }
+
   std::shared_ptr<Round> round_;
+  std::shared_ptr<const WorkFn> work_;
   int me_;
   std::shared_ptr<const Hierarchy> h_;
-  std::vector<int> local_;  // this process's ranks
+  const std::vector<int>& local_;                // this process's ranks
+  const std::vector<std::vector<int>>& remote_;  // the other processes' (flat plan order)
   Peer shape_;
+  std::vector<std::pair<const void*, size_t>> mine_;
+  std::vector<const char*> local_blobs_, across_blobs_;
   CrossProcess* world_;
   int64_t seq_;
   Clock::time_point deadline_;
@@ -172,12 +226,14 @@ bool SpansHostsHierarchically(const CrossProcess& world, const std::vector<int64
 }
 
 std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const ExchangePlan& flat, int64_t self,
-                                               size_t rank_bytes, const std::vector<std::vector<int>>& remote_ranks) {
+                                               size_t rank_bytes, size_t my_ranks,
+                                               const std::vector<std::vector<int>>& remote_ranks, bool relay) {
   std::vector<int64_t> all = flat.peers;
   all.push_back(self);
   const auto hosts = Hosts(world, all);
   if (!Worthwhile(hosts)) return nullptr;
   auto h = std::make_shared<Hierarchy>();
+  h->relay = relay;
   const auto index_of = [&flat](int64_t q) {
     return static_cast<size_t>(std::find(flat.peers.begin(), flat.peers.end(), q) - flat.peers.begin());
   };
@@ -205,6 +261,18 @@ std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const 
   }
   const int64_t leader = mine->front();
   h->leader = leader == self;
+  // Relay: what each process contributes, and each host's bundle.
+  const auto bytes_of = [&](int64_t q) {
+    return rank_bytes * (q == self ? my_ranks : remote_ranks[index_of(q)].size());
+  };
+  std::vector<size_t> bundle_bytes;
+  for (const auto& host : hosts) {
+    size_t b = 0;
+    for (int64_t q : host) b += bytes_of(q);
+    bundle_bytes.push_back(b);
+  }
+  size_t others_bytes = 0;  // what the spread phase carries in a relay
+  for (size_t i = 0; i < hosts.size(); ++i) others_bytes += i == h->host_index ? 0 : bundle_bytes[i];
   if (mine->size() > 1) {
     auto local = sub(0x686c6f63616cull);    // "hlocal"
     auto spread = sub(0x68737072656164ull);  // "hspread"
@@ -217,7 +285,7 @@ std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const 
       h->local_ranks.push_back(remote_ranks[i].size());
       if (q == leader) h->leader_index = spread->peers.size();
       spread->peers.push_back(q);
-      spread->peer_bytes.push_back(q == leader ? rank_bytes : 0);
+      spread->peer_bytes.push_back(q != leader ? 0 : relay ? others_bytes : rank_bytes);
       spread->peer_desc.push_back(flat.peer_desc[i] + " (the leader of this host)");
     }
     watch_the_rest(*local);
@@ -232,20 +300,48 @@ std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const 
       if (q == self) continue;
       const size_t i = index_of(q);
       across->peers.push_back(q);
-      across->peer_bytes.push_back(rank_bytes);
+      across->peer_bytes.push_back(relay ? bundle_bytes[static_cast<size_t>(&host - hosts.data())] : rank_bytes);
       across->peer_desc.push_back(flat.peer_desc[i] + " (the leader of its host)");
     }
     watch_the_rest(*across);
     h->across = std::move(across);
   }
+  if (!relay) return h;
+  for (int64_t q : *mine) {
+    h->bundle.push_back(q == self ? -1 : static_cast<int>(std::find(h->local->peers.begin(), h->local->peers.end(), q) -
+                                                          h->local->peers.begin()));
+  }
+  for (int64_t q : flat.peers) {
+    Hierarchy::Source src;
+    size_t host = 0, offset = 0;  // q's host, and q's place in its bundle
+    for (size_t i = 0; i < hosts.size(); ++i) {
+      auto it = std::find(hosts[i].begin(), hosts[i].end(), q);
+      if (it == hosts[i].end()) continue;
+      host = i;
+      for (auto p = hosts[i].begin(); p != it; ++p) offset += bytes_of(*p);
+    }
+    if (host == h->host_index) {
+      src = {0, static_cast<size_t>(std::find(h->local->peers.begin(), h->local->peers.end(), q) - h->local->peers.begin()), 0};
+    } else if (h->leader) {
+      // The other leaders in host order, this host left out.
+      src = {1, host - (host > h->host_index ? 1 : 0), offset};
+    } else {
+      size_t before = 0;  // the bundles ahead of q's in the spread, this host's left out
+      for (size_t i = 0; i < host; ++i) before += i == h->host_index ? 0 : bundle_bytes[i];
+      src = {2, h->leader_index, before + offset};
+    }
+    h->sources.push_back(src);
+  }
   return h;
 }
 
-void RoundTable::StartHierarchical(const std::shared_ptr<Round>& round, int me, std::shared_ptr<const Hierarchy> hierarchy,
-                                   const Peer& shape) {
-  // `local` lives as long as the table, which the round's instruction state keeps alive.
-  const std::vector<int>& local = layouts_[round->group_index].local;
-  std::make_shared<HierarchicalRound>(round, me, std::move(hierarchy), local, shape)->Start();
+void RoundTable::StartHierarchical(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work, int me,
+                                   std::shared_ptr<const Hierarchy> hierarchy, const Peer& shape) {
+  // The layout lives as long as the table, which the round's instruction state keeps alive.
+  const Layout& layout = layouts_[round->group_index];
+  std::make_shared<HierarchicalRound>(round, std::move(work), me, std::move(hierarchy), layout.local, layout.remote,
+                                      shape)
+      ->Start();
 }
 
 }  // namespace jaxcomm

@@ -96,7 +96,28 @@ void RunPart(const std::shared_ptr<Round>& round, const std::shared_ptr<const Wo
   }
 }
 
-// Runs the work of a round whose ranks all arrived; `me` is the arriving rank.
+}  // namespace
+
+void PlaceRemoteOperands(Round& round, const std::vector<std::vector<int>>& remote, const Peer& shape,
+                         const std::vector<const char*>& blobs) {
+  for (size_t i = 0; i < remote.size(); ++i) {
+    const char* at = blobs[i];
+    for (int r : remote[i]) {
+      Peer& p = round.peers[r];
+      p = Peer{};
+      if (at == nullptr) continue;  // left out of a fault-tolerant call
+      p.in = at;
+      p.in_bytes = shape.in_bytes;
+      at += shape.in_bytes;
+      for (int k = 0; k < 4; ++k) {
+        p.aux[k] = shape.aux_bytes[k] ? at : nullptr;
+        p.aux_bytes[k] = shape.aux_bytes[k];
+        at += shape.aux_bytes[k];
+      }
+    }
+  }
+}
+
 void Execute(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int me) {
   Registry::Get().recorder().Start(round->peers);
   if (round->parts == 1) {
@@ -113,8 +134,6 @@ void Execute(const std::shared_ptr<Round>& round, const std::shared_ptr<const Wo
   }
   RunPart(round, work, mine, me);
 }
-
-}  // namespace
 
 RoundTable::RoundTable(std::vector<std::vector<int64_t>> groups,
                        const std::vector<std::pair<int64_t, int64_t>>& partition_devices,
@@ -303,8 +322,9 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
       }
       const bool no_aux = std::all_of(l.shape.aux_bytes.begin(), l.shape.aux_bytes.end(),
                                       [](size_t b) { return b == 0; });
-      if (round->combine && !round->tolerant && no_aux) {
-        l.hierarchy = PlanHierarchy(*world, *p, Registry::Get().process_index(), l.shape.in_bytes, l.remote);
+      if (!round->tolerant) {
+        l.hierarchy = PlanHierarchy(*world, *p, Registry::Get().process_index(), per_rank, l.local.size(), l.remote,
+                                    /*relay=*/!(round->combine && no_aux));
       }
       if (Streamable(l.shape, round->range != nullptr, round->tolerant)) {
         auto arrival = std::make_shared<ExchangePlan>(*p);
@@ -320,7 +340,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
     shape = l.shape;
   }
   if (hierarchy) {
-    StartHierarchical(round, me, std::move(hierarchy), shape);
+    StartHierarchical(round, std::move(work), me, std::move(hierarchy), shape);
     return;
   }
   if (plan->arrival && world->CanStream(plan->peers)) {
@@ -351,22 +371,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
                   timed_out ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kUnavailable);
       return;
     }
-    for (size_t i = 0; i < layout.remote.size(); ++i) {
-      const char* at = blobs[i];
-      for (int r : layout.remote[i]) {
-        Peer& p = round->peers[r];
-        p = Peer{};
-        if (at == nullptr) continue;  // left out of a fault-tolerant call
-        p.in = at;
-        p.in_bytes = shape.in_bytes;
-        at += shape.in_bytes;
-        for (int k = 0; k < 4; ++k) {
-          p.aux[k] = shape.aux_bytes[k] ? at : nullptr;
-          p.aux_bytes[k] = shape.aux_bytes[k];
-          at += shape.aux_bytes[k];
-        }
-      }
-    }
+    PlaceRemoteOperands(*round, layout.remote, shape, blobs);
     round->after_work = [world, plan, seq] { world->Release(*plan, seq); };
     if (inline_here) {
       Execute(round, work, me);

@@ -81,8 +81,8 @@ inline bool Streamable(const Peer& mine, bool has_range, bool tolerant) {
 // (core/hierarchical.cc).
 using CombineFn = std::function<std::string(const std::vector<const void*>& in, void* out, size_t elements)>;
 
-// Whether a round over `processes` (this one included) runs hierarchically when its op
-// has a CombineFn: they span several hosts and some host holds several of them.
+// Whether a round over `processes` (this one included) runs hierarchically (unless it is
+// fault tolerant): they span several hosts and some host holds several of them.
 bool SpansHostsHierarchically(const CrossProcess& world, const std::vector<int64_t>& processes);
 
 struct CollectiveCall {
@@ -148,8 +148,8 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   void StartStream(const std::shared_ptr<Round>& round, int me, std::shared_ptr<const ExchangePlan> plan,
                    const Peer& shape);
   // The same for a round that runs in phases across hosts (core/hierarchical.cc).
-  void StartHierarchical(const std::shared_ptr<Round>& round, int me, std::shared_ptr<const Hierarchy> hierarchy,
-                         const Peer& shape);
+  void StartHierarchical(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work, int me,
+                         std::shared_ptr<const Hierarchy> hierarchy, const Peer& shape);
 
   // Where a group's ranks live: this process's ranks, and each other process's.
   struct Layout {

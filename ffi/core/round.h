@@ -48,14 +48,29 @@ struct Round {
 
 // How one process takes part in a round across hosts: the phases' exchanges (plans
 // whose keys derive from the flat plan's, so they never mix with other calls).
+// Reductions send results between hosts; a relay (every other op) sends operands: each
+// host's bundle (its processes ascending, their ranks' operands) crosses once per other
+// host, and the leader hands the other hosts' bundles to its host.
 struct Hierarchy {
+  bool relay = false;
   std::shared_ptr<const ExchangePlan> local;   // operands, with this host's other processes
-  std::shared_ptr<const ExchangePlan> across;  // leaders: host results, with the other leaders
-  std::shared_ptr<const ExchangePlan> spread;  // the result, from the leader to its host
+  std::shared_ptr<const ExchangePlan> across;  // leaders: results (bundles), with the other leaders
+  std::shared_ptr<const ExchangePlan> spread;  // from the leader to its host
   bool leader = false;        // the lowest process index of its host
   size_t host_index = 0;      // this host's place among the hosts (ordered by leader)
   size_t leader_index = 0;    // non-leaders: the leader's place in spread->peers
   std::vector<size_t> local_ranks;  // per peer of `local`: how many ranks it has
+  // Relay: where each of the group's other processes' operands arrive (aligned with the
+  // flat plan's peers): in which phase's contributions, whose, at which offset.
+  struct Source {
+    int phase = 0;  // 0 local, 1 across, 2 spread
+    size_t index = 0;
+    size_t offset = 0;
+  };
+  std::vector<Source> sources;
+  // Relay, leaders: their host's bundle, by process: -1 for this one, else the index of
+  // its contribution to `local`.
+  std::vector<int> bundle;
 
   // The leader's buffer for its host's result, kept from one round to the next: a fresh
   // one costs a page fault per 4 KiB.
@@ -67,13 +82,22 @@ struct Hierarchy {
   mutable std::vector<char> spare_;
 };
 
-// The hierarchy of a round of `layout_processes` (the group's other processes, with
+// The hierarchy of a round of the flat plan's peers (the group's other processes, with
 // `remote_ranks` each), or nullptr when the flat exchange is as good (one host, or one
 // process per host) or a host is unknown. The same answer in every process.
+// `rank_bytes`: what one rank contributes (its operand and aux operands); `my_ranks`: how
+// many ranks this process has; `relay`: the op has no CombineFn.
 std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const ExchangePlan& flat,
-                                               int64_t self, size_t rank_bytes,
-                                               const std::vector<std::vector<int>>& remote_ranks);
+                                               int64_t self, size_t rank_bytes, size_t my_ranks,
+                                               const std::vector<std::vector<int>>& remote_ranks, bool relay);
 
+// Points the Peers of the ranks of other processes at their operands: blobs[i] holds
+// those of remote[i]'s ranks, in rank order, each rank's `in` then its aux operands.
+void PlaceRemoteOperands(Round& round, const std::vector<std::vector<int>>& remote, const Peer& shape,
+                         const std::vector<const char*>& blobs);
+// Runs the work of a round whose operands are all in place; `me` is the arriving rank
+// (its future completes on this thread).
+void Execute(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int me);
 // Completes every rank's future: `inline_rank`'s on this thread (it continues that
 // rank's program), the others' on pool threads.
 void CompleteAll(Round& round, int inline_rank, ffi::ErrorCode code);

@@ -175,8 +175,12 @@ else:
     check_all(mesh1, ("x",), "x")
     check_streamed(mesh1, ("x",), "x")
 if "JAXCOMM_HOST_ID" in os.environ and NPROC >= 4:
-    # Two processes per "host": all_reduce (not bf16) reduced within each host first.
-    hierarchical = {s.op for s in jaxcomm.stats() if s.algorithm == "hierarchical shm+tcp"}
-    assert hierarchical == {"all_reduce"}, [(s.op, s.algorithm) for s in jaxcomm.stats()]
+    # Two processes per "host": every op that crossed hosts went in phases (all_reduce
+    # reduced within each host first, the others relayed by the hosts' leaders).
+    algorithms = {(s.op, s.algorithm) for s in jaxcomm.stats()}
+    assert not {a for a in algorithms if a[1] == "shm+tcp"}, algorithms
+    hierarchical = {op for op, a in algorithms if a == "hierarchical shm+tcp"}
+    assert hierarchical == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute",
+                            "broadcast", "ragged_all_to_all", "moe_transport"}, algorithms
     print("CHECKED hierarchical", flush=True)
 print("ALL CHECKED", flush=True)
