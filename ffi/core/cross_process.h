@@ -96,8 +96,9 @@ class CrossProcess {
   virtual bool CanStream(const std::vector<int64_t>& /*peers*/) const { return false; }
   // Streams round spec.seq, once every process of the group arrived at it (its arrival
   // handshake finished): returns once this process published all its chunks and
-  // consumed every peer's (its inputs are no longer read); "" or the error.
-  virtual std::string Stream(const StreamSpec& /*spec*/, const StreamConsume& /*consume*/) {
+  // consumed every peer's (its inputs are no longer read); "" or the error, with
+  // `timed_out` telling a deadline from a failure.
+  virtual std::string Stream(const StreamSpec& /*spec*/, const StreamConsume& /*consume*/, bool* /*timed_out*/) {
     return "this transport cannot stream";
   }
   // The host key of process `p` (this one's too): processes with the same key share

@@ -387,21 +387,23 @@ void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::s
   const Layout& layout = layouts_[round->group_index];
   const int64_t seq = round->execution;
   const auto deadline = Clock::now() + round->timeout;
-  // The whole round is one stream on one thread: its chunks are consumed in order.
-  round->parts = 1;
-  auto stream = std::make_shared<const WorkFn>(
-      [world, plan, seq, shape, deadline, &layout, range = round->range](
-          const std::vector<Peer>& peers, int, int) -> std::string {
-        StreamSpec spec;
-        spec.plan = plan;
-        spec.seq = seq;
-        for (int r : layout.local) spec.mine.push_back(static_cast<const char*>(peers[r].in));
-        for (const auto& ranks : layout.remote) spec.peer_ranks.push_back(ranks.size());
-        spec.elements = static_cast<size_t>(shape.elements);
-        spec.item_bytes = shape.in_bytes / spec.elements;
-        spec.deadline = deadline;
-        std::vector<Peer> view = peers;
-        return world->Stream(spec, [&](const std::vector<const char*>& remote, size_t lo, size_t hi) {
+  // The whole round is one stream on one thread (its chunks are consumed in order),
+  // which then completes the round; `inline_rank` continues on it.
+  auto stream = [world, plan, seq, shape, deadline, &layout](const std::shared_ptr<Round>& round, int inline_rank) {
+    Registry::Get().recorder().Start(round->peers);
+    StreamSpec spec;
+    spec.plan = plan;
+    spec.seq = seq;
+    for (int r : layout.local) spec.mine.push_back(static_cast<const char*>(round->peers[r].in));
+    for (const auto& ranks : layout.remote) spec.peer_ranks.push_back(ranks.size());
+    spec.elements = static_cast<size_t>(shape.elements);
+    spec.item_bytes = shape.in_bytes / spec.elements;
+    spec.deadline = deadline;
+    std::vector<Peer> view = round->peers;
+    bool timed_out = false;
+    const std::string error = world->Stream(
+        spec,
+        [&](const std::vector<const char*>& remote, size_t lo, size_t hi) {
           for (size_t i = 0; i < layout.local.size(); ++i) {
             view[layout.local[i]].in = spec.mine[i] + lo * spec.item_bytes;
           }
@@ -409,9 +411,12 @@ void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::s
           for (const auto& ranks : layout.remote) {
             for (int r : ranks) view[r].in = remote[k++];
           }
-          return (*range)(view, lo, hi);
-        });
-      });
+          return (*round->range)(view, lo, hi);
+        },
+        &timed_out);
+    RecordError(*round, error);
+    CompleteAll(*round, inline_rank, timed_out ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kUnavailable);
+  };
   // First every process learns that all the others are in this round (an exchange of
   // nothing); from then on each one streams, and no wait in the stream can be on a
   // process that is still busy elsewhere.
@@ -431,9 +436,9 @@ void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::s
     }
     round->after_work = [world, plan, seq] { world->Release(*plan->arrival, seq); };
     if (inline_here) {
-      Execute(round, stream, me);
+      stream(round, me);
     } else {
-      Registry::Get().pool().Post([round, stream, me] { Execute(round, stream, me); });
+      Registry::Get().pool().Post([round, stream, me] { stream(round, me); });
     }
   });
 }

@@ -59,7 +59,8 @@ class World : public CrossProcess {
 
   void Exchange(ExchangeSpec spec, ExchangeDone done) override;
   bool CanStream(const std::vector<int64_t>& peers) const override;
-  std::string Stream(const StreamSpec& spec, const StreamConsume& consume) override;  // world_stream.cc
+  std::string Stream(const StreamSpec& spec, const StreamConsume& consume,
+                     bool* timed_out) override;  // world_stream.cc
   void Release(const ExchangePlan& plan, int64_t seq) override;
   bool Linked(int64_t p) const override;
   // Processes left out after they failed in a fault-tolerant exchange.

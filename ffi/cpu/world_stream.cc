@@ -55,7 +55,8 @@ bool World::CanStream(const std::vector<int64_t>& peers) const {
   return true;
 }
 
-std::string World::Stream(const StreamSpec& s, const StreamConsume& consume) {
+std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, bool* timed_out) {
+  *timed_out = false;
   const ExchangePlan& plan = *s.plan;
   const size_t item = s.item_bytes;
   if (s.elements == 0 || item == 0) return "";
@@ -186,6 +187,7 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume) {
         behind << (behind.tellp() > 0 ? "; " : "") << src.desc;
       }
       if (now >= s.deadline) {
+        *timed_out = true;
         return "timed out (timeout_s / JAXCOMM_TIMEOUT_S) streaming this call through shared memory "
                "at chunk " + std::to_string(got) + " of " + std::to_string(chunks) + ", waiting for " +
                behind.str();
