@@ -49,6 +49,8 @@ struct ExchangeSpec {
   int64_t seq = 0;  // which execution of the instruction by the group (from 1)
   // This process's contribution, in order: what the peers read.
   std::vector<std::pair<const void*, size_t>> mine;
+  // When not empty: what goes to each peer (plan order) linked by TCP instead of `mine`.
+  std::vector<std::vector<std::pair<const void*, size_t>>> per_peer;
   std::chrono::steady_clock::time_point deadline;
   // Fault tolerant: a peer that dies or misses the deadline is left out (its blob is
   // nullptr) instead of failing the exchange, the survivors agree on who is left out,

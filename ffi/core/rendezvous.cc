@@ -219,6 +219,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->tolerant = call.tolerant;
         round->range = call.range;
         round->combine = call.combine;
+        round->needs = call.needs;
         round->op = std::string(call.ctx.op);
         round->axis = std::string(call.ctx.axis);
         round->call_site = std::string(call.ctx.call_site);
@@ -326,6 +327,29 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
         l.hierarchy = PlanHierarchy(*world, *p, Registry::Get().process_index(), per_rank, l.local.size(), l.remote,
                                     /*relay=*/!(round->combine && no_aux));
       }
+      l.received = l.remote;
+      for (size_t i = 0; i < l.remote.size(); ++i) {
+        std::vector<size_t> all(l.local.size());
+        for (size_t k = 0; k < all.size(); ++k) all[k] = k;
+        l.sent.push_back(std::move(all));
+        if (!round->needs || round->tolerant || l.hierarchy || world->LinkKind(l.processes[i]) != "tcp") continue;
+        // The same rule in both processes: each sends what the other's ranks read.
+        const NeedsFn& needs = *round->needs;
+        std::vector<int> received;
+        for (int s : l.remote[i]) {
+          if (std::any_of(l.local.begin(), l.local.end(), [&](int d) { return needs(s, d); })) received.push_back(s);
+        }
+        std::vector<size_t> sent;
+        for (size_t k = 0; k < l.local.size(); ++k) {
+          if (std::any_of(l.remote[i].begin(), l.remote[i].end(), [&](int d) { return needs(l.local[k], d); })) {
+            sent.push_back(k);
+          }
+        }
+        l.subsets |= sent.size() != l.local.size();
+        p->peer_bytes[i] = per_rank * received.size();
+        l.received[i] = std::move(received);
+        l.sent[i] = std::move(sent);
+      }
       if (Streamable(l.shape, round->range != nullptr, round->tolerant)) {
         auto arrival = std::make_shared<ExchangePlan>(*p);
         arrival->key = Mix(p->key, 0x6172726976616c00ull);  // "arrival"
@@ -351,10 +375,17 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
   spec.plan = plan;
   spec.seq = round->execution;
   spec.tolerant = round->tolerant;
-  for (int r : layout.local) {
+  const auto pieces = [&round](int r, std::vector<std::pair<const void*, size_t>>& out) {
     const Peer& p = round->peers[r];
-    spec.mine.emplace_back(p.in, p.in_bytes);
-    for (int k = 0; k < 4; ++k) spec.mine.emplace_back(p.aux[k], p.aux_bytes[k]);
+    out.emplace_back(p.in, p.in_bytes);
+    for (int k = 0; k < 4; ++k) out.emplace_back(p.aux[k], p.aux_bytes[k]);
+  };
+  for (int r : layout.local) pieces(r, spec.mine);
+  if (layout.subsets) {
+    spec.per_peer.resize(layout.sent.size());
+    for (size_t i = 0; i < layout.sent.size(); ++i) {
+      for (size_t k : layout.sent[i]) pieces(layout.local[k], spec.per_peer[i]);
+    }
   }
   spec.deadline = Clock::now() + round->timeout;  // the local ranks' wait is already over
   const auto caller = std::this_thread::get_id();
@@ -371,7 +402,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
                   timed_out ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kUnavailable);
       return;
     }
-    PlaceRemoteOperands(*round, layout.remote, shape, blobs);
+    PlaceRemoteOperands(*round, layout.received, shape, blobs);
     round->after_work = [world, plan, seq] { world->Release(*plan, seq); };
     if (inline_here) {
       Execute(round, work, me);

@@ -81,6 +81,11 @@ inline bool Streamable(const Peer& mine, bool has_range, bool tolerant) {
 // (core/hierarchical.cc).
 using CombineFn = std::function<std::string(const std::vector<const void*>& in, void* out, size_t elements)>;
 
+// Which operands a rank's result depends on: whether rank `dst`'s result reads rank
+// `src`'s operand (ppermute: its source's; broadcast: the root's). Without it, every
+// rank's. Over TCP a process then sends each peer only the operands that peer reads.
+using NeedsFn = std::function<bool(int src, int dst)>;
+
 // Whether a round over `processes` (this one included) runs hierarchically (unless it is
 // fault tolerant): they span several hosts and some host holds several of them.
 bool SpansHostsHierarchically(const CrossProcess& world, const std::vector<int64_t>& processes);
@@ -100,6 +105,7 @@ struct CollectiveCall {
   // The op's work by element ranges, and its combining step, when it has them.
   std::shared_ptr<const RangeFn> range;
   std::shared_ptr<const CombineFn> combine;
+  std::shared_ptr<const NeedsFn> needs;
 };
 
 struct Round;
@@ -160,6 +166,11 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
     // Made by the first cross-process round (it needs the operands' sizes), under mu_.
     std::shared_ptr<const ExchangePlan> plan;
     std::shared_ptr<const Hierarchy> hierarchy;  // rounds that run in phases across hosts
+    // Per other process: the ranks whose operands arrive from it (all of its ranks but
+    // over TCP with a NeedsFn), and the places in `local` of the ranks sent to it.
+    std::vector<std::vector<int>> received;
+    std::vector<std::vector<size_t>> sent;
+    bool subsets = false;  // some `sent` is not all of `local`
     Peer shape;  // the sizes every rank's operands have
   };
 

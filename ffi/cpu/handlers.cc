@@ -240,6 +240,7 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
         return "";
       };
   LaunchOptions options;
+  options.needs = [src](int s, int d) { return src[d] == s; };
   const size_t item = bytes / x.element_count();
   options.range = [src, item](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
     ForEachOwnedRank(peers, 0, 1, [&](int d) {
@@ -274,7 +275,9 @@ ffi::Future Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
         });
         return "";
       };
-  return Launch(c, mine, 2 * bytes * group_size, std::move(work));
+  LaunchOptions options;
+  options.needs = [root](int s, int) { return s == root; };
+  return Launch(c, mine, 2 * bytes * group_size, std::move(work), std::move(options));
 }
 
 // --------------------------------------------------------------------------- instantiate

@@ -109,6 +109,7 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   call.tolerant = options.tolerant;
   if (options.range) call.range = std::make_shared<const RangeFn>(std::move(options.range));
   if (options.combine) call.combine = std::make_shared<const CombineFn>(std::move(options.combine));
+  if (options.needs) call.needs = std::make_shared<const NeedsFn>(std::move(options.needs));
   // Injected faults first (a delayed rank arrives late, a hung one never joins),
   // then this call's flight recorder entry.
   Registry& registry = Registry::Get();

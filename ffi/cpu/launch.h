@@ -85,6 +85,8 @@ struct LaunchOptions {
   // combining step of reductions (see CombineFn).
   RangeFn range;
   CombineFn combine;
+  // Which operands each result reads (see NeedsFn), for ops that read only some.
+  NeedsFn needs;
 };
 ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options = {});
 

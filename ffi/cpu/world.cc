@@ -325,7 +325,8 @@ bool World::Advance(Pending& p) {
     for (size_t i = 0; i < p.links.size(); ++i) {
       PeerLink& link = *p.links[i];
       if (!link.tcp || p.left_out[i]) continue;
-      error = link.tcp->Send(plan.key, s.seq, plan.fingerprint, s.mine, s.deadline);
+      error = link.tcp->Send(plan.key, s.seq, plan.fingerprint, s.per_peer.empty() ? s.mine : s.per_peer[i],
+                             s.deadline);
       if (error.empty()) continue;
       if (s.tolerant) {
         p.left_out[i] = true;
