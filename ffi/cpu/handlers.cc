@@ -78,6 +78,10 @@ ffi::Future AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
                       ffi::Span<const int64_t>, int64_t gather_axis) {
   Common c{st, run, ordinal, "all_gather", call_site, axis, timeout_ms};
   const Peer mine = Buffers(x, y->untyped_data());
+  // Its result is group_size times its operand: across 2 processes, 16 MiB results took
+  // 4-7 ms in 3 of 5 runs without this (page faults), 0.8-1.6 ms in 8 of 8 with it. (For
+  // ppermute and all_to_all it made no difference.)
+  AdviseHugePages(y->untyped_data(), y->size_bytes());
   if (x.element_count() == 0) return Done();
   const auto dims = Dims(x);
   const int64_t item = x.size_bytes() / x.element_count();

@@ -1,5 +1,7 @@
 #include "cpu/launch.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <chrono>
 #include <string>
@@ -43,6 +45,14 @@ int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to) {
   int64_t p = 1;
   for (size_t i = from; i < to && i < v.size(); ++i) p *= v[i];
   return p;
+}
+
+void AdviseHugePages(void* data, size_t bytes) {
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < 2 * kHuge) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }
 
 Peer Buffers(const ffi::AnyBuffer& in, void* out, std::initializer_list<const ffi::AnyBuffer*> aux) {

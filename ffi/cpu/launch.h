@@ -99,6 +99,14 @@ CallContext Describe(const Common& c);
 // Fails this rank's call at validation, `why` prefixed with Describe(c).
 ffi::Future Reject(const Common& c, const std::string& why);
 
+// Asks the kernel to back the 2 MiB-aligned interior of a large result buffer with
+// transparent huge pages. XLA allocates a fresh result buffer for every execution, and
+// above glibc's mmap threshold that is fresh memory: writing it costs a page fault per
+// 4 KiB (about 1.4 us each on the development VM: 6 ms for 16 MiB, against 0.6 ms for
+// the copy itself; MoE dispatch of 1 GiB over 8 ranks went from 327 to 83 ms). Advice only: where the kernel declines (THP "never", no free huge
+// pages) nothing changes.
+void AdviseHugePages(void* data, size_t bytes);
+
 // This rank's buffers: operand `in`, result `out`, and up to four further operands.
 Peer Buffers(const ffi::AnyBuffer& in, void* out, std::initializer_list<const ffi::AnyBuffer*> aux = {});
 

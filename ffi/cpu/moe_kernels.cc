@@ -13,8 +13,6 @@
 #include <utility>
 #include <vector>
 
-#include <sys/mman.h>
-
 #include "core/rendezvous.h"
 #include "cpu/launch.h"
 #include "xla/ffi/api/ffi.h"
@@ -22,19 +20,6 @@
 namespace jaxcomm::cpu {
 namespace {
 
-// Asks the kernel to back the 2 MiB-aligned interior of a large output buffer with
-// transparent huge pages (what glibc's malloc.hugetlb=1 tunable does for its whole heap).
-// XLA allocates a fresh output buffer for every execution, and above glibc's mmap
-// threshold that is fresh memory: writing it costs one page fault per 4 KiB, which
-// measured 3/4 of dispatch's time (1 GiB of expert rows over 8 ranks: 327 ms -> 83 ms).
-// Advice only: where the kernel declines (THP "never", no free huge pages) nothing changes.
-void AdviseHugePages(void* data, size_t bytes) {
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (bytes < 2 * kHuge) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-}
 
 struct MoePlan : MoeOperandShape {
   int64_t mode = 0, R = 0;
