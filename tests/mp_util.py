@@ -67,7 +67,8 @@ class MPResult(NamedTuple):
 def launch_script(body: str, n: int, devices: int = 1, *, args: Sequence[str] = (),
                   env: dict[str, str] | None = None, timeout_s: float = 60.0,
                   grace_s: float = 5.0, prologue: bool = True,
-                  job_id: str | None = None, keep_going: bool = False) -> _launch.LaunchResult:
+                  job_id: str | None = None, keep_going: bool = False,
+                  bind: str = "none") -> _launch.LaunchResult:
     """Writes ``body`` (dedented, after :data:`PROLOGUE`) to a file and launches it.
 
     Returns the full :class:`jaxcomm.launch.LaunchResult` (output captured).
@@ -81,7 +82,7 @@ def launch_script(body: str, n: int, devices: int = 1, *, args: Sequence[str] = 
         job_env = {**os.environ, **DEFAULT_ENV, **(env or {})}
         return _launch.launch([path, *args], n, devices_per_process=devices, env=job_env,
                               capture=True, timeout_s=timeout_s, grace_s=grace_s,
-                              job_id=job_id, cwd=workdir, keep_going=keep_going)
+                              job_id=job_id, cwd=workdir, keep_going=keep_going, bind=bind)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -90,7 +91,7 @@ def run_script(body: str, n: int, devices: int = 1, **kwargs: object) -> MPResul
     """Runs ``body`` as ``n`` processes x ``devices`` CPU devices; ``(code, output)``.
 
     Keyword arguments as :func:`launch_script` (args, env, timeout_s, grace_s,
-    prologue, job_id, keep_going).
+    prologue, job_id, keep_going, bind).
 
     Example::
 

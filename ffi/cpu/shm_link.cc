@@ -33,14 +33,16 @@ long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 
 }  // namespace
 
-void Ring(Doorbell& bell) {
+void Ring(Doorbell& bell, bool from_peer) {
   bell.rings.fetch_add(1, std::memory_order_seq_cst);
+  if (from_peer && bell.awaiting_peers.load(std::memory_order_seq_cst) == 0) return;
   if (bell.sleeping.load(std::memory_order_seq_cst) != 0) Futex(&bell.rings, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
-void SleepOnBell(Doorbell& bell, uint32_t seen, std::chrono::microseconds timeout) {
-  // Ordered against Ring: either the ringer sees `sleeping` and wakes us, or its ring
+void SleepOnBell(Doorbell& bell, uint32_t seen, std::chrono::microseconds timeout, bool awaiting_peers) {
+  // Ordered against Ring: either the ringer sees the flags and wakes us, or its ring
   // came first and the futex sees `rings` != `seen` and returns at once.
+  bell.awaiting_peers.store(awaiting_peers ? 1 : 0, std::memory_order_seq_cst);
   bell.sleeping.store(1, std::memory_order_seq_cst);
   const auto us = timeout.count();
   const timespec ts{static_cast<time_t>(us / 1000000), static_cast<long>(us % 1000000) * 1000};

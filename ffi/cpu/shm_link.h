@@ -77,17 +77,22 @@ struct JoinRequest {
 // How a waiting process is woken by its peers: each process sleeps (its progress thread,
 // on a futex) on the doorbell of its own control block, and a peer that publishes a
 // round or releases one rings the doorbell of every shared-memory peer of that round.
-// `sleeping` spares the ringer the system call while nobody sleeps.
+// `sleeping` spares the ringer the system call while nobody sleeps, and `awaiting_peers`
+// spares the sleeper a wake-up by a peer while none of its exchanges waits on one (it
+// would otherwise wake for every round its device threads finish themselves, and take
+// turns on their core with them).
 struct Doorbell {
   alignas(64) std::atomic<uint32_t> rings;
   std::atomic<uint32_t> sleeping;
+  std::atomic<uint32_t> awaiting_peers;
 };
 
-// Rings `bell`: wakes its owner if it sleeps on it.
-void Ring(Doorbell& bell);
+// Rings `bell`: wakes its owner if it sleeps on it (`from_peer`: only if it awaits peers).
+void Ring(Doorbell& bell, bool from_peer = true);
 // Sleeps until `bell` rings after `seen` (its `rings` read before checking for work; a
-// ring since then returns at once) or `timeout` passes. Only the bell's owner sleeps.
-void SleepOnBell(Doorbell& bell, uint32_t seen, std::chrono::microseconds timeout);
+// ring since then returns at once) or `timeout` passes. Only the bell's owner sleeps;
+// `awaiting_peers`: whether the peers' rings should wake it.
+void SleepOnBell(Doorbell& bell, uint32_t seen, std::chrono::microseconds timeout, bool awaiting_peers);
 
 struct ControlBlock {
   uint64_t magic;

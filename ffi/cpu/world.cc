@@ -485,7 +485,7 @@ void World::ReleaseRound(const ExchangePlan& plan, int64_t seq) {
 void World::Wake() {
   wakes_.fetch_add(1, std::memory_order_seq_cst);
   if (shm_) {
-    Ring(shm_->block().bell);
+    Ring(shm_->block().bell, /*from_peer=*/false);
   } else {
     cv_.notify_one();
   }
@@ -535,7 +535,7 @@ void World::Progress() {
     // exchange or TCP frame arrived (Wake), or the nap ends. Never unbounded.
     const auto limit = mine.empty() ? kIdleNap : kMaxNap;
     if (bell) {
-      if (wakes_.load() == wakes && !stop_.load()) SleepOnBell(*bell, rings, limit);
+      if (wakes_.load() == wakes && !stop_.load()) SleepOnBell(*bell, rings, limit, !mine.empty());
     } else {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait_for(lock, limit, [&] { return stop_.load() || wakes_.load() != wakes; });

@@ -18,7 +18,8 @@ reported as that row's error and skipped by all), and each timed iteration count
 long as its slowest process took. Process 0 writes the records; this process (which never
 creates a JAX backend) prints the tables.
 
-mpi4jax is not compared here: it needs an MPI launcher (``mpirun``), not this one.
+Afterwards, when ``mpirun`` and mpi4jax are installed, the same sizes are compared with
+mpi4jax in an MPI job (:mod:`jaxcomm.bench.mpi4jax_compare`; ``--no-mpi4jax`` skips it).
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="play H hosts on this machine: the processes split into H consecutive "
                         "groups with their own JAXCOMM_HOST_ID (shared memory within a group, "
                         "TCP across; all_reduce hierarchical) (default %(default)s)")
+    p.add_argument("--bind", choices=("none", "cores"), default="none",
+                   help="the launcher's --bind (default %(default)s)")
+    p.add_argument("--no-mpi4jax", dest="mpi4jax", action="store_false",
+                   help="skip the comparison with mpi4jax (run when mpirun and mpi4jax are "
+                        "installed; see jaxcomm.bench.mpi4jax_compare)")
     p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                    help="launcher grace period after a process fails (default %(default)g)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -188,6 +194,7 @@ def _launch_once(argv: Sequence[str], args: argparse.Namespace, hugetlb: bool
         # The ranks' output (progress, errors) goes to stderr: stdout is for the tables.
         res = launch.launch(worker_argv, args.processes, devices_per_process=args.devices,
                             module=True, env=common.hugetlb_env(hugetlb), grace_s=args.grace,
+                            bind=args.bind,
                             stdout=sys.stderr, stderr=sys.stderr,
                             forward_signals=threading.current_thread() is threading.main_thread())
         try:
@@ -252,6 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.print_tables(records)
         all_records.extend(records)
     bad_records = report.finish(all_records, args.json, args.plot, targets=TARGETS)
+    if args.mpi4jax and args.devices == 1 and not args.hosts > 1:
+        from jaxcomm.bench import mpi4jax_compare
+        listed = ",".join(f"{size}B" for size in sizes)
+        failed |= mpi4jax_compare.run(args.processes, listed, args.iters, args.warmup) != 0
     return 1 if bad_records or failed else 0
 
 

@@ -27,6 +27,7 @@ From Python (the launcher itself never imports jax)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Iterator, Sequence
 
 import jaxcomm
 from jaxcomm._src import distributed as _dist
@@ -263,13 +264,48 @@ def _remove_shm(job_id: str) -> list[str]:
     return removed
 
 
+def rank_cores(rank: int, n: int) -> set[int] | None:
+    """The cores process ``rank`` of ``n`` is bound to, or None (more processes than cores).
+
+    Each process gets ``cores // n`` of this process's usable cores, consecutive. Two
+    processes that share memory wait for each other by spinning: left to the scheduler on
+    2 cores, they often shared one, and a 4 B all_reduce across them took 12-20 us instead
+    of 2 us (as mpirun's binding gives mpi4jax).
+
+    Example::
+
+        rank_cores(1, 2)   # {1} on a 2-core machine
+    """
+    usable = sorted(os.sched_getaffinity(0))
+    if n > len(usable):
+        return None
+    share = len(usable) // n
+    return set(usable[rank * share:(rank + 1) * share])
+
+
+@contextlib.contextmanager
+def _affinity(cores: set[int] | None) -> Iterator[None]:
+    """Runs the block with this thread bound to ``cores``: a process started in it
+    inherits the binding from its first instruction, before it starts any thread."""
+    if not cores:
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
 def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
            grace_s: float = DEFAULT_GRACE_S, timeout_s: float | None = None,
            module: bool = False, env: dict[str, str] | None = None,
            capture: bool = False, stdout: IO[str] | None = None,
            stderr: IO[str] | None = None, job_id: str | None = None,
            port: int | None = None, cwd: str | None = None,
-           forward_signals: bool = False, keep_going: bool = False) -> LaunchResult:
+           forward_signals: bool = False, keep_going: bool = False,
+           bind: str = "none") -> LaunchResult:
     """Runs ``argv`` as ``n`` processes of one JAX job on this machine and waits for them.
 
     Args:
@@ -293,6 +329,12 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
       keep_going: a failed process does not stop the others (for jobs that survive a
         failure, with jaxcomm.ft); :func:`jaxcomm.init` then enables JAX's
         recoverability. The exit status still reports the first failure.
+      bind: ``"none"``: the scheduler places the processes; ``"cores"``: when there are
+        no more processes than usable cores, each process (all its threads) runs on its
+        own share of them, as mpirun binds by default (see :func:`rank_cores`). Small
+        jaxcomm collectives between processes then take ~2 us instead of ~20, but XLA's
+        own thread pools share those cores too: on 2 cores, a gloo psum across the 2
+        bound processes took 4 ms instead of 0.1 ms.
 
     Returns:
       A :class:`LaunchResult`.
@@ -308,6 +350,8 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
         raise ValueError(f"need at least one device per process, got {devices_per_process}")
     if grace_s < 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    if bind not in ("cores", "none"):
+        raise ValueError(f"bind must be 'cores' or 'none', got {bind!r}")
     job_id = job_id or _dist.new_job_id()
     if not _dist.is_valid_job_id(job_id):
         raise ValueError(f"job id {job_id!r} must be 1-64 letters or digits")
@@ -335,13 +379,15 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
         for rank in range(n):
             if interrupts:
                 break  # interrupted while starting: the ranks started have the signal
+            cores = rank_cores(rank, n) if bind == "cores" else None
             try:
                 # A session of its own: the launcher can signal everything a rank started,
                 # and a terminal's Ctrl-C reaches the launcher only, which forwards it.
-                p = subprocess.Popen(cmd, env=_rank_env(base, n, rank, devices_per_process,
-                                                        coordinator, job_id, keep_going),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, cwd=cwd, start_new_session=True)
+                with _affinity(cores):
+                    p = subprocess.Popen(cmd, env=_rank_env(base, n, rank, devices_per_process,
+                                                            coordinator, job_id, keep_going),
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, cwd=cwd, start_new_session=True)
             except OSError as exc:
                 _kill_all(procs)
                 raise RuntimeError(f"could not start rank {rank} of {n} "
