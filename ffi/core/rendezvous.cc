@@ -223,12 +223,16 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->op = std::string(call.ctx.op);
         round->axis = std::string(call.ctx.axis);
         round->call_site = std::string(call.ctx.call_site);
-        std::weak_ptr<RoundTable> weak_table = weak_from_this();
-        std::weak_ptr<Round> weak_round = round;
-        round->watchdog_id = Registry::Get().watchdog().Schedule(
-            Clock::now() + call.timeout, [weak_table, key, weak_round] {
-              if (auto table = weak_table.lock()) table->Expire(key, weak_round);
-            });
+        // Only a round that waits for other local ranks needs the watchdog (a lone local
+        // rank is ready at once; the exchange with other processes has its own deadline).
+        if (local > 1) {
+          std::weak_ptr<RoundTable> weak_table = weak_from_this();
+          std::weak_ptr<Round> weak_round = round;
+          round->watchdog_id = Registry::Get().watchdog().Schedule(
+              Clock::now() + call.timeout, [weak_table, key, weak_round] {
+                if (auto table = weak_table.lock()) table->Expire(key, weak_round);
+              });
+        }
       }
       if (round->promises[rank]) {
         refused = "rank arrived twice at one call (instruction state shared by two programs?)";
@@ -252,7 +256,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
   if (ready) {
     // A false return means the watchdog is firing right now; Expire then finds the round
     // gone from the table and does nothing.
-    Registry::Get().watchdog().Cancel(ready->watchdog_id);
+    if (ready->watchdog_id != 0) Registry::Get().watchdog().Cancel(ready->watchdog_id);
     if (layouts_[g].cross_process()) {
       StartCrossProcess(ready, std::move(work), rank);
     } else {
