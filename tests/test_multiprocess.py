@@ -57,17 +57,21 @@ def test_every_op_matches_numpy_across_processes(processes: int, devices: int, t
     assert jaxcomm_segments() <= before
 
 
+# The last process dies while the others are inside the loop's collectives. The script
+# starts with ELEMENTS (per device) and ALGORITHM (what jaxcomm.stats() must report, or
+# None) defined.
 KILLED_MID_COLLECTIVE = """
-import threading, signal
+import threading, signal, time
 mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
 step = jax.jit(jax.shard_map(
     lambda v: jax.lax.fori_loop(0, 50, lambda i, a: jaxcomm.all_reduce(a, "x") * 0.5, v),
     mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
 x = jax.device_put(np.ones((jax.device_count() * ELEMENTS,), np.float32), NamedSharding(mesh, P("x")))
 step(x).block_until_ready()
+if ALGORITHM is not None:
+    assert [s.algorithm for s in jaxcomm.stats()] == [ALGORITHM]
 print("WARM", flush=True)
-if RANK == 1:
-    # Dies while the others are inside the loop's collectives.
+if RANK == NPROC - 1:
     threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
 try:
     for _ in range(10000):
@@ -75,6 +79,7 @@ try:
     print("NO ERROR", flush=True)
 except Exception as e:
     print("ERROR", str(e).replace("\\n", " "), flush=True)
+    time.sleep(3)  # the others tell the dead process from this one's exit
     os._exit(3)
 """
 
@@ -86,8 +91,8 @@ except Exception as e:
 ])
 def test_killed_process_is_named_by_the_survivors(transport: str, elements: int) -> None:
     before = jaxcomm_segments()
-    res = run_script(f"ELEMENTS = {elements}\n" + KILLED_MID_COLLECTIVE, 2, 1, env={"JAXCOMM_TRANSPORT": transport,
-                                                       "JAXCOMM_TIMEOUT_S": "60"},
+    res = run_script(f"ELEMENTS = {elements}\nALGORITHM = None\n" + KILLED_MID_COLLECTIVE, 2, 1,
+                     env={"JAXCOMM_TRANSPORT": transport, "JAXCOMM_TIMEOUT_S": "60"},
                      timeout_s=90, grace_s=20)
     assert res.returncode != 0
     out = res.output[0]
@@ -102,33 +107,11 @@ def test_killed_process_is_named_by_the_survivors(transport: str, elements: int)
     assert jaxcomm_segments() <= before
 
 
-KILLED_IN_A_HIERARCHY = TWO_PER_HOST + """
-import threading, signal, time
-mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
-step = jax.jit(jax.shard_map(
-    lambda v: jax.lax.fori_loop(0, 50, lambda i, a: jaxcomm.all_reduce(a, "x") * 0.5, v),
-    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-x = jax.device_put(np.ones((jax.device_count() * 4096,), np.float32), NamedSharding(mesh, P("x")))
-step(x).block_until_ready()
-assert [s.algorithm for s in jaxcomm.stats()] == ["hierarchical shm+tcp"]
-print("WARM", flush=True)
-if RANK == 3:
-    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-try:
-    for _ in range(10000):
-        step(x).block_until_ready()
-    print("NO ERROR", flush=True)
-except Exception as e:
-    print("ERROR", str(e).replace("\\n", " "), flush=True)
-    time.sleep(3)  # the others tell the dead process from this one's exit
-    os._exit(3)
-"""
-
-
 def test_killed_process_in_a_hierarchical_round_is_named_by_every_survivor() -> None:
     # Process 3 (not a leader) dies: its host's leader hears it in the host phase, the
     # others, waiting on their leaders, watch it over their own links.
-    res = run_script(KILLED_IN_A_HIERARCHY, 4, 1, env={"JAXCOMM_TIMEOUT_S": "60"},
+    body = TWO_PER_HOST + 'ELEMENTS = 4096\nALGORITHM = "hierarchical shm+tcp"\n' + KILLED_MID_COLLECTIVE
+    res = run_script(body, 4, 1, env={"JAXCOMM_TIMEOUT_S": "60"},
                      timeout_s=120, grace_s=20)
     assert res.returncode != 0
     for rank in range(3):

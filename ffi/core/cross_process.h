@@ -39,8 +39,8 @@ struct ExchangePlan {
   // Fault-tolerant calls: the plan of the second phase, in which the survivors agree on
   // whose contributions count (each sends one byte per process of the group).
   std::shared_ptr<const ExchangePlan> agreement;
-  // Rounds that may be streamed (CanStream): the plan of their arrival handshake, an
-  // exchange of nothing that tells every process that all the others are in the call.
+  // Rounds that stream (Streamable and CanStream): the plan of their arrival handshake,
+  // an exchange of nothing that tells every process that all the others are in the call.
   std::shared_ptr<const ExchangePlan> arrival;
 };
 

@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
-#include <thread>
 
 #include "core/registry.h"
 #include "core/round.h"
@@ -74,8 +73,7 @@ class HierarchicalRound : public std::enable_shared_from_this<HierarchicalRound>
  private:
   using Next = void (HierarchicalRound::*)(const std::vector<const char*>&);
 
-  // Runs exchange `plan`, then `next` with the peers' contributions: on this thread if
-  // the peers were there, else on a pool thread (never on the progress thread).
+  // Runs exchange `plan`, then `next` with the peers' contributions (ExchangeThen).
   void Phase(const std::shared_ptr<const ExchangePlan>& plan, std::vector<std::pair<const void*, size_t>> mine,
              Next next) {
     ExchangeSpec spec;
@@ -83,23 +81,10 @@ class HierarchicalRound : public std::enable_shared_from_this<HierarchicalRound>
     spec.seq = seq_;
     spec.mine = std::move(mine);
     spec.deadline = deadline_;
-    const auto caller = std::this_thread::get_id();
-    auto self = shared_from_this();
-    world_->Exchange(std::move(spec), [self, caller, next](const std::string& error, bool timed_out,
-                                                           const std::vector<const char*>& blobs) {
-      const bool here = std::this_thread::get_id() == caller;
-      if (!error.empty()) {
-        RecordError(*self->round_, error);
-        CompleteAll(*self->round_, here ? self->me_ : -1,
-                    timed_out ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kUnavailable);
-        return;
-      }
-      if (here) {
-        ((*self).*next)(blobs);
-      } else {
-        Registry::Get().pool().Post([self, next, blobs] { ((*self).*next)(blobs); });
-      }
-    });
+    ExchangeThen(*world_, std::move(spec), round_, me_,
+                 [self = shared_from_this(), next](const std::vector<const char*>& blobs, int) {
+                   ((*self).*next)(blobs);
+                 });
   }
 
   std::string Combine(const std::vector<const void*>& in, void* out) const {

@@ -98,6 +98,28 @@ void RunPart(const std::shared_ptr<Round>& round, const std::shared_ptr<const Wo
 
 }  // namespace
 
+void ExchangeThen(CrossProcess& world, ExchangeSpec spec, std::shared_ptr<Round> round, int me,
+                  std::function<void(const std::vector<const char*>& blobs, int me)> next) {
+  const auto caller = std::this_thread::get_id();
+  world.Exchange(std::move(spec), [round = std::move(round), me, caller, next = std::move(next)](
+                                      const std::string& error, bool timed_out,
+                                      const std::vector<const char*>& blobs) {
+    const bool here = std::this_thread::get_id() == caller;
+    if (!error.empty()) {
+      RecordError(*round, error);
+      // Never continue a rank's program on the transport's progress thread.
+      CompleteAll(*round, here ? me : -1,
+                  timed_out ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kUnavailable);
+      return;
+    }
+    if (here) {
+      next(blobs, me);
+    } else {
+      Registry::Get().pool().Post([next, blobs, me] { next(blobs, me); });
+    }
+  });
+}
+
 void PlaceRemoteOperands(Round& round, const std::vector<std::vector<int>>& remote, const Peer& shape,
                          const std::vector<const char*>& blobs) {
   for (size_t i = 0; i < remote.size(); ++i) {
@@ -354,7 +376,8 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
         l.received[i] = std::move(received);
         l.sent[i] = std::move(sent);
       }
-      if (Streamable(l.shape, round->range != nullptr, round->tolerant)) {
+      // Links do not change kind, so whether the rounds stream is decided once.
+      if (Streamable(l.shape, round->range != nullptr, round->tolerant) && world->CanStream(l.processes)) {
         auto arrival = std::make_shared<ExchangePlan>(*p);
         arrival->key = Mix(p->key, 0x6172726976616c00ull);  // "arrival"
         arrival->fingerprint = Mix(p->fingerprint, 2);
@@ -371,7 +394,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
     StartHierarchical(round, std::move(work), me, std::move(hierarchy), shape);
     return;
   }
-  if (plan->arrival && world->CanStream(plan->peers)) {
+  if (plan->arrival) {
     StartStream(round, me, plan, shape);
     return;
   }
@@ -392,28 +415,14 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
     }
   }
   spec.deadline = Clock::now() + round->timeout;  // the local ranks' wait is already over
-  const auto caller = std::this_thread::get_id();
   const int64_t seq = spec.seq;
   // `layout` lives as long as the table, which the round's instruction state keeps alive.
-  world->Exchange(std::move(spec), [round, work, me, caller, seq, world, plan, shape, &layout](
-                                      const std::string& error, bool timed_out,
-                                      const std::vector<const char*>& blobs) {
-    const bool inline_here = std::this_thread::get_id() == caller;
-    if (!error.empty()) {
-      RecordError(*round, error);
-      // Never continue a rank's program on the transport's progress thread.
-      CompleteAll(*round, inline_here ? me : -1,
-                  timed_out ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kUnavailable);
-      return;
-    }
-    PlaceRemoteOperands(*round, layout.received, shape, blobs);
-    round->after_work = [world, plan, seq] { world->Release(*plan, seq); };
-    if (inline_here) {
-      Execute(round, work, me);
-    } else {
-      Registry::Get().pool().Post([round, work, me] { Execute(round, work, me); });
-    }
-  });
+  ExchangeThen(*world, std::move(spec), round, me,
+               [round, work, seq, world, plan, shape, &layout](const std::vector<const char*>& blobs, int me) {
+                 PlaceRemoteOperands(*round, layout.received, shape, blobs);
+                 round->after_work = [world, plan, seq] { world->Release(*plan, seq); };
+                 Execute(round, work, me);
+               });
 }
 
 void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::shared_ptr<const ExchangePlan> plan,
@@ -459,23 +468,11 @@ void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::s
   arrival.plan = plan->arrival;
   arrival.seq = seq;
   arrival.deadline = deadline;
-  const auto caller = std::this_thread::get_id();
-  world->Exchange(std::move(arrival), [round, stream, me, caller, seq, world, plan](
-                                          const std::string& error, bool timed_out, const std::vector<const char*>&) {
-    const bool inline_here = std::this_thread::get_id() == caller;
-    if (!error.empty()) {
-      RecordError(*round, error);
-      CompleteAll(*round, inline_here ? me : -1,
-                  timed_out ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kUnavailable);
-      return;
-    }
-    round->after_work = [world, plan, seq] { world->Release(*plan->arrival, seq); };
-    if (inline_here) {
-      stream(round, me);
-    } else {
-      Registry::Get().pool().Post([round, stream, me] { stream(round, me); });
-    }
-  });
+  ExchangeThen(*world, std::move(arrival), round, me,
+               [round, stream, seq, world, plan](const std::vector<const char*>&, int me) {
+                 round->after_work = [world, plan, seq] { world->Release(*plan->arrival, seq); };
+                 stream(round, me);
+               });
 }
 
 void RoundTable::Expire(const Key& key, const std::weak_ptr<Round>& expected) {

@@ -92,6 +92,11 @@ std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const 
                                                int64_t self, size_t rank_bytes, size_t my_ranks,
                                                const std::vector<std::vector<int>>& remote_ranks, bool relay);
 
+// Runs exchange `spec` for `round`, then `next` with the peers' contributions, continuing
+// rank `me`: on this thread if the peers were already there, else on a pool thread,
+// never on the transport's progress thread. A failed exchange fails the round instead.
+void ExchangeThen(CrossProcess& world, ExchangeSpec spec, std::shared_ptr<Round> round, int me,
+                  std::function<void(const std::vector<const char*>& blobs, int me)> next);
 // Points the Peers of the ranks of other processes at their operands: blobs[i] holds
 // those of remote[i]'s ranks, in rank order, each rank's `in` then its aux operands.
 void PlaceRemoteOperands(Round& round, const std::vector<std::vector<int>>& remote, const Peer& shape,

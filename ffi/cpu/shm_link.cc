@@ -61,13 +61,7 @@ std::unique_ptr<Segment> Segment::Create(const std::string& name, size_t bytes, 
     close(fd);
     return nullptr;
   }
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    *error = Errno("mmap(" + name + ")");
-    close(fd);
-    return nullptr;
-  }
-  return std::unique_ptr<Segment>(new Segment(fd, static_cast<char*>(p), bytes));
+  return Map(fd, bytes, name, error);
 }
 
 std::unique_ptr<Segment> Segment::Open(int pid, int fd, size_t bytes, std::string* error) {
@@ -77,13 +71,17 @@ std::unique_ptr<Segment> Segment::Open(int pid, int fd, size_t bytes, std::strin
     *error = Errno("open(" + path + ")");
     return nullptr;
   }
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0);
+  return Map(mine, bytes, path, error);
+}
+
+std::unique_ptr<Segment> Segment::Map(int fd, size_t bytes, const std::string& what, std::string* error) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
-    *error = Errno("mmap(" + path + ")");
-    close(mine);
+    *error = Errno("mmap(" + what + ")");
+    close(fd);
     return nullptr;
   }
-  return std::unique_ptr<Segment>(new Segment(mine, static_cast<char*>(p), bytes));
+  return std::unique_ptr<Segment>(new Segment(fd, static_cast<char*>(p), bytes));
 }
 
 Segment::~Segment() {

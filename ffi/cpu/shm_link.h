@@ -41,6 +41,8 @@ class Segment {
 
  private:
   Segment(int fd, char* data, size_t size) : fd_(fd), data_(data), size_(size) {}
+  // Maps `bytes` of open file `fd` (taking it; closed on failure); `what` names it in errors.
+  static std::unique_ptr<Segment> Map(int fd, size_t bytes, const std::string& what, std::string* error);
   int fd_;
   char* data_;
   size_t size_;
