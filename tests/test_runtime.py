@@ -358,6 +358,19 @@ def test_donated_input(op, n):
         np.testing.assert_array_equal(np.asarray(g(put(x, P("x")))), expected(x) + x)
 
 
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast"])
+def test_result_reuses_operand_only_up_to_alias_max(op):
+    from jaxcomm._src.primitive import ALIAS_MAX_BYTES
+    coll = {"all_reduce": lambda v: jaxcomm.all_reduce(v, "x"),
+            "broadcast": lambda v: jaxcomm.broadcast(v, "x", root=1)}[op]
+    f = smap(coll)
+    at_max = ALIAS_MAX_BYTES // 4  # float32 elements per rank
+    for cols, aliased in ((at_max, True), (at_max + 1, False)):
+        text = f.lower(put(np.zeros((R, cols), np.float32), P("x"))).as_text()
+        call = next(line for line in text.splitlines() if f"@jaxcomm_{op}" in line)
+        assert ("output_operand_aliases" in call) == aliased, (cols, call)
+
+
 def test_donated_input_replicated_output():
     f = smap(lambda v: jaxcomm.all_reduce(v, "x"), out_specs=P(), donate_argnums=0)
     x = data((R, 1024), seed=55)

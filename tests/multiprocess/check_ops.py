@@ -130,7 +130,8 @@ def check_streamed(mesh, axes, tag):
     big = (rows, cols)
     run_case(f"{tag} streamed all_reduce sum", mesh, axes, lambda x: jaxcomm.all_reduce(x, a),
              lambda X, g, r: X[g].sum(0), big)
-    # Donated: the result overwrites the operand as the chunks go.
+    # Donated: too large to reuse the operand's buffer (primitive.ALIAS_MAX_BYTES), XLA
+    # must still keep the donated operand intact until the call has read it.
     run_case(f"{tag} streamed all_reduce in place", mesh, axes, lambda x: jaxcomm.all_reduce(x, a),
              lambda X, g, r: X[g].sum(0), big, donate=True)
     run_case(f"{tag} streamed all_reduce max", mesh, axes, lambda x: jaxcomm.all_reduce(x, a, op="max"),
