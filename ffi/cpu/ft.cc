@@ -24,7 +24,7 @@ ffi::Future FtAllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, f
       static_cast<int64_t>(mask->element_count()) != group_size) {
     return Reject(c, "the mask result must be bool[group size]");
   }
-  Peer mine = Buffers(x, y->untyped_data());
+  Peer mine = Buffers(x, *y);
   mine.out_aux = mask->untyped_data();
   const size_t n = x.element_count();
   const WorkFn work = [dtype, n](const std::vector<Peer>& peers, int part, int parts) -> std::string {

@@ -27,11 +27,7 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
                       ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, int64_t reduce_op) {
   Common c{st, run, ordinal, "all_reduce", call_site, axis, timeout_ms};
-  const Peer mine = Buffers(x, y->untyped_data());
-  // Large results have their own buffer (see primitive.py, ALIAS_MAX_BYTES), often freshly
-  // mapped: 16 MiB across 2 processes took 7-9 ms in its 4096 page faults, 1.7-2 ms
-  // otherwise; huge pages take 8 faults.
-  AdviseHugePages(y->untyped_data(), y->size_bytes());
+  const Peer mine = Buffers(x, *y);
   const size_t n = x.element_count();
   if (n == 0) return Done();
   const auto dtype = x.element_type();
@@ -81,11 +77,7 @@ ffi::Future AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
                       ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, int64_t gather_axis) {
   Common c{st, run, ordinal, "all_gather", call_site, axis, timeout_ms};
-  const Peer mine = Buffers(x, y->untyped_data());
-  // Its result is group_size times its operand: across 2 processes, 16 MiB results took
-  // 4-7 ms in 3 of 5 runs without this (page faults), 0.8-1.6 ms in 8 of 8 with it. (For
-  // ppermute and all_to_all it made no difference.)
-  AdviseHugePages(y->untyped_data(), y->size_bytes());
+  const Peer mine = Buffers(x, *y);
   if (x.element_count() == 0) return Done();
   const auto dims = Dims(x);
   const int64_t item = x.size_bytes() / x.element_count();
@@ -123,7 +115,7 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
                           int64_t group_size, ffi::Span<const int64_t>, int64_t reduce_op,
                           int64_t scatter_dimension) {
   Common c{st, run, ordinal, "reduce_scatter", call_site, axis, timeout_ms};
-  const Peer mine = Buffers(x, y->untyped_data());
+  const Peer mine = Buffers(x, *y);
   if (x.element_count() == 0) return Done();
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
@@ -177,7 +169,7 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
                       ffi::Span<const int64_t>, int64_t split_axis,
                      int64_t concat_axis) {
   Common c{st, run, ordinal, "all_to_all", call_site, axis, timeout_ms};
-  const Peer mine = Buffers(x, y->untyped_data());
+  const Peer mine = Buffers(x, *y);
   if (x.element_count() == 0) return Done();
   const int64_t R = group_size;
   const auto in_dims = Dims(x);
@@ -229,7 +221,7 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
                     ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, ffi::Span<const int64_t> sources) {
   Common c{st, run, ordinal, "ppermute", call_site, axis, timeout_ms};
-  const Peer mine = Buffers(x, y->untyped_data());
+  const Peer mine = Buffers(x, *y);
   if (x.element_count() == 0) return Done();
   if (static_cast<int64_t>(sources.size()) != group_size) {
     return Reject(c, "sources has the wrong length");
@@ -272,8 +264,7 @@ ffi::Future Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
                       ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, int64_t root) {
   Common c{st, run, ordinal, "broadcast", call_site, axis, timeout_ms};
-  const Peer mine = Buffers(x, y->untyped_data());
-  AdviseHugePages(y->untyped_data(), y->size_bytes());  // see AllReduce
+  const Peer mine = Buffers(x, *y);
   if (x.element_count() == 0) return Done();
   const size_t bytes = x.size_bytes();
   const WorkFn work =

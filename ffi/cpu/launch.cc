@@ -55,13 +55,15 @@ void AdviseHugePages(void* data, size_t bytes) {
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }
 
-Peer Buffers(const ffi::AnyBuffer& in, void* out, std::initializer_list<const ffi::AnyBuffer*> aux) {
+Peer Buffers(const ffi::AnyBuffer& in, ffi::AnyBuffer& out,
+             std::initializer_list<const ffi::AnyBuffer*> aux) {
+  AdviseHugePages(out.untyped_data(), out.size_bytes());
   Peer p;
   p.in = in.untyped_data();
   p.in_bytes = in.size_bytes();
   p.dtype = static_cast<uint8_t>(in.element_type());
   p.elements = static_cast<int64_t>(in.element_count());
-  p.out = out;
+  p.out = out.untyped_data();
   int k = 0;
   for (const ffi::AnyBuffer* a : aux) {
     p.aux[k] = a->untyped_data();

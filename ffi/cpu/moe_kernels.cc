@@ -131,8 +131,7 @@ ffi::Future MoeTransport(InstructionState* st, ffi::RunId run, int32_t ordinal,
     return Reject(c, why);
   }
   const bool gather = p.gather;
-  AdviseHugePages(result->untyped_data(), result->size_bytes());
-  const Peer mine = Buffers(src, result->untyped_data(), {&dest, &pos, &w, &g});
+  const Peer mine = Buffers(src, *result, {&dest, &pos, &w, &g});
   const WorkFn work = [p](const std::vector<Peer>& peers, int part, int parts) -> std::string {
     std::string err;
     ForEachOwnedRank(peers, part, parts, [&](int r) {

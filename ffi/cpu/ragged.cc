@@ -221,7 +221,7 @@ ffi::Future RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal
   if (result->untyped_data() != output.untyped_data() && result->size_bytes() > 0) {
     std::memcpy(result->untyped_data(), output.untyped_data(), result->size_bytes());
   }
-  const Peer mine = Buffers(operand, result->untyped_data(), {idx[0], idx[1], idx[2], idx[3]});
+  const Peer mine = Buffers(operand, *result, {idx[0], idx[1], idx[2], idx[3]});
   const WorkFn work = [p](const std::vector<Peer>& peers, int part, int parts) -> std::string {
     // Every part checks everything first: all parts then agree, and nothing is written
     // unless the whole call is in bounds.
