@@ -214,15 +214,20 @@ def _agree(a: jax.Array, b: jax.Array, tol: tuple[float, float] | None) -> bool:
                                                          equal_nan=True)))(a, b))
 
 
-def _time_call(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> float:
-    """Seconds from dispatching ``fn(x)`` until its result is ready."""
+#: One timed call: when it was dispatched and when its result was ready, in seconds of
+#: ``time.perf_counter()`` (CLOCK_MONOTONIC: one clock for every process of a machine).
+Span = tuple[float, float]
+
+
+def _time_call(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> Span:
+    """When ``fn(x)`` was dispatched and when its result was ready."""
     jax.block_until_ready(x)  # a freshly made operand must not be timed with the call
     t0 = time.perf_counter()
     out = fn(x)
     jax.block_until_ready(out)
-    elapsed = time.perf_counter() - t0
+    t1 = time.perf_counter()
     del out  # free the output before the next call allocates its own
-    return elapsed
+    return t0, t1
 
 
 def _short(exc: BaseException, limit: int = 400) -> str:
@@ -369,10 +374,11 @@ class Sync:
         """
         return failures
 
-    def combine(self, samples: dict[str, list[float]], errors: list[str]
+    def combine(self, samples: dict[str, list[Span]], errors: list[str]
                 ) -> tuple[dict[str, list[float]], list[str]]:
-        """All processes' timings merged into one series per side, and their errors."""
-        return samples, errors
+        """All processes' timed calls merged into one series of seconds per side, and
+        their errors."""
+        return {side: [t1 - t0 for t0, t1 in spans] for side, spans in samples.items()}, errors
 
 
 def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: np.dtype,
@@ -427,14 +433,14 @@ def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: n
     if check and len(first_out) == 2:
         rec["match"] = _agree(first_out["jaxcomm"], first_out["xla"], _tolerance(dtype, loop))
     first_out.clear()
-    samples: dict[str, list[float]] = {side: [] for side in sides}
+    samples: dict[str, list[Span]] = {side: [] for side in sides}
     try:
         for i in range(max(warmup - 1, 0) + iters):
             order = list(sides) if i % 2 == 0 else list(sides)[::-1]
             for side in order:
-                elapsed = _time_call(sides[side], operand())
+                span = _time_call(sides[side], operand())
                 if i >= warmup - 1:
-                    samples[side].append(elapsed)
+                    samples[side].append(span)
     except Exception as exc:
         errors.append(f"while timing: {_short(exc)}")
         samples = {}

@@ -14,8 +14,9 @@ loop for all_reduce at 4 B..4 KiB. ``--hosts H`` has the processes play H hosts
 The processes keep in step through the jax.distributed key-value store, not through
 collectives: for each case they agree which sides compiled and ran everywhere (a side
 that failed in one process, e.g. jaxcomm before its multi-process transport exists, is
-reported as that row's error and skipped by all), and each timed iteration counts as
-long as its slowest process took. Process 0 writes the records; this process (which never
+reported as that row's error and skipped by all), and each timed iteration lasts from
+the last process's dispatch to the last process's result (:meth:`KVSync.combine`).
+Process 0 writes the records; this process (which never
 creates a JAX backend) prints the tables.
 
 Afterwards, when ``mpirun`` and mpi4jax are installed, the same sizes are compared with
@@ -100,15 +101,23 @@ class KVSync(collectives.Sync):
                                   self.n)
                 for side in sides}
 
-    def combine(self, samples: dict[str, list[float]], errors: list[str]
+    def combine(self, samples: dict[str, list[collectives.Span]], errors: list[str]
                 ) -> tuple[dict[str, list[float]], list[str]]:
+        """Each call lasts from the last process's dispatch to the last result.
+
+        The processes run on one machine (the launcher starts them), so their spans share
+        one clock. Counting from the first dispatch instead would charge a call with how
+        unevenly the previous one ended: with the sides interleaved, jaxcomm's calls were
+        charged with gloo's uneven ends (4 MiB all_to_all: 0.8-1.0 ms in the benchmark,
+        0.5 ms back to back), and a barrier before each call leaves 0-150 us of its own.
+        """
         everyone = self.all_gather({"samples": samples, "errors": errors})
         merged: dict[str, list[float]] = {}
         for side in samples:
             series = [e["samples"].get(side) for e in everyone]
             if all(s is not None and len(s) == len(samples[side]) for s in series):
-                # The collective is as slow as its slowest process.
-                merged[side] = [max(vals) for vals in zip(*series)]
+                merged[side] = [max(t1 for _, t1 in call) - max(t0 for t0, _ in call)
+                                for call in zip(*series)]
         all_errors = sorted({e for rec in everyone for e in rec["errors"]})
         merged_errors = [self._merge([(r, e) for r, rec in enumerate(everyone)
                                       if e in rec["errors"]], self.n) for e in all_errors]
