@@ -42,14 +42,19 @@ std::string ProcessGone(int pid) {
   return "";
 }
 
-// A burst of pause instructions (the peer's flag shows up within ~100 ns), and every 16th
-// step a yield, so that with more runnable threads than cores the peer gets the core.
+// A couple of pause instructions, then the caller checks again; every 128th step a
+// yield, so that with more runnable threads than cores the peer gets the core (about
+// every 10-20 us). A pause takes 25 ns on the development VM (AMD EPYC): the bursts of 32
+// used before noticed a peer's flag 0.4 us late on average, a fifth of a 4 B all_reduce
+// between 2 processes.
 void SpinStep(int& step) {
-  if (++step % 16 == 0) {
+  constexpr int kPauses = 2;
+  constexpr int kStepsPerYield = 128;
+  if (++step % kStepsPerYield == 0) {
     std::this_thread::yield();
     return;
   }
-  for (int i = 0; i < 32; ++i) {
+  for (int i = 0; i < kPauses; ++i) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #elif defined(__aarch64__)
@@ -209,7 +214,9 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
   // Peers usually arrive within microseconds: checking their health (syscalls and a
   // /proc read) before then would cost more than the whole exchange. A dead peer is
   // still noticed within milliseconds, then every kLivenessPeriod.
-  p->next_check = Clock::now() + kFirstLivenessCheck;
+  const auto start = Clock::now();
+  p->next_check = start + kFirstLivenessCheck;
+  p->links.reserve(peers.size());
   for (size_t i = 0; i < peers.size(); ++i) {
     auto link = Peer(peers[i]);
     if (!link) {
@@ -256,7 +263,7 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
     };
   }
   // The peers are often there already, or within microseconds: finish on this thread.
-  const auto spin_until = Clock::now() + Registry::Get().spin();
+  const auto spin_until = start + Registry::Get().spin();
   int step = 0;
   while (true) {
     if (Advance(*p)) return;
