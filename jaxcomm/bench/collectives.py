@@ -31,10 +31,11 @@ order alternates every iteration so neither side always runs on a warmer cache).
   carry is rebuilt with a static slice (all_gather) or a partial in-place update
   (reduce_scatter), identically on both sides.
 * Larger sizes: one collective per program call, timed with ``block_until_ready``.
-  By default out-of-place: the operand is a non-donated jit argument, so an op whose
-  result aliases its operand (jaxcomm's all_reduce and broadcast do) pays for XLA's copy
-  of it. ``inplace=True`` (``--inplace``) donates the operand of the shape-preserving
-  ops instead, as nccl-tests' in-place runs, and gives each call a fresh one.
+  By default out-of-place: the operand is a non-donated jit argument (an op whose result
+  reused its operand's buffer would pay for XLA's copy of it; jaxcomm's all_reduce and
+  broadcast do so only up to 64 KiB). ``inplace=True`` (``--inplace``) donates the
+  operand of the shape-preserving ops instead, as nccl-tests' in-place runs, and gives
+  each call a fresh one.
 
 Each figure is the median over ``iters`` timed calls, after ``warmup`` untimed ones.
 The first warmup results of the two sides are compared (``check=True``), so a wrong
