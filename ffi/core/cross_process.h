@@ -69,6 +69,9 @@ struct StreamSpec {
   std::vector<size_t> peer_ranks;  // how many ranks each peer (plan order) has
   size_t elements = 0;             // per rank
   size_t item_bytes = 0;
+  // Whether a peer reads elements [lo, hi) of this process's inputs; the chunks nobody
+  // reads are counted as published without being copied. Empty: every chunk is read.
+  std::function<bool(size_t lo, size_t hi)> published;
   std::chrono::steady_clock::time_point deadline;
 };
 

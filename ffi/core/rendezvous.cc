@@ -242,6 +242,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->range = call.range;
         round->combine = call.combine;
         round->needs = call.needs;
+        round->reads = call.reads;
         round->op = std::string(call.ctx.op);
         round->axis = std::string(call.ctx.axis);
         round->call_site = std::string(call.ctx.call_site);
@@ -443,6 +444,16 @@ void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::s
     spec.elements = static_cast<size_t>(shape.elements);
     spec.item_bytes = shape.in_bytes / spec.elements;
     spec.deadline = deadline;
+    if (round->reads) {
+      spec.published = [&layout, &reads = *round->reads](size_t lo, size_t hi) {
+        for (const auto& ranks : layout.remote) {
+          for (int r : ranks) {
+            if (reads(r, lo, hi)) return true;
+          }
+        }
+        return false;
+      };
+    }
     std::vector<Peer> view = round->peers;
     bool timed_out = false;
     const std::string error = world->Stream(

@@ -86,6 +86,12 @@ using CombineFn = std::function<std::string(const std::vector<const void*>& in, 
 // rank's. Over TCP a process then sends each peer only the operands that peer reads.
 using NeedsFn = std::function<bool(int src, int dst)>;
 
+// For ops with a RangeFn whose results each read only part of every input: whether rank
+// `reader`'s result reads elements [lo, hi) of the inputs (all_to_all, reduce_scatter:
+// its own block of each). Without it, every range. A streamed round then copies into
+// shared memory only the chunks that some other process's rank reads.
+using ReadsFn = std::function<bool(int reader, size_t lo, size_t hi)>;
+
 // Whether a round over `processes` (this one included) runs hierarchically (unless it is
 // fault tolerant): they span several hosts and some host holds several of them.
 bool SpansHostsHierarchically(const CrossProcess& world, const std::vector<int64_t>& processes);
@@ -106,6 +112,7 @@ struct CollectiveCall {
   std::shared_ptr<const RangeFn> range;
   std::shared_ptr<const CombineFn> combine;
   std::shared_ptr<const NeedsFn> needs;
+  std::shared_ptr<const ReadsFn> reads;
 };
 
 struct Round;

@@ -30,6 +30,7 @@ struct Round {
   std::shared_ptr<const RangeFn> range;
   std::shared_ptr<const CombineFn> combine;
   std::shared_ptr<const NeedsFn> needs;
+  std::shared_ptr<const ReadsFn> reads;
   int64_t execution = 0;
   int64_t group_index = 0;
   std::shared_ptr<const std::vector<int64_t>> group;

@@ -157,6 +157,7 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
       });
       return err;
     };
+    options.reads = ReadsOwnBlock(inner);
   }
   return Launch(c, mine, 2 * x.size_bytes() * R, std::move(work), std::move(options));
 }
@@ -210,6 +211,7 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
       });
       return "";
     };
+    options.reads = ReadsOwnBlock(block);
   }
   return Launch(c, mine, 2 * x.size_bytes() * R, std::move(work), std::move(options));
 }

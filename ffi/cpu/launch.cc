@@ -105,6 +105,13 @@ ffi::Future Reject(const Common& c, const std::string& why) {
   return Failed(ffi::Error::InvalidArgument(Describe(c).Describe() + ": " + why));
 }
 
+ReadsFn ReadsOwnBlock(size_t block) {
+  return [block](int d, size_t lo, size_t hi) {
+    const size_t first = static_cast<size_t>(d) * block;
+    return lo < first + block && hi > first;
+  };
+}
+
 ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options) {
   CollectiveCall call;
   call.ctx = Describe(c);
@@ -122,6 +129,7 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   if (options.range) call.range = std::make_shared<const RangeFn>(std::move(options.range));
   if (options.combine) call.combine = std::make_shared<const CombineFn>(std::move(options.combine));
   if (options.needs) call.needs = std::make_shared<const NeedsFn>(std::move(options.needs));
+  if (options.reads) call.reads = std::make_shared<const ReadsFn>(std::move(options.reads));
   // Injected faults first (a delayed rank arrives late, a hung one never joins),
   // then this call's flight recorder entry.
   Registry& registry = Registry::Get();

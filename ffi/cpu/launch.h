@@ -85,10 +85,15 @@ struct LaunchOptions {
   // combining step of reductions (see CombineFn).
   RangeFn range;
   CombineFn combine;
-  // Which operands each result reads (see NeedsFn), for ops that read only some.
+  // Which operands each result reads (see NeedsFn), for ops that read only some, and
+  // which element ranges of them (see ReadsFn).
   NeedsFn needs;
+  ReadsFn reads;
 };
 ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options = {});
+
+// The ReadsFn of ops whose rank d reads block d (`block` elements) of every input.
+ReadsFn ReadsOwnBlock(size_t block);
 
 // Futures for handlers that finish (or fail validation) without meeting their peers.
 ffi::Future Done();

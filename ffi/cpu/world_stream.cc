@@ -6,7 +6,8 @@
 // chunks its peers already put in theirs, in the same order, so a chunk is read by the
 // peers while it is still in the shared cache. Two counters in the ring's slot entry
 // carry the protocol, both Mark(round, chunks) and only ever growing:
-//   published: the chunks of the round in place in this process's ring;
+//   published: the chunks of the round in place in this process's ring (a chunk that no
+//              peer reads, StreamSpec::published, counts without being copied);
 //   done:      the chunks of the round this process consumed from every peer.
 // A chunk may overwrite a ring entry once every peer consumed the chunk it held; a
 // process marks done = Mark(round, 0) when it starts a round, after it consumed all of
@@ -134,8 +135,10 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
       if (!error.empty()) return error;
       if (!free) break;
       const size_t lo = sent * per_chunk, n = std::min(per_chunk, s.elements - lo);
-      char* entry = ring + (sent % kRingChunks) * my_entry;
-      for (size_t r = 0; r < s.mine.size(); ++r) std::memcpy(entry + r * rank_chunk, s.mine[r] + lo * item, n * item);
+      if (!s.published || s.published(lo, lo + n)) {
+        char* entry = ring + (sent % kRingChunks) * my_entry;
+        for (size_t r = 0; r < s.mine.size(); ++r) std::memcpy(entry + r * rank_chunk, s.mine[r] + lo * item, n * item);
+      }
       slot->published.store(Mark(s.seq, ++sent), std::memory_order_release);
       moved = true;
     }
