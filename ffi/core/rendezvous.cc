@@ -86,6 +86,16 @@ void RecordError(Round& round, std::string err) {
 
 namespace {
 
+// The smallest span that holds what each of `ranks` reads.
+ElementRange ReadHull(const ReadsFn& reads, const std::vector<int>& ranks) {
+  ElementRange hull{SIZE_MAX, 0};
+  for (int r : ranks) {
+    const ElementRange read = reads(r);
+    hull = {std::min(hull.first, read.first), std::max(hull.second, read.second)};
+  }
+  return hull.first < hull.second ? hull : ElementRange{0, 0};
+}
+
 // Runs part `part` of the work; the thread that finishes the last part completes every
 // rank's future, `inline_rank`'s on this thread.
 void RunPart(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int part,
@@ -121,16 +131,21 @@ void ExchangeThen(CrossProcess& world, ExchangeSpec spec, std::shared_ptr<Round>
 }
 
 void PlaceRemoteOperands(Round& round, const std::vector<std::vector<int>>& remote, const Peer& shape,
-                         const std::vector<const char*>& blobs) {
+                         const std::vector<const char*>& blobs, const std::vector<ElementRange>* spans) {
+  const size_t item = shape.elements > 0 ? shape.in_bytes / shape.elements : 0;
   for (size_t i = 0; i < remote.size(); ++i) {
     const char* at = blobs[i];
+    const auto [first, last] = spans ? (*spans)[i] : ElementRange{0, static_cast<size_t>(shape.elements)};
     for (int r : remote[i]) {
       Peer& p = round.peers[r];
       p = Peer{};
       if (at == nullptr) continue;  // left out of a fault-tolerant call
-      p.in = at;
+      // Only elements [first, last) arrived: `in` is where element 0 would be, so the
+      // work, which reads only those, finds them at their usual offsets. (Address
+      // arithmetic in integers: the pointer may lie before the blob.)
+      p.in = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(at) - first * item);
       p.in_bytes = shape.in_bytes;
-      at += shape.in_bytes;
+      at += (last - first) * item;
       for (int k = 0; k < 4; ++k) {
         p.aux[k] = shape.aux_bytes[k] ? at : nullptr;
         p.aux_bytes[k] = shape.aux_bytes[k];
@@ -355,11 +370,23 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
                                     /*relay=*/!(round->combine && no_aux));
       }
       l.received = l.remote;
+      const ElementRange whole{0, static_cast<size_t>(l.shape.elements)};
+      l.sent_span.assign(l.remote.size(), whole);
+      l.received_span.assign(l.remote.size(), whole);
       for (size_t i = 0; i < l.remote.size(); ++i) {
         std::vector<size_t> all(l.local.size());
         for (size_t k = 0; k < all.size(); ++k) all[k] = k;
         l.sent.push_back(std::move(all));
-        if (!round->needs || round->tolerant || l.hierarchy || world->LinkKind(l.processes[i]) != "tcp") continue;
+        const bool tcp = !round->tolerant && !l.hierarchy && world->LinkKind(l.processes[i]) == "tcp";
+        if (tcp && round->reads && no_aux && whole.second > 0) {
+          // The same rule in both processes: each sends the span the other's ranks read.
+          l.sent_span[i] = ReadHull(*round->reads, l.remote[i]);
+          l.received_span[i] = ReadHull(*round->reads, l.local);
+          l.subsets |= l.sent_span[i] != whole;
+          p->peer_bytes[i] = l.remote[i].size() * (l.received_span[i].second - l.received_span[i].first) *
+                             (l.shape.in_bytes / whole.second);
+        }
+        if (!round->needs || !tcp) continue;
         // The same rule in both processes: each sends what the other's ranks read.
         const NeedsFn& needs = *round->needs;
         std::vector<int> received;
@@ -373,7 +400,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
           }
         }
         l.subsets |= sent.size() != l.local.size();
-        p->peer_bytes[i] = per_rank * received.size();
+        p->peer_bytes[i] = p->peer_bytes[i] / l.remote[i].size() * received.size();
         l.received[i] = std::move(received);
         l.sent[i] = std::move(sent);
       }
@@ -410,9 +437,19 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
   };
   for (int r : layout.local) pieces(r, spec.mine);
   if (layout.subsets) {
+    const size_t item = shape.elements > 0 ? shape.in_bytes / shape.elements : 0;
     spec.per_peer.resize(layout.sent.size());
     for (size_t i = 0; i < layout.sent.size(); ++i) {
-      for (size_t k : layout.sent[i]) pieces(layout.local[k], spec.per_peer[i]);
+      const auto [first, last] = layout.sent_span[i];
+      for (size_t k : layout.sent[i]) {
+        if (first == 0 && last == static_cast<size_t>(shape.elements)) {
+          pieces(layout.local[k], spec.per_peer[i]);
+          continue;
+        }
+        // The span of the operand the peer reads (such ops have no aux operands).
+        const char* in = static_cast<const char*>(round->peers[layout.local[k]].in);
+        spec.per_peer[i].emplace_back(in + first * item, (last - first) * item);
+      }
     }
   }
   spec.deadline = Clock::now() + round->timeout;  // the local ranks' wait is already over
@@ -420,7 +457,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
   // `layout` lives as long as the table, which the round's instruction state keeps alive.
   ExchangeThen(*world, std::move(spec), round, me,
                [round, work, seq, world, plan, shape, &layout](const std::vector<const char*>& blobs, int me) {
-                 PlaceRemoteOperands(*round, layout.received, shape, blobs);
+                 PlaceRemoteOperands(*round, layout.received, shape, blobs, &layout.received_span);
                  round->after_work = [world, plan, seq] { world->Release(*plan, seq); };
                  Execute(round, work, me);
                });
@@ -448,7 +485,8 @@ void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::s
       spec.published = [&layout, &reads = *round->reads](size_t lo, size_t hi) {
         for (const auto& ranks : layout.remote) {
           for (int r : ranks) {
-            if (reads(r, lo, hi)) return true;
+            const ElementRange read = reads(r);
+            if (lo < read.second && hi > read.first) return true;
           }
         }
         return false;

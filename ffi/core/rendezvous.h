@@ -86,11 +86,15 @@ using CombineFn = std::function<std::string(const std::vector<const void*>& in, 
 // rank's. Over TCP a process then sends each peer only the operands that peer reads.
 using NeedsFn = std::function<bool(int src, int dst)>;
 
-// For ops with a RangeFn whose results each read only part of every input: whether rank
-// `reader`'s result reads elements [lo, hi) of the inputs (all_to_all, reduce_scatter:
-// its own block of each). Without it, every range. A streamed round then copies into
-// shared memory only the chunks that some other process's rank reads.
-using ReadsFn = std::function<bool(int reader, size_t lo, size_t hi)>;
+// Elements [first, last) of an operand.
+using ElementRange = std::pair<size_t, size_t>;
+
+// For ops whose results each read only part of every input: the elements of every input
+// that rank `reader`'s result reads (all_to_all, reduce_scatter: its own block of each).
+// Without it, all of them. A streamed round then copies into shared memory only the
+// chunks some other process's rank reads, and over TCP a process sends each peer only
+// the span of its operands that the peer's ranks read.
+using ReadsFn = std::function<ElementRange(int reader)>;
 
 // Whether a round over `processes` (this one included) runs hierarchically (unless it is
 // fault tolerant): they span several hosts and some host holds several of them.
@@ -177,7 +181,10 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
     // over TCP with a NeedsFn), and the places in `local` of the ranks sent to it.
     std::vector<std::vector<int>> received;
     std::vector<std::vector<size_t>> sent;
-    bool subsets = false;  // some `sent` is not all of `local`
+    // Per other process: the elements of each operand sent to it and received from it
+    // (all of them but over TCP with a ReadsFn).
+    std::vector<ElementRange> sent_span, received_span;
+    bool subsets = false;  // some `sent` is not all of `local`, or some span not whole
     Peer shape;  // the sizes every rank's operands have
   };
 

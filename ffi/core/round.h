@@ -100,8 +100,9 @@ void ExchangeThen(CrossProcess& world, ExchangeSpec spec, std::shared_ptr<Round>
                   std::function<void(const std::vector<const char*>& blobs, int me)> next);
 // Points the Peers of the ranks of other processes at their operands: blobs[i] holds
 // those of remote[i]'s ranks, in rank order, each rank's `in` then its aux operands.
+// `spans`: per process, the elements of each operand that arrived (default: all).
 void PlaceRemoteOperands(Round& round, const std::vector<std::vector<int>>& remote, const Peer& shape,
-                         const std::vector<const char*>& blobs);
+                         const std::vector<const char*>& blobs, const std::vector<ElementRange>* spans = nullptr);
 // Runs the work of a round whose operands are all in place; `me` is the arriving rank
 // (its future completes on this thread).
 void Execute(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int me);

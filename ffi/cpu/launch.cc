@@ -106,10 +106,7 @@ ffi::Future Reject(const Common& c, const std::string& why) {
 }
 
 ReadsFn ReadsOwnBlock(size_t block) {
-  return [block](int d, size_t lo, size_t hi) {
-    const size_t first = static_cast<size_t>(d) * block;
-    return lo < first + block && hi > first;
-  };
+  return [block](int d) { return ElementRange{static_cast<size_t>(d) * block, static_cast<size_t>(d + 1) * block}; };
 }
 
 ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options) {
