@@ -365,7 +365,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
       }
       const bool no_aux = std::all_of(l.shape.aux_bytes.begin(), l.shape.aux_bytes.end(),
                                       [](size_t b) { return b == 0; });
-      if (!round->tolerant) {
+      if (MayRunInPhases(round->tolerant, round->reads != nullptr, l.shape.in_bytes)) {
         l.hierarchy = PlanHierarchy(*world, *p, Registry::Get().process_index(), per_rank, l.local.size(), l.remote,
                                     /*relay=*/!(round->combine && no_aux));
       }

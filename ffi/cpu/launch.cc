@@ -137,7 +137,7 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   }
   if (FlightRecorder& rec = registry.recorder(); rec.enabled()) {
     call.mine.trace = rec.Enqueue(call.ctx.partition, rec.SiteOf(*c.state->table, call.ctx, Streamable(mine, call.range != nullptr, call.tolerant),
-                                  /*hierarchical=*/!call.tolerant), call.ctx.rank,
+                                  /*hierarchical=*/MayRunInPhases(call.tolerant, call.reads != nullptr, mine.in_bytes)), call.ctx.rank,
                                   call.run_id, mine.dtype, mine.elements, static_cast<int64_t>(mine.in_bytes));
   }
   return c.state->table->Arrive(call, std::make_shared<const WorkFn>(std::move(work)));
