@@ -8,7 +8,8 @@
 //   3. spread: each leader hands the result (relay: the other hosts' bundles) to the
 //              other processes of its host, which then run the op's work as usual.
 // What crosses between two hosts drops from (processes per host)^2 copies of an operand
-// to one. Each phase is an exchange (core/cross_process.h) with its own
+// to one. (Large calls of ops whose ranks read only part of the operands send directly
+// instead: see MayRunInPhases.) Each phase is an exchange (core/cross_process.h) with its own
 // plan, deadline and errors; a phase's continuation never runs on the transport's
 // progress thread.
 #include <algorithm>

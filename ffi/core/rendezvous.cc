@@ -258,6 +258,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->combine = call.combine;
         round->needs = call.needs;
         round->reads = call.reads;
+        round->direct = call.direct();
         round->op = std::string(call.ctx.op);
         round->axis = std::string(call.ctx.axis);
         round->call_site = std::string(call.ctx.call_site);
@@ -365,7 +366,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
       }
       const bool no_aux = std::all_of(l.shape.aux_bytes.begin(), l.shape.aux_bytes.end(),
                                       [](size_t b) { return b == 0; });
-      if (MayRunInPhases(round->tolerant, round->reads != nullptr, l.shape.in_bytes)) {
+      if (MayRunInPhases(round->tolerant, round->direct, l.shape.in_bytes)) {
         l.hierarchy = PlanHierarchy(*world, *p, Registry::Get().process_index(), per_rank, l.local.size(), l.remote,
                                     /*relay=*/!(round->combine && no_aux));
       }

@@ -99,15 +99,15 @@ using ReadsFn = std::function<ElementRange(int reader)>;
 // Whether a round over `processes` (this one included) runs hierarchically (if its call
 // MayRunInPhases): they span several hosts and some host holds several of them.
 bool SpansHostsHierarchically(const CrossProcess& world, const std::vector<int64_t>& processes);
-// Fault-tolerant calls never run in phases; nor do ops with a ReadsFn from
-// kDirectSpanBytes per rank, which send each peer directly the span of each operand its
-// ranks read: across H hosts, H times fewer bytes than relaying whole operands through
-// the hosts' leaders. (4 processes as 2 hosts: 16 MiB all_to_all 25-28 -> 12-13 ms,
-// reduce_scatter at 256 KiB 1.7 -> 0.4 ms; below, the relay's fewer TCP messages won:
-// 64 KiB all_to_all 0.2 ms relayed, 0.6 ms direct.)
-constexpr size_t kDirectSpanBytes = 256 << 10;
-inline bool MayRunInPhases(bool tolerant, bool has_reads, size_t in_bytes) {
-  return !tolerant && !(has_reads && in_bytes >= kDirectSpanBytes);
+// Fault-tolerant calls never run in phases; nor, from kDirectBytes per rank, do ops that
+// send each peer directly only what its ranks read (`direct`: a ReadsFn, or every
+// operand read by one rank at most): across H hosts that moves H times fewer bytes than
+// relaying whole operands through the hosts' leaders. (4 processes as 2 hosts: 16 MiB
+// all_to_all 25-28 -> 12-13 ms, reduce_scatter at 256 KiB 1.7 -> 0.4 ms; below, the
+// relay's fewer TCP messages won: 64 KiB all_to_all 0.2 ms relayed, 0.6 ms direct.)
+constexpr size_t kDirectBytes = 256 << 10;
+inline bool MayRunInPhases(bool tolerant, bool direct, size_t in_bytes) {
+  return !tolerant && !(direct && in_bytes >= kDirectBytes);
 }
 
 struct CollectiveCall {
@@ -127,6 +127,10 @@ struct CollectiveCall {
   std::shared_ptr<const CombineFn> combine;
   std::shared_ptr<const NeedsFn> needs;
   std::shared_ptr<const ReadsFn> reads;
+  bool point_to_point = false;  // each operand is read by one rank at most (ppermute)
+  // Whether this call may send its operands directly rather than in phases (see
+  // MayRunInPhases).
+  bool direct() const { return reads != nullptr || point_to_point; }
 };
 
 struct Round;

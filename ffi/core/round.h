@@ -31,6 +31,7 @@ struct Round {
   std::shared_ptr<const CombineFn> combine;
   std::shared_ptr<const NeedsFn> needs;
   std::shared_ptr<const ReadsFn> reads;
+  bool direct = false;  // CollectiveCall::direct()
   int64_t execution = 0;
   int64_t group_index = 0;
   std::shared_ptr<const std::vector<int64_t>> group;

@@ -243,6 +243,7 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
       };
   LaunchOptions options;
   options.needs = [src](int s, int d) { return src[d] == s; };
+  options.point_to_point = true;
   const size_t item = bytes / x.element_count();
   options.range = [src, item](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
     ForEachOwnedRank(peers, 0, 1, [&](int d) {

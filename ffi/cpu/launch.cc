@@ -127,6 +127,7 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   if (options.combine) call.combine = std::make_shared<const CombineFn>(std::move(options.combine));
   if (options.needs) call.needs = std::make_shared<const NeedsFn>(std::move(options.needs));
   if (options.reads) call.reads = std::make_shared<const ReadsFn>(std::move(options.reads));
+  call.point_to_point = options.point_to_point;
   // Injected faults first (a delayed rank arrives late, a hung one never joins),
   // then this call's flight recorder entry.
   Registry& registry = Registry::Get();
@@ -137,7 +138,7 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   }
   if (FlightRecorder& rec = registry.recorder(); rec.enabled()) {
     call.mine.trace = rec.Enqueue(call.ctx.partition, rec.SiteOf(*c.state->table, call.ctx, Streamable(mine, call.range != nullptr, call.tolerant),
-                                  /*hierarchical=*/MayRunInPhases(call.tolerant, call.reads != nullptr, mine.in_bytes)), call.ctx.rank,
+                                  /*hierarchical=*/MayRunInPhases(call.tolerant, call.direct(), mine.in_bytes)), call.ctx.rank,
                                   call.run_id, mine.dtype, mine.elements, static_cast<int64_t>(mine.in_bytes));
   }
   return c.state->table->Arrive(call, std::make_shared<const WorkFn>(std::move(work)));

@@ -89,6 +89,9 @@ struct LaunchOptions {
   // which element ranges of them (see ReadsFn).
   NeedsFn needs;
   ReadsFn reads;
+  // Each operand is read by one rank at most (ppermute): across hosts, large calls then
+  // send directly instead of in phases (see MayRunInPhases).
+  bool point_to_point = false;
 };
 ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options = {});
 

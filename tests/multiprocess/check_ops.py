@@ -178,11 +178,11 @@ else:
 if "JAXCOMM_HOST_ID" in os.environ and NPROC >= 4:
     # Two processes per "host": every op that crossed hosts went in phases (all_reduce
     # reduced within each host first, the others relayed by the hosts' leaders), but the
-    # large all_to_all and reduce_scatter along dimension 0 (the "streamed" cases), which
-    # send each process just the blocks its ranks read.
+    # large all_to_all and reduce_scatter along dimension 0 and ppermute (the "streamed"
+    # cases), which send each process just what its ranks read.
     algorithms = {(s.op, s.algorithm) for s in jaxcomm.stats()}
     flat = {op for op, a in algorithms if a == "shm+tcp"}
-    assert flat == {"reduce_scatter", "all_to_all"}, algorithms
+    assert flat == {"reduce_scatter", "all_to_all", "ppermute"}, algorithms
     hierarchical = {op for op, a in algorithms if a == "hierarchical shm+tcp"}
     assert hierarchical == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute",
                             "broadcast", "ragged_all_to_all", "moe_transport"}, algorithms
