@@ -169,6 +169,8 @@ if LOCAL > 1:
     # Groups that hold one device of each process, in an order unlike the processes'.
     mesh_t = jax.sharding.Mesh(devices.T[:, ::-1], ("l", "p"))
     check_all(mesh_t, ("p",), "transposed p")
+    # Both axes, "l" first: each process's ranks are not adjacent in the group.
+    check_all(mesh_t, ("l", "p"), "transposed lp")
     check_streamed(mesh2, ("p", "l"), "pl")
     check_streamed(mesh_t, ("p",), "transposed p")
 else:
