@@ -99,8 +99,9 @@ NB_MODULE(_jaxcomm, m) {
     d["port"] = e.port;
     return d;
   }, nb::arg("process"), nb::arg("shared_memory"), nb::arg("host"),
-     "Creates this process's endpoint (`host`: the processes whose memory it shares have this key) (shared memory control block, TCP listener); returns "
-     "what peers need to link to it: {pid, control_fd, control_bytes, port}.");
+     "Creates this process's endpoint (shared memory control block, TCP listener); `host` is "
+     "its host key (processes with the same key share memory). Returns what peers need to "
+     "link to it: {pid, control_fd, control_bytes, port}.");
 
   m.def("transport_link", [](int64_t process, const std::string& host, const std::string& label, int pid,
                              int control_fd, size_t control_bytes, int port, bool shared_memory,

@@ -55,13 +55,7 @@ class HierarchicalRound : public std::enable_shared_from_this<HierarchicalRound>
         remote_(remote), shape_(shape), world_(Registry::Get().cross_process()), seq_(round_->execution),
         deadline_(Clock::now() + round_->timeout) {
     // This process's contribution, as the flat exchange sends it.
-    for (int r : local_) {
-      const Peer& p = round_->peers[r];
-      mine_.emplace_back(p.in, p.in_bytes);
-      for (int k = 0; k < 4; ++k) {
-        if (p.aux_bytes[k] > 0) mine_.emplace_back(p.aux[k], p.aux_bytes[k]);
-      }
-    }
+    for (int r : local_) AppendOperands(round_->peers[r], {0, static_cast<size_t>(shape_.elements)}, mine_);
   }
 
   void Start() {

@@ -130,9 +130,17 @@ void ExchangeThen(CrossProcess& world, ExchangeSpec spec, std::shared_ptr<Round>
   });
 }
 
+void AppendOperands(const Peer& p, ElementRange span, std::vector<std::pair<const void*, size_t>>& out) {
+  const size_t item = p.item_bytes();
+  out.emplace_back(static_cast<const char*>(p.in) + span.first * item, (span.second - span.first) * item);
+  for (int k = 0; k < 4; ++k) {
+    if (p.aux_bytes[k] > 0) out.emplace_back(p.aux[k], p.aux_bytes[k]);
+  }
+}
+
 void PlaceRemoteOperands(Round& round, const std::vector<std::vector<int>>& remote, const Peer& shape,
                          const std::vector<const char*>& blobs, const std::vector<ElementRange>* spans) {
-  const size_t item = shape.elements > 0 ? shape.in_bytes / shape.elements : 0;
+  const size_t item = shape.item_bytes();
   for (size_t i = 0; i < remote.size(); ++i) {
     const char* at = blobs[i];
     const auto [first, last] = spans ? (*spans)[i] : ElementRange{0, static_cast<size_t>(shape.elements)};
@@ -385,7 +393,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
           l.received_span[i] = ReadHull(*round->reads, l.local);
           l.subsets |= l.sent_span[i] != whole;
           p->peer_bytes[i] = l.remote[i].size() * (l.received_span[i].second - l.received_span[i].first) *
-                             (l.shape.in_bytes / whole.second);
+                             l.shape.item_bytes();
         }
         if (!round->needs || !tcp) continue;
         // The same rule in both processes: each sends what the other's ranks read.
@@ -431,26 +439,12 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
   spec.plan = plan;
   spec.seq = round->execution;
   spec.tolerant = round->tolerant;
-  const auto pieces = [&round](int r, std::vector<std::pair<const void*, size_t>>& out) {
-    const Peer& p = round->peers[r];
-    out.emplace_back(p.in, p.in_bytes);
-    for (int k = 0; k < 4; ++k) out.emplace_back(p.aux[k], p.aux_bytes[k]);
-  };
-  for (int r : layout.local) pieces(r, spec.mine);
+  const ElementRange whole{0, static_cast<size_t>(shape.elements)};
+  for (int r : layout.local) AppendOperands(round->peers[r], whole, spec.mine);
   if (layout.subsets) {
-    const size_t item = shape.elements > 0 ? shape.in_bytes / shape.elements : 0;
     spec.per_peer.resize(layout.sent.size());
     for (size_t i = 0; i < layout.sent.size(); ++i) {
-      const auto [first, last] = layout.sent_span[i];
-      for (size_t k : layout.sent[i]) {
-        if (first == 0 && last == static_cast<size_t>(shape.elements)) {
-          pieces(layout.local[k], spec.per_peer[i]);
-          continue;
-        }
-        // The span of the operand the peer reads (such ops have no aux operands).
-        const char* in = static_cast<const char*>(round->peers[layout.local[k]].in);
-        spec.per_peer[i].emplace_back(in + first * item, (last - first) * item);
-      }
+      for (size_t k : layout.sent[i]) AppendOperands(round->peers[layout.local[k]], layout.sent_span[i], spec.per_peer[i]);
     }
   }
   spec.deadline = Clock::now() + round->timeout;  // the local ranks' wait is already over
@@ -480,7 +474,7 @@ void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::s
     for (int r : layout.local) spec.mine.push_back(static_cast<const char*>(round->peers[r].in));
     for (const auto& ranks : layout.remote) spec.peer_ranks.push_back(ranks.size());
     spec.elements = static_cast<size_t>(shape.elements);
-    spec.item_bytes = shape.in_bytes / spec.elements;
+    spec.item_bytes = shape.item_bytes();
     spec.deadline = deadline;
     if (round->reads) {
       spec.published = [&layout, &reads = *round->reads](size_t lo, size_t hi) {

@@ -52,6 +52,7 @@ struct Peer {
   uint64_t trace = 0;
   uint8_t dtype = 0;  // XLA_FFI_DataType
   int64_t elements = 0;
+  size_t item_bytes() const { return elements > 0 ? in_bytes / static_cast<size_t>(elements) : 0; }
 };
 
 // The data movement of one op, given every rank's buffers. The work is cut into

@@ -99,6 +99,9 @@ std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const 
 // never on the transport's progress thread. A failed exchange fails the round instead.
 void ExchangeThen(CrossProcess& world, ExchangeSpec spec, std::shared_ptr<Round> round, int me,
                   std::function<void(const std::vector<const char*>& blobs, int me)> next);
+// Appends what rank `p` contributes to an exchange: elements `span` of its operand, then
+// its aux operands (ops that send partial spans have none).
+void AppendOperands(const Peer& p, ElementRange span, std::vector<std::pair<const void*, size_t>>& out);
 // Points the Peers of the ranks of other processes at their operands: blobs[i] holds
 // those of remote[i]'s ranks, in rank order, each rank's `in` then its aux operands.
 // `spans`: per process, the elements of each operand that arrived (default: all).

@@ -104,22 +104,21 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
                         bool rejoining) {
   const auto deadline = Clock::now() + timeout;
   if (process_ < 0) return "jaxcomm's endpoint is not open";
+  // What only the bootstrap knows of a peer (a peer that connected first lacks it).
+  const auto identify = [&label, &peer](PeerLink& l) {
+    l.host = label;
+    l.host_key = peer.host;
+    l.pid = peer.pid;
+  };
   if (auto known = Peer(process)) {
-    // It may have connected before this call (taken by the progress thread): what only
-    // the bootstrap knows is filled in here.
+    // It may have connected before this call (taken by the progress thread).
     std::lock_guard<std::mutex> lock(mu_);
-    if (known->pid == 0) {
-      known->host = label;
-      known->host_key = peer.host;
-      known->pid = peer.pid;
-    }
+    if (known->pid == 0) identify(*known);
     return "";
   }
   auto link = std::make_shared<PeerLink>();
   link->process = process;
-  link->host = label;
-  link->host_key = peer.host;
-  link->pid = peer.pid;
+  identify(*link);
   std::string error;
   if (shared_memory) {
     if (!shm_ || peer.control_fd < 0) return "shared memory was not set up at both ends";
@@ -137,9 +136,7 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
       if (fd >= 0) Adopt(fd, deadline);
     }
     std::lock_guard<std::mutex> lock(mu_);
-    peers_[process]->host = label;
-    peers_[process]->host_key = peer.host;
-    peers_[process]->pid = peer.pid;
+    identify(*peers_[process]);
     return "";
   }
   std::lock_guard<std::mutex> lock(mu_);
