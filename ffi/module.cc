@@ -135,6 +135,11 @@ NB_MODULE(_jaxcomm, m) {
     jaxcomm::Registry::Get().set_spin(std::chrono::microseconds(us < 0 ? 0 : us));
   }, "How long a waiting rank spins (yielding) before it sleeps, in microseconds.");
 
+  m.def("nontemporal_bytes", [] { return jaxcomm::Registry::Get().nontemporal_bytes(); },
+        "Results of at least this many bytes are written with non-temporal stores (0: never).");
+  m.def("set_nontemporal_bytes", [](int64_t bytes) { jaxcomm::Registry::Get().set_nontemporal_bytes(bytes); },
+        nb::arg("bytes"), "Sets nontemporal_bytes (JAXCOMM_NONTEMPORAL_BYTES); 0 turns streaming stores off.");
+
   m.def("has_cuda", [] {
 #ifdef JAXCOMM_WITH_CUDA
     return true;

@@ -668,6 +668,50 @@ def test_large_all_reduce_narrow_types(mesh8, dt):
 
 
 
+@pytest.fixture
+def streaming_stores():
+    """Every result written with non-temporal stores (as JAXCOMM_NONTEMPORAL_BYTES=1)."""
+    from jaxcomm import _jaxcomm
+    before = _jaxcomm.nontemporal_bytes()
+    _jaxcomm.set_nontemporal_bytes(1)
+    yield
+    _jaxcomm.set_nontemporal_bytes(before)
+
+
+@pytest.mark.parametrize("name", list(_large_cases(1024)))
+def test_streaming_stores_give_the_same_results(mesh8, streaming_stores, name):
+    # Rows of 67 float32s: results start and end off the stores' 16-byte alignment.
+    ours, ref, shape, exact = _large_cases(8 * N)[name]
+    x = rand((N, *shape), "float32", seed=27)
+    compare(mesh8, ours, ref, x, exact=exact)
+
+
+@pytest.mark.parametrize("dt", ["float32", "bfloat16", "int8", "complex64"])
+@pytest.mark.parametrize("n", [0, 5, 4099])
+def test_streaming_stores_reduce(mesh8, streaming_stores, dt, n):
+    # float32: reduced into an L1 block, then streamed; bfloat16: rounded, then streamed;
+    # complex64 over 8 inputs: the generic accumulator; 4099: several blocks and a tail.
+    x = rand((N, n), dt, seed=28)
+    compare(mesh8, lambda v: jaxcomm.all_reduce(v, "x"), lambda v: jax.lax.psum(v, "x"), x,
+            exact=False)
+    compare(mesh8, lambda v: jaxcomm.reduce_scatter(v.reshape(N, -1), "x", scatter_dimension=0,
+                                                    tiled=True),
+            lambda v: jax.lax.psum_scatter(v.reshape(N, -1), "x", scatter_dimension=0, tiled=True),
+            rand((N, N * n), dt, seed=29), exact=False)
+
+
+def test_nontemporal_bytes_setting_round_trips():
+    from jaxcomm import _jaxcomm
+    before = _jaxcomm.nontemporal_bytes()
+    try:
+        _jaxcomm.set_nontemporal_bytes(-5)  # negative: off, like 0
+        assert _jaxcomm.nontemporal_bytes() == 0
+        _jaxcomm.set_nontemporal_bytes(1 << 22)
+        assert _jaxcomm.nontemporal_bytes() == 1 << 22
+    finally:
+        _jaxcomm.set_nontemporal_bytes(before)
+
+
 @pytest.mark.parametrize("axes,name", [("ep", "all_reduce"), ("dp", "all_to_all"),
                                        (("ep", "dp"), "all_gather")])
 def test_large_messages_2x4(mesh2x4, axes, name):

@@ -35,20 +35,25 @@ def jaxcomm_segments() -> set[str]:
 TWO_PER_HOST = 'os.environ["JAXCOMM_HOST_ID"] = f"test-host-{RANK // 2}"\n'
 
 
-@pytest.mark.parametrize("processes,devices,transport", [
-    (2, 1, "auto"),
-    (2, 2, "auto"),
-    (4, 1, "auto"),
-    (2, 2, "tcp"),
-    (4, 2, "tcp"),
-    (4, 1, "hosts"),
-    (4, 2, "hosts"),
+# JAXCOMM_NONTEMPORAL_BYTES=1: every result, however small, is written with streaming
+# stores (ffi/cpu/result_stores.h), in the shared-memory streams and across hosts too.
+@pytest.mark.parametrize("processes,devices,transport,nontemporal", [
+    (2, 1, "auto", None),
+    (2, 2, "auto", "1"),
+    (4, 1, "auto", None),
+    (2, 2, "tcp", None),
+    (4, 2, "tcp", None),
+    (4, 1, "hosts", None),
+    (4, 2, "hosts", "1"),
 ])
-def test_every_op_matches_numpy_across_processes(processes: int, devices: int, transport: str) -> None:
+def test_every_op_matches_numpy_across_processes(processes: int, devices: int, transport: str,
+                                                 nontemporal: str | None) -> None:
     before = jaxcomm_segments()
     body = TWO_PER_HOST + CHECK_OPS if transport == "hosts" else CHECK_OPS
-    res = run_script(body, processes, devices, env={"JAXCOMM_TRANSPORT": "auto" if transport == "hosts" else transport},
-                     timeout_s=180)
+    env = {"JAXCOMM_TRANSPORT": "auto" if transport == "hosts" else transport}
+    if nontemporal is not None:
+        env["JAXCOMM_NONTEMPORAL_BYTES"] = nontemporal
+    res = run_script(body, processes, devices, env=env, timeout_s=180)
     assert_ok(res)
     for rank in range(processes):
         assert "ALL CHECKED" in res.output[rank], res.format()

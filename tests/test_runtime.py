@@ -446,6 +446,17 @@ def test_invalid_backend_is_rejected(monkeypatch):
         _fresh("all_reduce")(put(data((R, 4)), P("x")))
 
 
+@pytest.mark.parametrize("raw,message", [("4MiB", "must be a whole number of bytes, got '4MiB'"),
+                                         ("-1", "must be >= 0, got -1")])
+def test_invalid_nontemporal_bytes_is_rejected(monkeypatch, raw, message):
+    from jaxcomm._src import config
+    monkeypatch.setenv("JAXCOMM_NONTEMPORAL_BYTES", raw)
+    with pytest.raises(ValueError, match=f"JAXCOMM_NONTEMPORAL_BYTES {message}"):
+        config.nontemporal_bytes()
+    monkeypatch.setenv("JAXCOMM_NONTEMPORAL_BYTES", "0")
+    assert config.nontemporal_bytes() == 0
+
+
 # ---------------------------------------------------------------- composition with pjit
 
 

@@ -11,14 +11,17 @@ namespace {
 // from ~110 us (sleep at once) to ~17 us.
 constexpr int64_t kDefaultSpinUs = 200;
 constexpr int64_t kDefaultTraceEntries = 2048;
+constexpr int64_t kDefaultNontemporalBytes = 4 << 20;
 
-int64_t TraceEntries() {
-  const char* env = std::getenv("JAXCOMM_TRACE_ENTRIES");
-  if (env == nullptr || *env == '\0') return kDefaultTraceEntries;
+// A whole number from the environment, else `fallback` (jaxcomm/_src/config.py rejects
+// malformed values with a message; they must not break the program here).
+int64_t EnvInt(const char* name, int64_t fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
   try {
-    return std::max<int64_t>(0, std::stoll(env));
+    return std::stoll(env);
   } catch (...) {
-    return kDefaultTraceEntries;  // jaxcomm/_src/config.py rejects it with a message
+    return fallback;
   }
 }
 
@@ -29,17 +32,13 @@ std::string TraceDir() {
 }  // namespace
 
 Registry::Registry()
-    : spin_us_(kDefaultSpinUs), recorder_(static_cast<size_t>(TraceEntries()), TraceDir()),
+    : spin_us_(kDefaultSpinUs),
+      nontemporal_bytes_(kDefaultNontemporalBytes),
+      recorder_(static_cast<size_t>(std::max<int64_t>(0, EnvInt("JAXCOMM_TRACE_ENTRIES", kDefaultTraceEntries))),
+                TraceDir()),
       faults_(std::getenv("JAXCOMM_FAULT")) {
-  int64_t spin = kDefaultSpinUs;
-  if (const char* env = std::getenv("JAXCOMM_SPIN_US")) {
-    try {
-      spin = std::stoll(env);
-    } catch (...) {
-      spin = kDefaultSpinUs;  // a malformed value must not break the program
-    }
-  }
-  set_spin(std::chrono::microseconds(spin));
+  set_spin(std::chrono::microseconds(EnvInt("JAXCOMM_SPIN_US", kDefaultSpinUs)));
+  set_nontemporal_bytes(EnvInt("JAXCOMM_NONTEMPORAL_BYTES", kDefaultNontemporalBytes));
 }
 
 void Registry::set_spin(std::chrono::microseconds us) {

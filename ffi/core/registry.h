@@ -30,6 +30,11 @@ class Registry {
   std::chrono::microseconds spin() const { return std::chrono::microseconds(spin_us_.load()); }
   void set_spin(std::chrono::microseconds us);
 
+  // Results of at least this many bytes (one rank's) are written with non-temporal
+  // stores (cpu/result_stores.h); 0: never. JAXCOMM_NONTEMPORAL_BYTES.
+  int64_t nontemporal_bytes() const { return nontemporal_bytes_.load(std::memory_order_relaxed); }
+  void set_nontemporal_bytes(int64_t bytes) { nontemporal_bytes_.store(bytes < 0 ? 0 : bytes, std::memory_order_relaxed); }
+
   // This process's index in the job (jax.process_index()), set when handlers register.
   int64_t process_index() const { return process_index_.load(std::memory_order_relaxed); }
   void set_process_index(int64_t i) { process_index_.store(i, std::memory_order_relaxed); }
@@ -61,6 +66,7 @@ class Registry {
  private:
   Registry();
   std::atomic<int64_t> spin_us_;
+  std::atomic<int64_t> nontemporal_bytes_;
   std::atomic<int64_t> process_index_{0};
   std::atomic<int> host_processes_{1};
   CompletionPool pool_;

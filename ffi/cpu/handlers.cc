@@ -12,6 +12,7 @@
 #include "core/rendezvous.h"
 #include "cpu/kernels.h"
 #include "cpu/launch.h"
+#include "cpu/result_stores.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cpu {
@@ -35,8 +36,9 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   if (!ReduceSupported(dtype, op)) {
     return Reject(c, std::string("op '") + ReduceOpName(op) + "' does not support this dtype");
   }
+  const bool streaming = StreamsResult(y->size_bytes());
   const WorkFn work =
-      [dtype, op, n](const std::vector<Peer>& peers, int part, int parts) -> std::string {
+      [dtype, op, n, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         std::vector<const void*> in;
         std::vector<void*> out;
         for (const Peer& p : peers) {
@@ -46,7 +48,7 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
         constexpr size_t kAlign = 64;  // elements: keeps parts off each other's cache lines
         size_t chunk = ((n + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
         size_t begin = std::min(n, chunk * part), end = std::min(n, begin + chunk);
-        return Reduce(dtype, op, in, out, begin, end);
+        return Reduce(dtype, op, in, out, begin, end, streaming);
       };
   const size_t item = x.size_bytes() / n;
   LaunchOptions options{/*split_by_rank=*/false};
@@ -57,14 +59,14 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
       return Reduce(dtype, op, in, {out}, 0, elements);
     };
   }
-  options.range = [dtype, op, item](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
+  options.range = [dtype, op, item, streaming](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
     std::vector<const void*> in;
     std::vector<void*> out;
     for (const Peer& p : peers) {
       in.push_back(p.in);
       if (p.out != nullptr) out.push_back(static_cast<char*>(p.out) + lo * item);
     }
-    return Reduce(dtype, op, in, out, 0, hi - lo);
+    return Reduce(dtype, op, in, out, 0, hi - lo, streaming);
   };
   return Launch(c, mine, 2 * x.size_bytes() * group_size, std::move(work), std::move(options));
 }
@@ -84,23 +86,26 @@ ffi::Future AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   const int64_t outer = Product(dims, 0, gather_axis);
   const size_t inner = Product(dims, gather_axis, dims.size()) * item;
   const int64_t R = group_size;
+  const bool streaming = StreamsResult(y->size_bytes());
   const WorkFn work =
-      [outer, inner, R](const std::vector<Peer>& peers, int part, int parts) -> std::string {
+      [outer, inner, R, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(peers, part, parts, [&](int d) {
           char* out = static_cast<char*>(peers[d].out);
           for (int64_t j = 0; j < R; ++j) {
             const char* in = static_cast<const char*>(peers[j].in);
-            for (int64_t o = 0; o < outer; ++o) std::memcpy(out + (o * R + j) * inner, in + o * inner, inner);
+            for (int64_t o = 0; o < outer; ++o) {
+              StoreResult(out + (o * R + j) * inner, in + o * inner, inner, streaming);
+            }
           }
         });
         return "";
       };
   LaunchOptions options;
   if (outer == 1) {  // each rank's input lands whole in one block of every result
-    options.range = [inner, item, R](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
+    options.range = [inner, item, R, streaming](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
       ForEachOwnedRank(peers, 0, 1, [&](int d) {
         char* out = static_cast<char*>(peers[d].out) + lo * item;
-        for (int64_t j = 0; j < R; ++j) std::memcpy(out + j * inner, peers[j].in, (hi - lo) * item);
+        for (int64_t j = 0; j < R; ++j) StoreResult(out + j * inner, peers[j].in, (hi - lo) * item, streaming);
       });
       return "";
     };
@@ -127,8 +132,9 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
   const int64_t R = group_size;
   const int64_t outer = Product(dims, 0, scatter_dimension);
   const size_t inner = Product(dims, scatter_dimension, dims.size()) / R;  // elements
+  const bool streaming = StreamsResult(y->size_bytes());
   const WorkFn work =
-      [dtype, op, outer, inner, item, R](const std::vector<Peer>& peers, int part, int parts) -> std::string {
+      [dtype, op, outer, inner, item, R, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         std::string err;
         std::vector<const void*> in(R);
         std::vector<void*> out(1);
@@ -138,14 +144,14 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
               in[j] = static_cast<const char*>(peers[j].in) + ((o * R + d) * inner) * item;
             }
             out[0] = static_cast<char*>(peers[d].out) + o * inner * item;
-            err = Reduce(dtype, op, in, out, 0, inner);
+            err = Reduce(dtype, op, in, out, 0, inner, streaming);
           }
         });
         return err;
       };
   LaunchOptions options;
   if (outer == 1) {  // result d is the reduction of block d of the inputs
-    options.range = [dtype, op, inner, item](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
+    options.range = [dtype, op, inner, item, streaming](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
       std::string err;
       std::vector<const void*> in(peers.size());
       ForEachOwnedRank(peers, 0, 1, [&](int d) {
@@ -153,7 +159,7 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
         if (begin >= end || !err.empty()) return;
         for (size_t j = 0; j < peers.size(); ++j) in[j] = static_cast<const char*>(peers[j].in) + (begin - lo) * item;
         std::vector<void*> out{static_cast<char*>(peers[d].out) + (begin - d * inner) * item};
-        err = Reduce(dtype, op, in, out, 0, end - begin);
+        err = Reduce(dtype, op, in, out, 0, end - begin, streaming);
       });
       return err;
     };
@@ -185,12 +191,13 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
   const int64_t src_piece = plan.shape[split_axis] * plan.src_strides[split_axis];
   const int64_t dst_piece = (out_dims[concat_axis] / R) * plan.dst_strides[concat_axis];
   plan.Compile();
+  const bool streaming = StreamsResult(y->size_bytes());
   const WorkFn work =
-      [plan, src_piece, dst_piece, R](const std::vector<Peer>& peers, int part, int parts) -> std::string {
+      [plan, src_piece, dst_piece, R, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(peers, part, parts, [&](int d) {
           char* out = static_cast<char*>(peers[d].out);
           for (int64_t j = 0; j < R; ++j) {
-            plan.Run(static_cast<const char*>(peers[j].in) + d * src_piece, out + j * dst_piece);
+            plan.Run(static_cast<const char*>(peers[j].in) + d * src_piece, out + j * dst_piece, streaming);
           }
         });
         return "";
@@ -199,14 +206,14 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
   if (split_axis == 0 && concat_axis == 0) {
     // Block d of rank j's input is block j of result d, both contiguous.
     const size_t block = x.element_count() / R;
-    options.range = [block, item, R](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
+    options.range = [block, item, R, streaming](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
       ForEachOwnedRank(peers, 0, 1, [&](int d) {
         const size_t begin = std::max(lo, d * block), end = std::min(hi, (d + 1) * block);
         if (begin >= end) return;
         char* out = static_cast<char*>(peers[d].out) + (begin - d * block) * item;
         for (int64_t j = 0; j < R; ++j) {
-          std::memcpy(out + j * block * item, static_cast<const char*>(peers[j].in) + (begin - lo) * item,
-                      (end - begin) * item);
+          StoreResult(out + j * block * item, static_cast<const char*>(peers[j].in) + (begin - lo) * item,
+                      (end - begin) * item, streaming);
         }
       });
       return "";
@@ -230,13 +237,14 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
   }
   std::vector<int64_t> src(sources.begin(), sources.end());
   const size_t bytes = x.size_bytes();
+  const bool streaming = StreamsResult(bytes);
   const WorkFn work =
-      [src, bytes](const std::vector<Peer>& peers, int part, int parts) -> std::string {
+      [src, bytes, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(peers, part, parts, [&](int d) {
           if (src[d] < 0) {
-            std::memset(peers[d].out, 0, bytes);
+            ZeroResult(peers[d].out, bytes, streaming);
           } else {
-            std::memcpy(peers[d].out, peers[src[d]].in, bytes);
+            StoreResult(peers[d].out, peers[src[d]].in, bytes, streaming);
           }
         });
         return "";
@@ -245,13 +253,13 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
   options.needs = [src](int s, int d) { return src[d] == s; };
   options.point_to_point = true;
   const size_t item = bytes / x.element_count();
-  options.range = [src, item](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
+  options.range = [src, item, streaming](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
     ForEachOwnedRank(peers, 0, 1, [&](int d) {
       char* out = static_cast<char*>(peers[d].out) + lo * item;
       if (src[d] < 0) {
-        std::memset(out, 0, (hi - lo) * item);
+        ZeroResult(out, (hi - lo) * item, streaming);
       } else {
-        std::memcpy(out, peers[src[d]].in, (hi - lo) * item);
+        StoreResult(out, peers[src[d]].in, (hi - lo) * item, streaming);
       }
     });
     return "";
@@ -270,11 +278,12 @@ ffi::Future Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   const Peer mine = Buffers(x, *y);
   if (x.element_count() == 0) return Done();
   const size_t bytes = x.size_bytes();
+  const bool streaming = StreamsResult(bytes);
   const WorkFn work =
-      [root, bytes](const std::vector<Peer>& peers, int part, int parts) -> std::string {
+      [root, bytes, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         const void* src = peers[root].in;
         ForEachOwnedRank(peers, part, parts, [&](int d) {
-          if (peers[d].out != src) std::memcpy(peers[d].out, src, bytes);  // root in place
+          StoreResult(peers[d].out, src, bytes, streaming);  // nothing to do for the root in place
         });
         return "";
       };

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu/result_stores.h"
+
 namespace jaxcomm::cpu {
 
 namespace ffi = xla::ffi;
@@ -94,10 +96,10 @@ struct MaxOp {
 // inputs instead of one per input over an L1 block (reduce_scatter of 16 MiB over 8
 // ranks: ~2x faster). Same order as below: ((x0 op x1) op x2) ...
 template <typename T, template <typename> class Op, int N>
-void ReduceFixed(const std::vector<const void*>& inputs, T* out, size_t begin, size_t end) {
+void ReduceFixed(const std::vector<const void*>& inputs, size_t offset, T* out, size_t n) {
   const T* in[N];
-  for (int j = 0; j < N; ++j) in[j] = static_cast<const T*>(inputs[j]);
-  for (size_t i = begin; i < end; ++i) {
+  for (int j = 0; j < N; ++j) in[j] = static_cast<const T*>(inputs[j]) + offset;
+  for (size_t i = 0; i < n; ++i) {
     T a = in[0][i];
     for (int j = 1; j < N; ++j) a = Op<T>::Apply(a, in[j][i]);
     out[i] = a;
@@ -106,8 +108,8 @@ void ReduceFixed(const std::vector<const void*>& inputs, T* out, size_t begin, s
 
 template <typename T, template <typename> class Op>
 bool ReduceRegister(const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
-                    size_t begin, size_t end) {
-  void (*reduce)(const std::vector<const void*>&, T*, size_t, size_t);
+                    size_t begin, size_t end, bool streaming) {
+  void (*reduce)(const std::vector<const void*>&, size_t, T*, size_t);
   switch (inputs.size()) {
     case 2: reduce = ReduceFixed<T, Op, 2>; break;
     case 3: reduce = ReduceFixed<T, Op, 3>; break;
@@ -115,13 +117,24 @@ bool ReduceRegister(const std::vector<const void*>& inputs, const std::vector<vo
     case 8: reduce = ReduceFixed<T, Op, 8>; break;
     default: return false;
   }
+  if (streaming) {
+    // Reduced into a block that stays in L1, which then streams to every output.
+    constexpr size_t kStage = 16 * 1024 / sizeof(T) ? 16 * 1024 / sizeof(T) : 1;
+    alignas(64) T stage[kStage];
+    for (size_t b = begin; b < end; b += kStage) {
+      const size_t n = std::min(end - b, kStage);
+      reduce(inputs, b, stage, n);
+      for (void* out : outputs) StoreResult(static_cast<T*>(out) + b, stage, n * sizeof(T), true);
+    }
+    return true;
+  }
   // Blocks that stay in L2 while they are copied to the other outputs.
   constexpr size_t kBlockBytes = 64 * 1024;
   constexpr size_t kBlock = kBlockBytes / sizeof(T) ? kBlockBytes / sizeof(T) : 1;
   T* out0 = static_cast<T*>(outputs[0]);
   for (size_t b = begin; b < end; b += kBlock) {
     const size_t e = std::min(end, b + kBlock);
-    reduce(inputs, out0, b, e);
+    reduce(inputs, b, out0 + b, e - b);
     for (size_t k = 1; k < outputs.size(); ++k) {
       std::memcpy(static_cast<T*>(outputs[k]) + b, out0 + b, (e - b) * sizeof(T));
     }
@@ -131,15 +144,16 @@ bool ReduceRegister(const std::vector<const void*>& inputs, const std::vector<vo
 
 template <typename T, template <typename> class Op>
 void ReduceTyped(const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
-                 size_t begin, size_t end) {
+                 size_t begin, size_t end, bool streaming) {
   using A = typename Acc<T>::type;
   if constexpr (std::is_same_v<A, T>) {
     // Each element of outputs[0] is written after every input's element was read, and
     // the other outputs are written after the whole range: safe for in-place calls.
-    if (ReduceRegister<T, Op>(inputs, outputs, begin, end)) return;
+    if (ReduceRegister<T, Op>(inputs, outputs, begin, end, streaming)) return;
   }
   constexpr size_t kBlock = 2048;  // accumulator stays in L1
   A acc[kBlock];
+  T rounded[std::is_same_v<A, T> ? 1 : kBlock];
   const size_t n_in = inputs.size();
   for (size_t b = begin; b < end; b += kBlock) {
     const size_t n = std::min(kBlock, end - b);
@@ -149,38 +163,38 @@ void ReduceTyped(const std::vector<const void*>& inputs, const std::vector<void*
       const T* s = static_cast<const T*>(inputs[j]) + b;
       for (size_t i = 0; i < n; ++i) acc[i] = Op<A>::Apply(acc[i], Acc<T>::Load(s[i]));
     }
-    for (void* out : outputs) {
-      T* d = static_cast<T*>(out) + b;
-      if constexpr (std::is_same_v<A, T>) {
-        std::memcpy(d, acc, n * sizeof(T));
-      } else {
-        for (size_t i = 0; i < n; ++i) d[i] = Acc<T>::Store(acc[i]);
-      }
+    const T* block;
+    if constexpr (std::is_same_v<A, T>) {
+      block = acc;
+    } else {
+      for (size_t i = 0; i < n; ++i) rounded[i] = Acc<T>::Store(acc[i]);
+      block = rounded;
     }
+    for (void* out : outputs) StoreResult(static_cast<T*>(out) + b, block, n * sizeof(T), streaming);
   }
 }
 
 template <typename T>
 bool DispatchOp(ReduceOp op, const std::vector<const void*>& in, const std::vector<void*>& out,
-                size_t begin, size_t end, bool run) {
+                size_t begin, size_t end, bool run, bool streaming) {
   constexpr bool ordered = !std::is_same_v<T, std::complex<float>> &&
                            !std::is_same_v<T, std::complex<double>>;
   switch (op) {
     case ReduceOp::kSum:
-      if (run) ReduceTyped<T, SumOp>(in, out, begin, end);
+      if (run) ReduceTyped<T, SumOp>(in, out, begin, end, streaming);
       return true;
     case ReduceOp::kProd:
-      if (run) ReduceTyped<T, ProdOp>(in, out, begin, end);
+      if (run) ReduceTyped<T, ProdOp>(in, out, begin, end, streaming);
       return true;
     case ReduceOp::kMin:
       if constexpr (ordered) {
-        if (run) ReduceTyped<T, MinOp>(in, out, begin, end);
+        if (run) ReduceTyped<T, MinOp>(in, out, begin, end, streaming);
         return true;
       }
       return false;
     case ReduceOp::kMax:
       if constexpr (ordered) {
-        if (run) ReduceTyped<T, MaxOp>(in, out, begin, end);
+        if (run) ReduceTyped<T, MaxOp>(in, out, begin, end, streaming);
         return true;
       }
       return false;
@@ -189,24 +203,24 @@ bool DispatchOp(ReduceOp op, const std::vector<const void*>& in, const std::vect
 }
 
 bool Dispatch(ffi::DataType dtype, ReduceOp op, const std::vector<const void*>& in,
-              const std::vector<void*>& out, size_t begin, size_t end, bool run) {
+              const std::vector<void*>& out, size_t begin, size_t end, bool run, bool streaming) {
   switch (dtype) {
     case ffi::DataType::PRED:  // min/max/prod of 0/1 bytes: and/or
-      return op != ReduceOp::kSum && DispatchOp<uint8_t>(op, in, out, begin, end, run);
-    case ffi::DataType::S8: return DispatchOp<int8_t>(op, in, out, begin, end, run);
-    case ffi::DataType::S16: return DispatchOp<int16_t>(op, in, out, begin, end, run);
-    case ffi::DataType::S32: return DispatchOp<int32_t>(op, in, out, begin, end, run);
-    case ffi::DataType::S64: return DispatchOp<int64_t>(op, in, out, begin, end, run);
-    case ffi::DataType::U8: return DispatchOp<uint8_t>(op, in, out, begin, end, run);
-    case ffi::DataType::U16: return DispatchOp<uint16_t>(op, in, out, begin, end, run);
-    case ffi::DataType::U32: return DispatchOp<uint32_t>(op, in, out, begin, end, run);
-    case ffi::DataType::U64: return DispatchOp<uint64_t>(op, in, out, begin, end, run);
-    case ffi::DataType::F16: return DispatchOp<_Float16>(op, in, out, begin, end, run);
-    case ffi::DataType::BF16: return DispatchOp<BF16>(op, in, out, begin, end, run);
-    case ffi::DataType::F32: return DispatchOp<float>(op, in, out, begin, end, run);
-    case ffi::DataType::F64: return DispatchOp<double>(op, in, out, begin, end, run);
-    case ffi::DataType::C64: return DispatchOp<std::complex<float>>(op, in, out, begin, end, run);
-    case ffi::DataType::C128: return DispatchOp<std::complex<double>>(op, in, out, begin, end, run);
+      return op != ReduceOp::kSum && DispatchOp<uint8_t>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::S8: return DispatchOp<int8_t>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::S16: return DispatchOp<int16_t>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::S32: return DispatchOp<int32_t>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::S64: return DispatchOp<int64_t>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::U8: return DispatchOp<uint8_t>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::U16: return DispatchOp<uint16_t>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::U32: return DispatchOp<uint32_t>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::U64: return DispatchOp<uint64_t>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::F16: return DispatchOp<_Float16>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::BF16: return DispatchOp<BF16>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::F32: return DispatchOp<float>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::F64: return DispatchOp<double>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::C64: return DispatchOp<std::complex<float>>(op, in, out, begin, end, run, streaming);
+    case ffi::DataType::C128: return DispatchOp<std::complex<double>>(op, in, out, begin, end, run, streaming);
     default: return false;
   }
 }
@@ -216,13 +230,13 @@ bool Dispatch(ffi::DataType dtype, ReduceOp op, const std::vector<const void*>& 
 bool ReduceSupported(ffi::DataType dtype, ReduceOp op) {
   static const std::vector<const void*> kNoIn;
   static const std::vector<void*> kNoOut;
-  return Dispatch(dtype, op, kNoIn, kNoOut, 0, 0, /*run=*/false);
+  return Dispatch(dtype, op, kNoIn, kNoOut, 0, 0, /*run=*/false, /*streaming=*/false);
 }
 
 std::string Reduce(ffi::DataType dtype, ReduceOp op, const std::vector<const void*>& inputs,
-                   const std::vector<void*>& outputs, size_t begin, size_t end) {
+                   const std::vector<void*>& outputs, size_t begin, size_t end, bool streaming) {
   if (begin >= end || inputs.empty()) return "";
-  if (!Dispatch(dtype, op, inputs, outputs, begin, end, /*run=*/true)) {
+  if (!Dispatch(dtype, op, inputs, outputs, begin, end, /*run=*/true, streaming)) {
     return std::string("reduction '") + ReduceOpName(op) + "' is not supported for this dtype";
   }
   return "";
@@ -258,7 +272,7 @@ void BlockCopy::Compile() {
   dst_strides = std::move(dst2);
 }
 
-void BlockCopy::Run(const char* src, char* dst) const {
+void BlockCopy::Run(const char* src, char* dst, bool streaming) const {
   const size_t nd = shape.size();
   if (nd == 0) {
     std::memcpy(dst, src, item_bytes);
@@ -271,6 +285,9 @@ void BlockCopy::Run(const char* src, char* dst) const {
   const bool inner_contiguous = src_strides[nd - 1] == item_bytes && dst_strides[nd - 1] == item_bytes;
   const size_t loop_dims = inner_contiguous ? nd - 1 : nd;
   const size_t chunk = inner_contiguous ? static_cast<size_t>(shape[nd - 1] * item_bytes) : item_bytes;
+  // Each streamed piece ends with a fence: not worth it for small ones.
+  constexpr size_t kMinStreamedPiece = 4096;
+  streaming = streaming && chunk >= kMinStreamedPiece;
   std::vector<int64_t> idx(loop_dims, 0);
   while (true) {
     int64_t so = 0, dof = 0;
@@ -278,7 +295,7 @@ void BlockCopy::Run(const char* src, char* dst) const {
       so += idx[i] * src_strides[i];
       dof += idx[i] * dst_strides[i];
     }
-    std::memcpy(dst + dof, src + so, chunk);
+    StoreResult(dst + dof, src + so, chunk, streaming);
     size_t k = loop_dims;
     while (k > 0) {
       --k;

@@ -18,9 +18,10 @@ const char* ReduceOpName(ReduceOp op);
 // For i in [begin, end): every outputs[k][i] = op over j of inputs[j][i] (in rank order).
 // Half-precision types accumulate in float and round once. Safe when an output aliases an
 // input: each block is read from every input before any output is written.
+// With `streaming`, outputs are written with non-temporal stores (cpu/result_stores.h).
 // Returns "" or why the dtype/op pair is not supported.
 std::string Reduce(xla::ffi::DataType dtype, ReduceOp op, const std::vector<const void*>& inputs,
-                   const std::vector<void*>& outputs, size_t begin, size_t end);
+                   const std::vector<void*>& outputs, size_t begin, size_t end, bool streaming = false);
 
 // Whether Reduce supports this pair (checked once per call, before any rank waits).
 bool ReduceSupported(xla::ffi::DataType dtype, ReduceOp op);
@@ -35,7 +36,8 @@ struct BlockCopy {
   int64_t item_bytes = 1;
 
   void Compile();
-  void Run(const char* src, char* dst) const;
+  // With `streaming`, pieces of 4 KiB and more bypass the caches (cpu/result_stores.h).
+  void Run(const char* src, char* dst, bool streaming = false) const;
 };
 
 // Row-major byte strides of `dims`.

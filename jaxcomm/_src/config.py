@@ -1,30 +1,34 @@
 """jaxcomm's configuration: keyword arguments first, then ``JAXCOMM_*`` variables.
 
-=====================  =========  ===========================================================
-variable               default    meaning
-=====================  =========  ===========================================================
-JAXCOMM_TIMEOUT_S      300        deadline of every wait inside a collective, in seconds
-JAXCOMM_BACKEND        auto       ``auto``: jaxcomm's handlers where the platform has them,
-                                  else jax.lax; ``jaxcomm``: always (error where none);
-                                  ``xla``: always lower to the jax.lax equivalent
-JAXCOMM_SPIN_US        200        how long an idle jaxcomm pool thread spins (yielding the
-                                  core) before it sleeps, and how long a cross-process call
-                                  spins for its peers before it hands the wait to the
-                                  progress thread; read once at start (C++ runtime)
-JAXCOMM_TRANSPORT      auto       between processes: ``auto``: shared memory on one host, TCP
-                                  across hosts; ``tcp``: TCP everywhere
-JAXCOMM_TRACE_ENTRIES  2048       flight recorder: calls kept per rank (partition); ``0`` turns
-                                  the recorder off (nothing recorded, no stats); read at start
-JAXCOMM_TRACE_DIR      unset      where flight recorder dumps go: set, each process writes
-                                  ``jaxcomm-trace-p<index>-<pid>.json`` there on a collective
-                                  timeout or transport error, on SIGUSR1 and at exit; unset,
-                                  only ``jaxcomm.trace.dump()`` and SIGUSR1 (current
-                                  directory) write one; read at start
-JAXCOMM_FAULT          unset      fault injection, e.g. ``rank=3,op=all_reduce,call=5,
-                                  action=hang`` (hang | exit[:code] | delay:seconds); faults
-                                  separated by ``;``; see ffi/core/fault_injection.h and
-                                  README.md; read at start
-=====================  =========  ===========================================================
+=========================  =========  ===========================================================
+variable                   default    meaning
+=========================  =========  ===========================================================
+JAXCOMM_TIMEOUT_S          300        deadline of every wait inside a collective, in seconds
+JAXCOMM_BACKEND            auto       ``auto``: jaxcomm's handlers where the platform has them,
+                                      else jax.lax; ``jaxcomm``: always (error where none);
+                                      ``xla``: always lower to the jax.lax equivalent
+JAXCOMM_SPIN_US            200        how long an idle jaxcomm pool thread spins (yielding the
+                                      core) before it sleeps, and how long a cross-process call
+                                      spins for its peers before it hands the wait to the
+                                      progress thread; read once at start (C++ runtime)
+JAXCOMM_NONTEMPORAL_BYTES  4194304    results of at least this many bytes (per rank) are written
+                                      with non-temporal stores, which bypass the caches: a
+                                      large result is not read from memory before it is
+                                      written; ``0``: never; read at start (C++ runtime)
+JAXCOMM_TRANSPORT          auto       between processes: ``auto``: shared memory on one host, TCP
+                                      across hosts; ``tcp``: TCP everywhere
+JAXCOMM_TRACE_ENTRIES      2048       flight recorder: calls kept per rank (partition); ``0`` turns
+                                      the recorder off (nothing recorded, no stats); read at start
+JAXCOMM_TRACE_DIR          unset      where flight recorder dumps go: set, each process writes
+                                      ``jaxcomm-trace-p<index>-<pid>.json`` there on a collective
+                                      timeout or transport error, on SIGUSR1 and at exit; unset,
+                                      only ``jaxcomm.trace.dump()`` and SIGUSR1 (current
+                                      directory) write one; read at start
+JAXCOMM_FAULT              unset      fault injection, e.g. ``rank=3,op=all_reduce,call=5,
+                                      action=hang`` (hang | exit[:code] | delay:seconds); faults
+                                      separated by ``;``; see ffi/core/fault_injection.h and
+                                      README.md; read at start
+=========================  =========  ===========================================================
 
 Values are read when a program is traced, so they apply to programs traced afterwards
 (those marked "read at start" once, when the runtime loads).
@@ -76,4 +80,16 @@ def trace_entries() -> int:
         raise ValueError(f"JAXCOMM_TRACE_ENTRIES must be a whole number of calls, got {raw!r}") from None
     if value < 0:
         raise ValueError(f"JAXCOMM_TRACE_ENTRIES must be >= 0, got {value}")
+    return value
+
+
+def nontemporal_bytes() -> int:
+    """JAXCOMM_NONTEMPORAL_BYTES, validated (the C++ runtime reads the same variable)."""
+    raw = os.environ.get("JAXCOMM_NONTEMPORAL_BYTES", "4194304").strip() or "4194304"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"JAXCOMM_NONTEMPORAL_BYTES must be a whole number of bytes, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"JAXCOMM_NONTEMPORAL_BYTES must be >= 0, got {value}")
     return value

@@ -1,0 +1,88 @@
+#include "cpu/result_stores.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "core/registry.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define JAXCOMM_STREAMING_STORES 1
+#endif
+
+namespace jaxcomm::cpu {
+namespace {
+
+#ifdef JAXCOMM_STREAMING_STORES
+// SSE2 is in every x86-64 CPU, and a copy this large is bound by memory, not by the
+// width of the stores. Unaligned head and tail go through memcpy.
+template <bool kZero>
+void Stream(char* dst, const char* src, size_t n) {
+  const size_t head = std::min(n, static_cast<size_t>((16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16));
+  if (kZero) {
+    std::memset(dst, 0, head);
+  } else {
+    std::memcpy(dst, src, head);
+  }
+  size_t i = head;
+  const __m128i zero = _mm_setzero_si128();
+  for (; i + 64 <= n; i += 64) {
+    __m128i* d = reinterpret_cast<__m128i*>(dst + i);
+    if (kZero) {
+      _mm_stream_si128(d, zero);
+      _mm_stream_si128(d + 1, zero);
+      _mm_stream_si128(d + 2, zero);
+      _mm_stream_si128(d + 3, zero);
+    } else {
+      const __m128i* s = reinterpret_cast<const __m128i*>(src + i);
+      const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
+      const __m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
+      _mm_stream_si128(d, a);
+      _mm_stream_si128(d + 1, b);
+      _mm_stream_si128(d + 2, c);
+      _mm_stream_si128(d + 3, e);
+    }
+  }
+  if (kZero) {
+    std::memset(dst + i, 0, n - i);
+  } else {
+    std::memcpy(dst + i, src + i, n - i);
+  }
+  // Streaming stores are weakly ordered: without the fence a reader that learns of the
+  // result through an atomic could still miss some of them.
+  _mm_sfence();
+}
+#endif
+
+}  // namespace
+
+bool StreamsResult(size_t result_bytes) {
+#ifdef JAXCOMM_STREAMING_STORES
+  const int64_t from = Registry::Get().nontemporal_bytes();
+  return from > 0 && result_bytes >= static_cast<size_t>(from);
+#else
+  (void)result_bytes;
+  return false;
+#endif
+}
+
+void StoreResult(void* dst, const void* src, size_t n, bool streaming) {
+  if (n == 0 || dst == src) return;
+#ifdef JAXCOMM_STREAMING_STORES
+  if (streaming) return Stream<false>(static_cast<char*>(dst), static_cast<const char*>(src), n);
+#endif
+  (void)streaming;
+  std::memcpy(dst, src, n);
+}
+
+void ZeroResult(void* dst, size_t n, bool streaming) {
+  if (n == 0) return;
+#ifdef JAXCOMM_STREAMING_STORES
+  if (streaming) return Stream<true>(static_cast<char*>(dst), nullptr, n);
+#endif
+  (void)streaming;
+  std::memset(dst, 0, n);
+}
+
+}  // namespace jaxcomm::cpu

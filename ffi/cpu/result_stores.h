@@ -1,0 +1,23 @@
+// How the host kernels write results. Large results are written with non-temporal
+// (streaming) stores: a result that does not stay in the caches until it is used would
+// otherwise be read from memory before each line is written (read for ownership), which
+// costs a third of the memory traffic of a copy. On a 2-core VM whose copies run at
+// ~13 GB/s, a 16 MiB all_gather between 2 processes took 2.3-2.7 ms instead of 3.9-4.1.
+#pragma once
+
+#include <cstddef>
+
+namespace jaxcomm::cpu {
+
+// Whether a result of this many bytes (one rank's) is written with streaming stores:
+// from JAXCOMM_NONTEMPORAL_BYTES up (Registry::nontemporal_bytes; 0: never).
+bool StreamsResult(size_t result_bytes);
+
+// memcpy(dst, src, n) into a result; with `streaming`, bypassing the caches. The stores
+// are fenced before it returns, so whoever is told that the result is ready sees them.
+void StoreResult(void* dst, const void* src, size_t n, bool streaming);
+
+// memset(dst, 0, n) into a result, likewise.
+void ZeroResult(void* dst, size_t n, bool streaming);
+
+}  // namespace jaxcomm::cpu
