@@ -4,6 +4,8 @@
 
 #include <thread>
 
+#include "core/thread_name.h"
+
 namespace jaxcomm {
 
 void CompletionPool::Post(std::function<void()> task) {
@@ -28,7 +30,12 @@ void CompletionPool::PostAll(std::vector<std::function<void()>> tasks) {
     queued_.fetch_add(static_cast<int>(tasks.size()), std::memory_order_release);
   }
   // Detached: the pool lives in the process-wide registry, which is never destroyed.
-  for (int i = 0; i < spawn; ++i) std::thread([this] { Worker(); }).detach();
+  for (int i = 0; i < spawn; ++i) {
+    std::thread([this] {
+      NameThisThread("jaxcomm-pool");
+      Worker();
+    }).detach();
+  }
   cv_.notify_all();
 }
 

@@ -14,6 +14,7 @@
 
 #include "core/registry.h"
 #include "core/rendezvous.h"
+#include "core/thread_name.h"
 
 namespace jaxcomm {
 
@@ -547,7 +548,10 @@ void FlightRecorder::StartDumper() {
     if (pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) return;
     wake_read_ = fds[0];
     wake_write_.store(fds[1], std::memory_order_release);
-    dumper_ = std::thread([this] { DumperLoop(); });
+    dumper_ = std::thread([this] {
+      NameThisThread("jaxcomm-trace");
+      DumperLoop();
+    });
     // Only where nobody else handles SIGUSR1: a program's own handler stays in charge.
     struct sigaction old {};
     if (this == &Registry::Get().recorder() && sigaction(SIGUSR1, nullptr, &old) == 0 &&

@@ -2,9 +2,15 @@
 
 #include <vector>
 
+#include "core/thread_name.h"
+
 namespace jaxcomm {
 
-Watchdog::Watchdog() : thread_([this] { Loop(); }) {}
+Watchdog::Watchdog()
+    : thread_([this] {
+        NameThisThread("jaxcomm-watch");
+        Loop();
+      }) {}
 
 Watchdog::~Watchdog() {
   {

@@ -101,6 +101,9 @@ struct ControlBlock {
   int32_t pid;
   int32_t process;
   Doorbell bell;
+  // The core (plus one; 0: none) of a thread of this process that now spins waiting for
+  // its peers: a peer that spins on the same core knows they take turns on it (PeerSpin).
+  alignas(64) std::atomic<int32_t> spinning_cpu;
   GenerationEntry generations[kMaxGenerations];
   SlotEntry slots[kMaxSlots];
   JoinRequest joins[kMaxJoinProcesses];

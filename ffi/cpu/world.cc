@@ -1,5 +1,6 @@
 #include "cpu/world.h"
 
+#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <tuple>
 
 #include "core/registry.h"
+#include "core/thread_name.h"
 #include "cpu/world_internal.h"
 
 namespace jaxcomm::cpu {
@@ -42,25 +44,70 @@ std::string ProcessGone(int pid) {
   return "";
 }
 
-// A couple of pause instructions, then the caller checks again; every 128th step a
-// yield, so that with more runnable threads than cores the peer gets the core (about
-// every 10-20 us). A pause takes 25 ns on the development VM (AMD EPYC): the bursts of 32
-// used before noticed a peer's flag 0.4 us late on average, a fifth of a 4 B all_reduce
-// between 2 processes.
-void SpinStep(int& step) {
-  constexpr int kPauses = 2;
-  constexpr int kStepsPerYield = 128;
-  if (++step % kStepsPerYield == 0) {
-    std::this_thread::yield();
+namespace {
+
+// A pause takes 25 ns on the development VM: bursts of 32 pauses between checks noticed
+// a peer's flag 0.4 us late on average, a fifth of a 4 B all_reduce between 2 processes.
+constexpr int kPausesPerStep = 2;
+// A yield every 128 steps lets a peer on the same core run about every 10-20 us.
+constexpr int kStepsPerYield = 128;
+
+// Moves the calling thread off core `cpu` now, to another core it may run on, and
+// leaves it free to run anywhere it could before; false when there is none or the
+// system refuses. (A thread woken from a sleep stayed on its busy core on the
+// development VM, so the move is explicit.)
+bool LeaveCore(int cpu) {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) {
+    return false;
+  }
+  cpu_set_t others = allowed;
+  CPU_CLR(cpu, &others);
+  if (sched_setaffinity(0, sizeof(others), &others) != 0) return false;
+  sched_setaffinity(0, sizeof(allowed), &allowed);  // back to what it was: no further move
+  return true;
+}
+
+}  // namespace
+
+PeerSpin::PeerSpin(ControlBlock* mine, SharesCore shares_core)
+    : mine_(mine), shares_core_(std::move(shares_core)) {}
+
+void PeerSpin::Stop() {
+  if (shown_) mine_->spinning_cpu.store(0, std::memory_order_relaxed);
+  shown_ = false;
+  step_ = 0;
+}
+
+void PeerSpin::Step() {
+  if (++step_ % kStepsPerYield != 0) {
+    for (int i = 0; i < kPausesPerStep; ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#elif defined(__aarch64__)
+      asm volatile("yield");
+#endif
+    }
     return;
   }
-  for (int i = 0; i < kPauses; ++i) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
+  // Only where each process can have a core: with more processes than cores, sharing one is
+  // unavoidable and the yield hands it over soonest.
+  static const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cpu = mine_ != nullptr && Registry::Get().host_processes() <= cores ? sched_getcpu() : -1;
+  if (cpu >= 0) {
+    mine_->spinning_cpu.store(cpu + 1, std::memory_order_relaxed);
+    shown_ = true;
+    if (shares_core_ && shares_core_(cpu) && LeaveCore(cpu)) {
+      // At once, or the peer could take the stale core for this one's and follow it.
+      mine_->spinning_cpu.store(sched_getcpu() + 1, std::memory_order_relaxed);
+      return;
+    }
   }
+  std::this_thread::yield();
+}
+
+bool World::SpinsOn(const PeerLink& link, int cpu) {
+  return link.shm && link.shm->block().spinning_cpu.load(std::memory_order_relaxed) == cpu + 1;
 }
 
 World::World() = default;
@@ -87,7 +134,10 @@ Endpoint World::Open(int64_t process, bool shared_memory, const std::string& hos
     if (!listener_) return {};
     process_ = process;
     host_ = host;
-    progress_ = std::thread([this] { Progress(); });
+    progress_ = std::thread([this] {
+      NameThisThread("jaxcomm-prog");
+      Progress();
+    });
   }
   Endpoint e;
   e.pid = static_cast<int>(getpid());
@@ -261,11 +311,13 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
   }
   // The peers are often there already, or within microseconds: finish on this thread.
   const auto spin_until = start + Registry::Get().spin();
-  int step = 0;
+  PeerSpin spin(Block(), [links = &p->links](int cpu) {
+    return std::any_of(links->begin(), links->end(), [cpu](const auto& link) { return SpinsOn(*link, cpu); });
+  });
   while (true) {
     if (Advance(*p)) return;
     if (Clock::now() >= spin_until) break;
-    SpinStep(step);
+    spin.Step();
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -498,7 +550,14 @@ void World::Wake() {
 void World::Progress() {
   std::vector<std::unique_ptr<Pending>> mine;
   auto last_progress = Clock::now();
-  int spin_step = 0;
+  PeerSpin spin(Block(), [&mine](int cpu) {
+    for (const auto& p : mine) {
+      for (const auto& link : p->links) {
+        if (SpinsOn(*link, cpu)) return true;
+      }
+    }
+    return false;
+  });
   auto next_accept = Clock::now();
   // With shared memory the thread sleeps on its doorbell, which the peers ring; it is
   // read before looking for work, so a ring during the look is never lost.
@@ -529,12 +588,14 @@ void World::Progress() {
     const auto now = Clock::now();
     if (progressed) {
       last_progress = now;
+      spin.Stop();
       continue;
     }
     if (!mine.empty() && now - last_progress < Registry::Get().spin()) {
-      SpinStep(spin_step);
+      spin.Step();
       continue;
     }
+    spin.Stop();
     // Sleep until woken: a peer published or released a round (doorbell), a new
     // exchange or TCP frame arrived (Wake), or the nap ends. Never unbounded.
     const auto limit = mine.empty() ? kIdleNap : kMaxNap;

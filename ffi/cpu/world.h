@@ -76,6 +76,10 @@ class World : public CrossProcess {
   struct Pending;
 
   std::shared_ptr<PeerLink> Peer(int64_t process) const;
+  // Whether `link`'s process shows a thread spinning on core `cpu` (PeerSpin).
+  static bool SpinsOn(const PeerLink& link, int cpu);
+  // This process's control block, or null without shared memory.
+  ControlBlock* Block() const { return shm_ ? &shm_->block() : nullptr; }
   // Advances `p` as far as it goes now; true when finished (done called).
   bool Advance(Pending& p);
   // Checks the missing peers' health and the deadline (at most every 100 ms): true with

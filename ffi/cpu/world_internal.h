@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -42,8 +43,36 @@ struct World::Pending {
 
 // Why process `pid` on this host is gone, or "" while it runs.
 std::string ProcessGone(int pid);
-// One step of waiting for a peer process that is likely running on another core.
-void SpinStep(int& step);
+
+// Waits for peer processes, which are likely running on other cores, by spinning: a
+// couple of pause instructions per step, the caller checking in between, and every
+// 128th step a yield, so that with more runnable threads than cores the peer gets the
+// core. Two processes that spin for each other can still end up on one core while
+// another idles: the scheduler does not move a thread that never stops running, and
+// they then take turns at every yield (a 4 B all_reduce between 2 processes on 2 cores
+// took 20-35 us instead of 3, a 1 KiB one 30-90 us). So at its yields a waiting thread
+// shows its core in its process's control block, and when a peer it waits for spins on
+// that same core, it moves to another core it may run on (its affinity is unchanged
+// after). Only where each process of the host can have a core of its own.
+class PeerSpin {
+ public:
+  // Whether a peer process waited for shows that it spins on core `cpu`.
+  using SharesCore = std::function<bool(int cpu)>;
+  // `mine`: this process's control block (null without shared memory: plain spinning).
+  PeerSpin(ControlBlock* mine, SharesCore shares_core);
+  ~PeerSpin() { Stop(); }
+  PeerSpin(const PeerSpin&) = delete;
+  PeerSpin& operator=(const PeerSpin&) = delete;
+  void Step();
+  // The wait is over (for now): no longer shows this thread's core.
+  void Stop();
+
+ private:
+  ControlBlock* mine_;
+  SharesCore shares_core_;
+  int step_ = 0;
+  bool shown_ = false;
+};
 
 // How often a waiting exchange checks that its peers still live, and when first.
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);

@@ -116,7 +116,9 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
   std::vector<const char*> remote(remote_ranks);
   std::string consume_error;
   size_t sent = 0, got = 0;
-  int step = 0;
+  PeerSpin spin(Block(), [&sources](int cpu) {
+    return std::any_of(sources.begin(), sources.end(), [cpu](const Source& src) { return SpinsOn(*src.link, cpu); });
+  });
   auto next_check = Clock::now() + kFirstLivenessCheck;
   auto last_moved = Clock::now();
   while (sent < chunks || got < chunks) {
@@ -199,7 +201,7 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
     // Spin while the peers keep up; a peer that stalls (descheduled, paging) is then
     // polled with short sleeps instead of burning this core.
     if (now - last_moved < Registry::Get().spin()) {
-      SpinStep(step);
+      spin.Step();
     } else {
       std::this_thread::sleep_for(kStallPoll);
     }
