@@ -75,10 +75,12 @@ struct StreamSpec {
   std::chrono::steady_clock::time_point deadline;
 };
 
-// Consumes elements [lo, hi) of every remote rank's input: remote[k] points at element
-// lo of the k-th remote rank's (peers in plan order, each one's ranks ascending).
-using StreamConsume =
-    std::function<std::string(const std::vector<const char*>& remote, size_t lo, size_t hi)>;
+// Consumes elements [lo, hi) of every rank's input: remote[k] points at element lo of the
+// k-th remote rank's (peers in plan order, each one's ranks ascending), local[i] at this
+// process's i-th rank's (spec.mine order): the copy in its own ring while that is still
+// there, which is in the cache, else its input.
+using StreamConsume = std::function<std::string(const std::vector<const char*>& local,
+                                                const std::vector<const char*>& remote, size_t lo, size_t hi)>;
 
 // Called once: with the peers' contributions (same order as spec.peers) or an error.
 // `timed_out` tells a deadline from a failure (dead peer, mismatch, transport error).

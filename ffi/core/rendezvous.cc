@@ -491,10 +491,8 @@ void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::s
     bool timed_out = false;
     const std::string error = world->Stream(
         spec,
-        [&](const std::vector<const char*>& remote, size_t lo, size_t hi) {
-          for (size_t i = 0; i < layout.local.size(); ++i) {
-            view[layout.local[i]].in = spec.mine[i] + lo * spec.item_bytes;
-          }
+        [&](const std::vector<const char*>& local, const std::vector<const char*>& remote, size_t lo, size_t hi) {
+          for (size_t i = 0; i < layout.local.size(); ++i) view[layout.local[i]].in = local[i];
           size_t k = 0;
           for (const auto& ranks : layout.remote) {
             for (int r : ranks) view[r].in = remote[k++];

@@ -113,7 +113,8 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
   };
 
   slot->done.store(Mark(s.seq, 0), std::memory_order_release);
-  std::vector<const char*> remote(remote_ranks);
+  std::vector<const char*> remote(remote_ranks), local(s.mine.size());
+  std::vector<bool> copied(chunks, false);
   std::string consume_error;
   size_t sent = 0, got = 0;
   PeerSpin spin(Block(), [&sources](int cpu) {
@@ -140,6 +141,7 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
       if (!s.published || s.published(lo, lo + n)) {
         char* entry = ring + (sent % kRingChunks) * my_entry;
         for (size_t r = 0; r < s.mine.size(); ++r) std::memcpy(entry + r * rank_chunk, s.mine[r] + lo * item, n * item);
+        copied[sent] = true;
       }
       slot->published.store(Mark(s.seq, ++sent), std::memory_order_release);
       moved = true;
@@ -164,8 +166,12 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
           for (size_t r = 0; r < src.entry / rank_chunk; ++r) remote[k++] = entry + r * rank_chunk;
         }
         const size_t lo = got * per_chunk;
+        // This process's own chunk is read from its ring entry, in the cache, unless it
+        // was never copied there or the entry already holds a later chunk.
+        const char* own = copied[got] && sent <= got + kRingChunks ? ring + (got % kRingChunks) * my_entry : nullptr;
+        for (size_t r = 0; r < s.mine.size(); ++r) local[r] = own ? own + r * rank_chunk : s.mine[r] + lo * item;
         // A kernel error still consumes the chunk: the peers must not wait for it.
-        std::string e = consume(remote, lo, std::min(s.elements, lo + per_chunk));
+        std::string e = consume(local, remote, lo, std::min(s.elements, lo + per_chunk));
         if (consume_error.empty()) consume_error = std::move(e);
         slot->done.store(Mark(s.seq, ++got), std::memory_order_release);
         moved = true;
