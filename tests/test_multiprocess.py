@@ -191,6 +191,41 @@ def test_two_meshes_used_alternately_never_mix() -> None:
     assert all("ALTERNATED" in res.output[r] for r in range(2))
 
 
+# Both processes' device threads start on core 0, then may run on cores 0 and 1: within
+# the first loop, a thread that waits for the other on its own core moves (PeerSpin;
+# left alone, the scheduler separated them after some 30 ms of the loop, and sometimes
+# at once, so the move itself is not asserted), and its affinity is then as it was.
+SHARED_CORE = """
+import ctypes
+from jaxcomm import _jaxcomm
+sched_getcpu = ctypes.CDLL(None).sched_getcpu
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
+step = jax.jit(jax.shard_map(
+    lambda v: jax.lax.fori_loop(0, 2000, lambda i, a: jaxcomm.all_reduce(a, "x") * 0.5, v),
+    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+x = jax.device_put(np.ones((NPROC,), np.float32), NamedSharding(mesh, P("x")))
+os.sched_setaffinity(0, {0})
+step(x).block_until_ready()
+moves = _jaxcomm.core_moves()
+os.sched_setaffinity(0, {0, 1})
+out = step(x)
+out.block_until_ready()
+np.testing.assert_allclose(np.asarray(out.addressable_shards[0].data), 1.0)
+print("PLACED", sched_getcpu(), sorted(os.sched_getaffinity(0)), _jaxcomm.core_moves() - moves, flush=True)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0),
+                    reason="needs cores 0 and 1")
+def test_processes_spinning_on_one_core_spread_out() -> None:
+    res = run_script(SHARED_CORE, 2, 1, timeout_s=120)
+    assert_ok(res)
+    placed = [re.search(r"PLACED (\d+) \[([\d, ]+)\] (\d+)", res.output[r]) for r in range(2)]
+    assert all(placed), res.format()
+    assert {int(m.group(1)) for m in placed} == {0, 1}, res.format()
+    assert all(m.group(2) == "0, 1" for m in placed), res.format()
+
+
 FT_ALL_REDUCE = """
 import signal
 mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("dp",))

@@ -62,6 +62,9 @@ class Registry {
   // Rounds completed and failed since start (tests, stats).
   std::atomic<int64_t> rounds_completed{0};
   std::atomic<int64_t> rounds_failed{0};
+  // Times a thread waiting for a peer process moved off the core that peer spun on
+  // (cpu/world_internal.h, PeerSpin).
+  std::atomic<int64_t> core_moves{0};
 
  private:
   Registry();

@@ -100,6 +100,7 @@ void PeerSpin::Step() {
     if (shares_core_ && shares_core_(cpu) && LeaveCore(cpu)) {
       // At once, or the peer could take the stale core for this one's and follow it.
       mine_->spinning_cpu.store(sched_getcpu() + 1, std::memory_order_relaxed);
+      Registry::Get().core_moves.fetch_add(1, std::memory_order_relaxed);
       return;
     }
   }

@@ -71,25 +71,24 @@ def transport() -> str:
     return value
 
 
-def trace_entries() -> int:
-    """JAXCOMM_TRACE_ENTRIES, validated (the C++ runtime reads the same variable)."""
-    raw = os.environ.get("JAXCOMM_TRACE_ENTRIES", "2048").strip() or "2048"
+def _count(name: str, default: int, unit: str) -> int:
+    """A whole number >= 0 from environment variable ``name`` (the C++ runtime reads the
+    same variable, and would quietly take the default for a malformed one)."""
+    raw = os.environ.get(name, str(default)).strip() or str(default)
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"JAXCOMM_TRACE_ENTRIES must be a whole number of calls, got {raw!r}") from None
+        raise ValueError(f"{name} must be a whole number of {unit}, got {raw!r}") from None
     if value < 0:
-        raise ValueError(f"JAXCOMM_TRACE_ENTRIES must be >= 0, got {value}")
+        raise ValueError(f"{name} must be >= 0, got {value}")
     return value
+
+
+def trace_entries() -> int:
+    """JAXCOMM_TRACE_ENTRIES, validated."""
+    return _count("JAXCOMM_TRACE_ENTRIES", 2048, "calls")
 
 
 def nontemporal_bytes() -> int:
-    """JAXCOMM_NONTEMPORAL_BYTES, validated (the C++ runtime reads the same variable)."""
-    raw = os.environ.get("JAXCOMM_NONTEMPORAL_BYTES", "4194304").strip() or "4194304"
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"JAXCOMM_NONTEMPORAL_BYTES must be a whole number of bytes, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"JAXCOMM_NONTEMPORAL_BYTES must be >= 0, got {value}")
-    return value
+    """JAXCOMM_NONTEMPORAL_BYTES, validated."""
+    return _count("JAXCOMM_NONTEMPORAL_BYTES", 4 << 20, "bytes")
