@@ -36,7 +36,7 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   if (!ReduceSupported(dtype, op)) {
     return Reject(c, std::string("op '") + ReduceOpName(op) + "' does not support this dtype");
   }
-  const bool streaming = StreamsResult(y->size_bytes());
+  const bool streaming = StreamsResult(y->untyped_data(), y->size_bytes());
   const WorkFn work =
       [dtype, op, n, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         std::vector<const void*> in;
@@ -86,7 +86,7 @@ ffi::Future AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   const int64_t outer = Product(dims, 0, gather_axis);
   const size_t inner = Product(dims, gather_axis, dims.size()) * item;
   const int64_t R = group_size;
-  const bool streaming = StreamsResult(y->size_bytes());
+  const bool streaming = StreamsResult(y->untyped_data(), y->size_bytes());
   const WorkFn work =
       [outer, inner, R, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(peers, part, parts, [&](int d) {
@@ -132,7 +132,7 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
   const int64_t R = group_size;
   const int64_t outer = Product(dims, 0, scatter_dimension);
   const size_t inner = Product(dims, scatter_dimension, dims.size()) / R;  // elements
-  const bool streaming = StreamsResult(y->size_bytes());
+  const bool streaming = StreamsResult(y->untyped_data(), y->size_bytes());
   const WorkFn work =
       [dtype, op, outer, inner, item, R, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         std::string err;
@@ -191,7 +191,7 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
   const int64_t src_piece = plan.shape[split_axis] * plan.src_strides[split_axis];
   const int64_t dst_piece = (out_dims[concat_axis] / R) * plan.dst_strides[concat_axis];
   plan.Compile();
-  const bool streaming = StreamsResult(y->size_bytes());
+  const bool streaming = StreamsResult(y->untyped_data(), y->size_bytes());
   const WorkFn work =
       [plan, src_piece, dst_piece, R, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(peers, part, parts, [&](int d) {
@@ -237,7 +237,7 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
   }
   std::vector<int64_t> src(sources.begin(), sources.end());
   const size_t bytes = x.size_bytes();
-  const bool streaming = StreamsResult(bytes);
+  const bool streaming = StreamsResult(y->untyped_data(), bytes);
   const WorkFn work =
       [src, bytes, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(peers, part, parts, [&](int d) {
@@ -278,7 +278,7 @@ ffi::Future Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   const Peer mine = Buffers(x, *y);
   if (x.element_count() == 0) return Done();
   const size_t bytes = x.size_bytes();
-  const bool streaming = StreamsResult(bytes);
+  const bool streaming = StreamsResult(y->untyped_data(), bytes);
   const WorkFn work =
       [root, bytes, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         const void* src = peers[root].in;

@@ -1,5 +1,8 @@
 #include "cpu/result_stores.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -57,11 +60,17 @@ void Stream(char* dst, const char* src, size_t n) {
 
 }  // namespace
 
-bool StreamsResult(size_t result_bytes) {
+bool StreamsResult(const void* result, size_t result_bytes) {
 #ifdef JAXCOMM_STREAMING_STORES
   const int64_t from = Registry::Get().nontemporal_bytes();
-  return from > 0 && result_bytes >= static_cast<size_t>(from);
+  if (from <= 0 || result_bytes < static_cast<size_t>(from)) return false;
+  // The page in the middle of the result: the ends may share a page with other data.
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t middle = (reinterpret_cast<uintptr_t>(result) + result_bytes / 2) / page * page;
+  unsigned char resident = 0;
+  return mincore(reinterpret_cast<void*>(middle), page, &resident) == 0 && (resident & 1) != 0;
 #else
+  (void)result;
   (void)result_bytes;
   return false;
 #endif
