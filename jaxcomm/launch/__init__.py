@@ -270,7 +270,8 @@ def rank_cores(rank: int, n: int) -> set[int] | None:
     Each process gets ``cores // n`` of this process's usable cores, consecutive. Two
     processes that share memory wait for each other by spinning: left to the scheduler on
     2 cores, they often shared one, and a 4 B all_reduce across them took 12-20 us instead
-    of 2 us (as mpirun's binding gives mpi4jax).
+    of 2 us (as mpirun's binding gives mpi4jax), until waiting threads learned to move
+    off a core their peer spins on (ffi/cpu/world_internal.h, PeerSpin).
 
     Example::
 
@@ -332,9 +333,10 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
       bind: ``"none"``: the scheduler places the processes; ``"cores"``: when there are
         no more processes than usable cores, each process (all its threads) runs on its
         own share of them, as mpirun binds by default (see :func:`rank_cores`). Small
-        jaxcomm collectives between processes then take ~2 us instead of ~20, but XLA's
-        own thread pools share those cores too: on 2 cores, a gloo psum across the 2
-        bound processes took 4 ms instead of 0.1 ms.
+        jaxcomm collectives between processes then never wait on a shared core (2.6-2.9
+        us against 4.4-6.2 unbound, between gloo's calls), but XLA's own thread pools
+        share those cores too: on 2 cores, a gloo psum across the 2 bound processes took
+        4 ms instead of 0.1 ms.
 
     Returns:
       A :class:`LaunchResult`.
