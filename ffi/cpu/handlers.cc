@@ -41,6 +41,8 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
       [dtype, op, n, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         std::vector<const void*> in;
         std::vector<void*> out;
+        in.reserve(peers.size());
+        out.reserve(peers.size());
         for (const Peer& p : peers) {
           in.push_back(p.in);
           if (p.out != nullptr) out.push_back(p.out);  // other processes write their own
@@ -62,6 +64,8 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   options.range = [dtype, op, item, streaming](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
     std::vector<const void*> in;
     std::vector<void*> out;
+    in.reserve(peers.size());
+    out.reserve(peers.size());
     for (const Peer& p : peers) {
       in.push_back(p.in);
       if (p.out != nullptr) out.push_back(static_cast<char*>(p.out) + lo * item);
