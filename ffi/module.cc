@@ -135,6 +135,8 @@ NB_MODULE(_jaxcomm, m) {
     jaxcomm::Registry::Get().set_spin(std::chrono::microseconds(us < 0 ? 0 : us));
   }, "How long a waiting rank spins (yielding) before it sleeps, in microseconds.");
 
+  m.def("leave_core", [](int cpu) { return jaxcomm::cpu::LeaveCore(cpu); }, nb::arg("cpu"),
+        "Moves the calling thread off core `cpu`, its affinity kept (what waiting threads do).");
   m.def("core_moves", [] { return jaxcomm::Registry::Get().core_moves.load(); },
         "How often a thread waiting for a peer process moved off the core that peer spun on.");
   m.def("nontemporal_bytes", [] { return jaxcomm::Registry::Get().nontemporal_bytes(); },

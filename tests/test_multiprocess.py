@@ -192,9 +192,11 @@ def test_two_meshes_used_alternately_never_mix() -> None:
 
 
 # Both processes' device threads start on core 0, then may run on cores 0 and 1: within
-# the first loop, a thread that waits for the other on its own core moves (PeerSpin;
-# left alone, the scheduler separated them after some 30 ms of the loop, and sometimes
-# at once, so the move itself is not asserted), and its affinity is then as it was.
+# the first loop, a thread that waits for the other on its own core moves (PeerSpin).
+# Left alone, the scheduler separated them after some 30 ms of the loop, sometimes at
+# once, and where each thread is after the loop is the scheduler's too: what is asserted
+# is that every thread keeps its affinity and the results are right (the move itself:
+# test_leave_core_moves_the_thread_and_keeps_its_affinity).
 SHARED_CORE = """
 import ctypes
 from jaxcomm import _jaxcomm
@@ -217,13 +219,33 @@ print("PLACED", sched_getcpu(), sorted(os.sched_getaffinity(0)), _jaxcomm.core_m
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0),
                     reason="needs cores 0 and 1")
-def test_processes_spinning_on_one_core_spread_out() -> None:
+def test_processes_spinning_on_one_core_keep_their_affinity() -> None:
     res = run_script(SHARED_CORE, 2, 1, timeout_s=120)
     assert_ok(res)
     placed = [re.search(r"PLACED (\d+) \[([\d, ]+)\] (\d+)", res.output[r]) for r in range(2)]
     assert all(placed), res.format()
-    assert {int(m.group(1)) for m in placed} == {0, 1}, res.format()
     assert all(m.group(2) == "0, 1" for m in placed), res.format()
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs cores 0 and 1")
+def test_leave_core_moves_the_thread_and_keeps_its_affinity() -> None:
+    import ctypes
+    from jaxcomm import _jaxcomm
+    sched_getcpu = ctypes.CDLL(None).sched_getcpu
+    saved = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {0, 1})
+        cpu = sched_getcpu()
+        assert _jaxcomm.leave_core(cpu) is True
+        assert sched_getcpu() != cpu
+        assert os.sched_getaffinity(0) == {0, 1}
+        # Nowhere else to go: it stays, and its affinity too.
+        os.sched_setaffinity(0, {cpu})
+        assert _jaxcomm.leave_core(cpu) is False
+        assert sched_getcpu() == cpu
+        assert os.sched_getaffinity(0) == {cpu}
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 FT_ALL_REDUCE = """

@@ -52,10 +52,8 @@ constexpr int kPausesPerStep = 2;
 // A yield every 128 steps lets a peer on the same core run about every 10-20 us.
 constexpr int kStepsPerYield = 128;
 
-// Moves the calling thread off core `cpu` now, to another core it may run on, and
-// leaves it free to run anywhere it could before; false when there is none or the
-// system refuses. (A thread woken from a sleep stayed on its busy core on the
-// development VM, so the move is explicit.)
+}  // namespace
+
 bool LeaveCore(int cpu) {
   cpu_set_t allowed;
   if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) {
@@ -67,8 +65,6 @@ bool LeaveCore(int cpu) {
   sched_setaffinity(0, sizeof(allowed), &allowed);  // back to what it was: no further move
   return true;
 }
-
-}  // namespace
 
 PeerSpin::PeerSpin(ControlBlock* mine, SharesCore shares_core)
     : mine_(mine), shares_core_(std::move(shares_core)) {}
