@@ -117,27 +117,18 @@ bool ReduceRegister(const std::vector<const void*>& inputs, const std::vector<vo
     case 8: reduce = ReduceFixed<T, Op, 8>; break;
     default: return false;
   }
-  if (streaming) {
-    // Reduced into a block that stays in L1, which then streams to every output.
-    constexpr size_t kStage = 16 * 1024 / sizeof(T) ? 16 * 1024 / sizeof(T) : 1;
-    alignas(64) T stage[kStage];
-    for (size_t b = begin; b < end; b += kStage) {
-      const size_t n = std::min(end - b, kStage);
-      reduce(inputs, b, stage, n);
-      for (void* out : outputs) StoreResult(static_cast<T*>(out) + b, stage, n * sizeof(T), true);
-    }
-    return true;
-  }
-  // Blocks that stay in L2 while they are copied to the other outputs.
-  constexpr size_t kBlockBytes = 64 * 1024;
-  constexpr size_t kBlock = kBlockBytes / sizeof(T) ? kBlockBytes / sizeof(T) : 1;
-  T* out0 = static_cast<T*>(outputs[0]);
-  for (size_t b = begin; b < end; b += kBlock) {
-    const size_t e = std::min(end, b + kBlock);
-    reduce(inputs, b, out0 + b, e - b);
-    for (size_t k = 1; k < outputs.size(); ++k) {
-      std::memcpy(static_cast<T*>(outputs[k]) + b, out0 + b, (e - b) * sizeof(T));
-    }
+  // Streaming: reduced into a block that stays in L1, which then streams to every
+  // output. Else into outputs[0], in blocks that stay in L2 while they are copied to the
+  // other outputs (StoreResult skips outputs[0] itself).
+  constexpr size_t kStage = 16 * 1024 / sizeof(T) ? 16 * 1024 / sizeof(T) : 1;
+  constexpr size_t kBlock = 64 * 1024 / sizeof(T) ? 64 * 1024 / sizeof(T) : 1;
+  alignas(64) T stage[kStage];
+  const size_t block = streaming ? kStage : kBlock;
+  for (size_t b = begin; b < end; b += block) {
+    const size_t n = std::min(end - b, block);
+    T* reduced = streaming ? stage : static_cast<T*>(outputs[0]) + b;
+    reduce(inputs, b, reduced, n);
+    for (void* out : outputs) StoreResult(static_cast<T*>(out) + b, reduced, n * sizeof(T), streaming);
   }
   return true;
 }

@@ -107,6 +107,10 @@ bool World::SpinsOn(const PeerLink& link, int cpu) {
   return link.shm && link.shm->block().spinning_cpu.load(std::memory_order_relaxed) == cpu + 1;
 }
 
+bool World::AnySpinsOn(const std::vector<std::shared_ptr<PeerLink>>& links, int cpu) {
+  return std::any_of(links.begin(), links.end(), [cpu](const auto& link) { return SpinsOn(*link, cpu); });
+}
+
 World::World() = default;
 
 World::~World() {
@@ -308,9 +312,7 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
   }
   // The peers are often there already, or within microseconds: finish on this thread.
   const auto spin_until = start + Registry::Get().spin();
-  PeerSpin spin(Block(), [links = &p->links](int cpu) {
-    return std::any_of(links->begin(), links->end(), [cpu](const auto& link) { return SpinsOn(*link, cpu); });
-  });
+  PeerSpin spin(Block(), [links = &p->links](int cpu) { return AnySpinsOn(*links, cpu); });
   while (true) {
     if (Advance(*p)) return;
     if (Clock::now() >= spin_until) break;
@@ -548,12 +550,7 @@ void World::Progress() {
   std::vector<std::unique_ptr<Pending>> mine;
   auto last_progress = Clock::now();
   PeerSpin spin(Block(), [&mine](int cpu) {
-    for (const auto& p : mine) {
-      for (const auto& link : p->links) {
-        if (SpinsOn(*link, cpu)) return true;
-      }
-    }
-    return false;
+    return std::any_of(mine.begin(), mine.end(), [cpu](const auto& p) { return AnySpinsOn(p->links, cpu); });
   });
   auto next_accept = Clock::now();
   // With shared memory the thread sleeps on its doorbell, which the peers ring; it is

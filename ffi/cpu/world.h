@@ -83,8 +83,10 @@ class World : public CrossProcess {
   struct Pending;
 
   std::shared_ptr<PeerLink> Peer(int64_t process) const;
-  // Whether `link`'s process shows a thread spinning on core `cpu` (PeerSpin).
+  // Whether `link`'s process shows a thread spinning on core `cpu` (PeerSpin); any of
+  // `links`'.
   static bool SpinsOn(const PeerLink& link, int cpu);
+  static bool AnySpinsOn(const std::vector<std::shared_ptr<PeerLink>>& links, int cpu);
   // This process's control block, or null without shared memory.
   ControlBlock* Block() const { return shm_ ? &shm_->block() : nullptr; }
   // Advances `p` as far as it goes now; true when finished (done called).
