@@ -434,7 +434,14 @@ def test_bench_across_processes_runs_end_to_end(tmp_path):
         assert r["processes"] == 2 and r["devices"] == 2
         assert r["error"] is None and r["match"] is True
         assert r["jaxcomm_us"] > 0 and r["xla_us"] > 0
+        # The local reference is timed for single calls only, in the same run.
+        if r["mode"] == "call":
+            assert r["local_us"] > 0
+            assert r["xla_vs_local"] == pytest.approx(r["xla_us"] / r["local_us"])
+        else:
+            assert r["local_us"] is None and r["xla_vs_local"] is None
     assert "all_reduce  (2 processes x 1 devices" in proc.stdout
+    assert "xla/local" in proc.stdout
 
 
 def test_bench_latency_mode_reports_failing_sides_per_row(tmp_path):
@@ -485,6 +492,31 @@ def test_mpi4jax_comparison_cases():
         ("all_reduce", 4, "loop"), ("all_reduce", 4096, "loop"),
         ("all_reduce", 1 << 20, "call"), ("all_gather", 1 << 20, "call"),
         ("all_to_all", 1 << 20, "call"), ("ppermute", 1 << 20, "call")]
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                "ppermute", "broadcast"])
+def test_bench_local_reference_moves_the_collectives_bytes(op):
+    # The "local" side must read the operand and write a result shaped like the
+    # collective's, or xla/local compares different amounts of memory traffic.
+    import jax
+    import numpy as np
+    from jaxcomm.bench import collectives
+    n, count = 8, 8 * 6
+    mesh8 = jax.sharding.Mesh(np.array(jax.devices()[:n]), (collectives.AXIS,))
+    spec = collectives.OPS[op]
+    x = np.arange(n * spec.in_elems(count, n), dtype=np.float32)
+    local = collectives._program(mesh8, spec.local, n, None, 0)(x)
+    theirs = collectives._program(mesh8, spec.xla, n, None, 0)(x)
+    assert local.shape == theirs.shape and local.dtype == theirs.dtype
+    blocks = x.reshape(n, -1)  # one row per device
+    if op == "all_gather":
+        want = np.concatenate([np.tile(2 * b, n) for b in blocks])
+    elif op == "reduce_scatter":
+        want = np.concatenate([b.reshape(n, -1).sum(axis=0) for b in blocks])
+    else:
+        want = 2 * x
+    np.testing.assert_array_equal(np.asarray(local), want)
 
 
 def test_single_process_bench_is_unchanged_by_the_sync_hook():

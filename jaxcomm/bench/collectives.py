@@ -15,6 +15,15 @@ Conventions (those of nccl-tests):
   all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for ppermute
   (a ring shift by one) and broadcast (root 0). GB/s are 1e9 bytes per second.
 * **ratio** = XLA time / jaxcomm time: above 1 means jaxcomm is faster.
+* **local** (single calls only): the time of a program with no communication that reads
+  the operand and writes a result of the collective's size, in every device at once, in
+  the same run (all_reduce, all_to_all, ppermute, broadcast: ``x + x``; all_gather:
+  ``x + x`` tiled n times; reduce_scatter: the sum of the operand's n blocks). Every
+  implementation moves at least these bytes, so **xla/local** = XLA time / local time
+  is the ratio an implementation as fast as XLA's own memory-bound loops would reach:
+  where it is low, XLA's collective costs little more than its memory traffic. It is a
+  reference, not a bound: jaxcomm writes large results with streaming stores, which
+  XLA's loops do not, and can beat it.
 
 The XLA side of each op: ``jax.lax.psum``, ``all_gather(tiled=True)``,
 ``psum_scatter(tiled=True)``, ``all_to_all(tiled=True)``, ``ppermute``, and for
@@ -98,6 +107,8 @@ class OpSpec:
       xla: the same with XLA's native collective.
       feedback: the next loop carry from the carry and the collective's result; the same
         for both sides, so the two loop programs differ only in the collective.
+      local: ``f(x, n)`` moving the collective's bytes without communication (the
+        "local" reference of the module docstring).
     """
 
     name: str
@@ -108,6 +119,7 @@ class OpSpec:
     jaxcomm: Callable[[jax.Array, int, float | None], jax.Array]
     xla: Collective
     feedback: Callable[[jax.Array, jax.Array], jax.Array]
+    local: Collective
 
 
 def _ring(n: int) -> list[tuple[int, int]]:
@@ -139,25 +151,47 @@ def _overwrite_head(carry: jax.Array, y: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice(carry, y, (0,))
 
 
+def _touch(x: jax.Array, n: int) -> jax.Array:
+    """Local reference of the shape-preserving ops: reads x, writes a result of its size."""
+    return x + x
+
+
+def _touch_tiled(x: jax.Array, n: int) -> jax.Array:
+    """Local reference of all_gather: reads x, writes a result n times its size."""
+    return jnp.tile(x + x, n)
+
+
+def _sum_blocks(x: jax.Array, n: int) -> jax.Array:
+    """Local reference of reduce_scatter: reads x, writes the sum of its n blocks."""
+    # Slices added one by one fuse into one loop; XLA:CPU's reduce over the leading axis
+    # of (n, m) was 10-25x slower than this.
+    blocks = x.reshape(n, -1)
+    total = blocks[0]
+    for k in range(1, n):
+        total = total + blocks[k]
+    return total
+
+
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec("all_reduce", lambda n: 2 * (n - 1) / n, False, True, lambda c, n: c,
            lambda x, n, t: jaxcomm.all_reduce(x, AXIS, timeout_s=t),
-           lambda x, n: jax.lax.psum(x, AXIS), _same),
+           lambda x, n: jax.lax.psum(x, AXIS), _same, _touch),
     OpSpec("all_gather", lambda n: (n - 1) / n, True, False, lambda c, n: c // n,
            lambda x, n, t: jaxcomm.all_gather(x, AXIS, tiled=True, timeout_s=t),
-           lambda x, n: jax.lax.all_gather(x, AXIS, tiled=True), _head),
+           lambda x, n: jax.lax.all_gather(x, AXIS, tiled=True), _head, _touch_tiled),
     OpSpec("reduce_scatter", lambda n: (n - 1) / n, True, False, lambda c, n: c,
            lambda x, n, t: jaxcomm.reduce_scatter(x, AXIS, tiled=True, timeout_s=t),
-           lambda x, n: jax.lax.psum_scatter(x, AXIS, tiled=True), _overwrite_head),
+           lambda x, n: jax.lax.psum_scatter(x, AXIS, tiled=True), _overwrite_head,
+           _sum_blocks),
     OpSpec("all_to_all", lambda n: (n - 1) / n, True, True, lambda c, n: c,
            lambda x, n, t: jaxcomm.all_to_all(x, AXIS, 0, 0, tiled=True, timeout_s=t),
-           lambda x, n: jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True), _same),
+           lambda x, n: jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True), _same, _touch),
     OpSpec("ppermute", lambda n: 1.0, False, True, lambda c, n: c,
            lambda x, n, t: jaxcomm.ppermute(x, AXIS, _ring(n), timeout_s=t),
-           lambda x, n: jax.lax.ppermute(x, AXIS, _ring(n)), _same),
+           lambda x, n: jax.lax.ppermute(x, AXIS, _ring(n)), _same, _touch),
     OpSpec("broadcast", lambda n: 1.0, False, True, lambda c, n: c,
            lambda x, n, t: jaxcomm.broadcast(x, AXIS, root=ROOT, timeout_s=t),
-           _xla_broadcast, _same),
+           _xla_broadcast, _same, _touch),
 )}
 
 
@@ -400,7 +434,8 @@ def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: n
                                mode="loop" if loop else "call",
                                inplace=donate,
                                jaxcomm_us=None, xla_us=None, ratio=None, algbw_gbps=None,
-                               busbw_gbps=None, xla_busbw_gbps=None, match=None, error=None)
+                               busbw_gbps=None, xla_busbw_gbps=None, local_us=None,
+                               xla_vs_local=None, match=None, error=None)
     errors: list[str] = []
     make_input = _input_maker(mesh, n, spec.in_elems(count, n), dtype)
     x = make_input()
@@ -411,7 +446,10 @@ def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: n
     failures: dict[str, str] = {}
     # Compile both sides, agree, then run: in a multi-process job a side that failed to
     # compile in one process must not be run by the others (they would wait for it).
-    for side, collective in (("jaxcomm", jc_collective), ("xla", spec.xla)):
+    programs: list[tuple[str, Collective]] = [("jaxcomm", jc_collective), ("xla", spec.xla)]
+    if not loop:
+        programs.append(("local", spec.local))
+    for side, collective in programs:
         try:
             sides[side] = _program(mesh, collective, n, feedback, loop_count,
                                    donate).lower(x).compile()
@@ -431,7 +469,7 @@ def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: n
         sides.pop(side, None)
         first_out.pop(side, None)
         errors.append(f"{side}: {message}")
-    if check and len(first_out) == 2:
+    if check and "jaxcomm" in first_out and "xla" in first_out:
         rec["match"] = _agree(first_out["jaxcomm"], first_out["xla"], _tolerance(dtype, loop))
     first_out.clear()
     samples: dict[str, list[Span]] = {side: [] for side in sides}
@@ -458,6 +496,10 @@ def _measure(spec: OpSpec, mesh: Mesh, n: int, nbytes: int, count: int, dtype: n
         rec["xla_busbw_gbps"] = nbytes / med["xla"] / 1e9 * factor
     if "jaxcomm" in med and "xla" in med:
         rec["ratio"] = med["xla"] / med["jaxcomm"]
+    if "local" in med:
+        rec["local_us"] = med["local"] * 1e6
+        if "xla" in med:
+            rec["xla_vs_local"] = med["xla"] / med["local"]
     rec["error"] = "; ".join(errors) or None
     return rec
 
