@@ -112,19 +112,29 @@ def test_killed_process_is_named_by_the_survivors(transport: str, elements: int)
     assert jaxcomm_segments() <= before
 
 
-def test_killed_process_in_a_hierarchical_round_is_named_by_every_survivor() -> None:
-    # Process 3 (not a leader) dies: its host's leader hears it in the host phase, the
-    # others, waiting on their leaders, watch it over their own links.
-    body = TWO_PER_HOST + 'ELEMENTS = 4096\nALGORITHM = "hierarchical shm+tcp"\n' + KILLED_MID_COLLECTIVE
-    res = run_script(body, 4, 1, env={"JAXCOMM_TIMEOUT_S": "60"},
+# Rounds in several exchanges, killing the last process:
+# - hierarchical: process 3 (not a leader) dies; its host's leader hears it in the host
+#   phase, the others, waiting on their leaders, watch it over their own links;
+# - reduce-scatter then all-gather over TCP (1 MiB per rank): every survivor exchanges
+#   with it in both phases.
+@pytest.mark.parametrize("processes,elements,algorithm,env,extra", [
+    (4, 4096, "hierarchical shm+tcp", {}, TWO_PER_HOST),
+    (3, 1 << 18, "tcp reduce-scatter+all-gather", {"JAXCOMM_TRANSPORT": "tcp"}, ""),
+])
+def test_killed_process_in_a_phased_round_is_named_by_every_survivor(
+        processes: int, elements: int, algorithm: str, env: dict[str, str], extra: str) -> None:
+    body = extra + f'ELEMENTS = {elements}\nALGORITHM = "{algorithm}"\n' + KILLED_MID_COLLECTIVE
+    res = run_script(body, processes, 1, env={**env, "JAXCOMM_TIMEOUT_S": "60"},
                      timeout_s=120, grace_s=20)
     assert res.returncode != 0
-    for rank in range(3):
+    dead = processes - 1
+    for rank in range(dead):
         out = res.output[rank]
         assert "WARM" in out and "NO ERROR" not in out, res.format()
         line = next(l for l in out.splitlines() if "ERROR" in l)
         assert "timed out" not in line, line
-        assert re.search(r"process 3 \(host \S+ \(127\.0\.0\.1\), pid \d+\) with ranks \[3\]", line), line
+        assert re.search(rf"process {dead} \(host \S+ \(127\.0\.0\.1\), pid \d+\) with ranks \[{dead}\]",
+                         line), line
         assert "jaxcomm.all_reduce over axis 'x'" in line, line
 
 

@@ -227,7 +227,7 @@ const TraceSite* FlightRecorder::AddSite(std::unique_ptr<TraceSite> site) {
 }
 
 const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallContext& ctx, bool streamed,
-                                        bool phased) {
+                                        bool phased, bool scatters) {
   const int g = static_cast<int>(ctx.group_index);
   if (const TraceSite* s = FindSite(&table, table.instruction_key(), g)) return s;
   auto site = std::make_unique<TraceSite>();
@@ -242,10 +242,11 @@ const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallConte
   site->processes = remote;
   site->processes.push_back(Registry::Get().process_index());
   std::sort(site->processes.begin(), site->processes.end());
-  bool shm = false, tcp = false, stream = false, hierarchical = false;  // what the call does
+  bool shm = false, tcp = false, stream = false, hierarchical = false, scatter_gather = false;
   if (const CrossProcess* world = Registry::Get().cross_process()) {
     stream = streamed && world->CanStream(remote);
     hierarchical = phased && SpansHostsHierarchically(*world, site->processes);
+    scatter_gather = scatters && !hierarchical && ScattersAndGathers(*world, remote);
     for (int64_t p : remote) {
       const std::string kind = world->LinkKind(p);
       shm |= kind == "shm";
@@ -254,6 +255,7 @@ const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallConte
   }
   site->algorithm = remote.empty() ? "in-process zero-copy"
                     : hierarchical ? "hierarchical shm+tcp"
+                    : scatter_gather ? "tcp reduce-scatter+all-gather"
                     : shm && tcp   ? "shm+tcp"
                     : stream       ? "shm stream"
                     : shm          ? "shm"

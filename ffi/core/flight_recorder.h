@@ -71,9 +71,11 @@ class FlightRecorder {
   // The site of a call (ctx: op, axis, call site, group index) of `table`'s instruction:
   // found lock-free, or described (group, processes, algorithm) and added. `streamed`:
   // the call's rounds stream if the transport can (Streamable, CrossProcess::CanStream);
-  // `hierarchical`: across hosts they run in phases (SpansHostsHierarchically).
+  // `hierarchical`: across hosts they run in phases (SpansHostsHierarchically);
+  // `scatters`: over TCP they run as a reduce-scatter then an all-gather
+  // (MayScatterGather, ScattersAndGathers).
   const TraceSite* SiteOf(const RoundTable& table, const CallContext& ctx, bool streamed = false,
-                          bool hierarchical = false);
+                          bool hierarchical = false, bool scatters = false);
 
   // Records a call of `partition` entering jaxcomm (pending); returns its handle for the
   // updates below (0 when recording is off). Called on the device thread.

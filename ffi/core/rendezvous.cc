@@ -264,6 +264,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
         round->tolerant = call.tolerant;
         round->range = call.range;
         round->combine = call.combine;
+        round->combine_partials = call.combine_partials;
         round->needs = call.needs;
         round->reads = call.reads;
         round->direct = call.direct();
@@ -342,6 +343,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
   const Layout& layout = layouts_[round->group_index];
   std::shared_ptr<const ExchangePlan> plan;
   std::shared_ptr<const Hierarchy> hierarchy;
+  std::shared_ptr<const ScatterGather> scatter_gather;
   Peer shape;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -376,7 +378,11 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
                                       [](size_t b) { return b == 0; });
       if (MayRunInPhases(round->tolerant, round->direct, l.shape.in_bytes)) {
         l.hierarchy = PlanHierarchy(*world, *p, Registry::Get().process_index(), per_rank, l.local.size(), l.remote,
-                                    /*relay=*/!(round->combine && no_aux));
+                                    /*relay=*/!(round->combine && round->combine_partials && no_aux));
+      }
+      if (!l.hierarchy && MayScatterGather(round->tolerant, round->combine != nullptr, l.shape) &&
+          ScattersAndGathers(*world, l.processes)) {
+        l.scatter_gather = PlanScatterGather(*p, Registry::Get().process_index(), l.shape, l.remote);
       }
       l.received = l.remote;
       const ElementRange whole{0, static_cast<size_t>(l.shape.elements)};
@@ -425,10 +431,15 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
     }
     plan = l.plan;
     hierarchy = l.hierarchy;
+    scatter_gather = l.scatter_gather;
     shape = l.shape;
   }
   if (hierarchy) {
     StartHierarchical(round, std::move(work), me, std::move(hierarchy), shape);
+    return;
+  }
+  if (scatter_gather) {
+    StartScatterGather(round, me, std::move(scatter_gather), shape);
     return;
   }
   if (plan->arrival) {

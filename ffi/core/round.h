@@ -1,6 +1,7 @@
 // A round (one execution of one instruction by one group) and what the rendezvous's
 // source files share to complete it: rendezvous.cc matches calls and runs their work,
-// hierarchical.cc runs a cross-host round in phases.
+// hierarchical.cc runs a cross-host round in phases, scatter_gather.cc a reduction over
+// processes linked by TCP as a reduce-scatter then an all-gather.
 #pragma once
 
 #include <atomic>
@@ -29,6 +30,7 @@ struct Round {
   bool tolerant = false;
   std::shared_ptr<const RangeFn> range;
   std::shared_ptr<const CombineFn> combine;
+  bool combine_partials = true;
   std::shared_ptr<const NeedsFn> needs;
   std::shared_ptr<const ReadsFn> reads;
   bool direct = false;  // CollectiveCall::direct()
@@ -93,6 +95,20 @@ struct Hierarchy {
 std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const ExchangePlan& flat,
                                                int64_t self, size_t rank_bytes, size_t my_ranks,
                                                const std::vector<std::vector<int>>& remote_ranks, bool relay);
+
+// How one process takes part in a reduction run as a reduce-scatter then an all-gather
+// (core/scatter_gather.cc): each process of the group owns one slice of the elements.
+struct ScatterGather {
+  std::shared_ptr<const ExchangePlan> scatter;  // the peers' ranks' operands, this process's slice
+  std::shared_ptr<const ExchangePlan> gather;   // the peers' reduced slices
+  ElementRange slice;                           // this process's
+  std::vector<ElementRange> peer_slices;        // per peer of the flat plan
+};
+
+// The slices and phases of such a round over the flat plan's peers (the group's other
+// processes, with `remote_ranks` each); `shape`: every rank's operand sizes.
+std::shared_ptr<const ScatterGather> PlanScatterGather(const ExchangePlan& flat, int64_t self, const Peer& shape,
+                                                       const std::vector<std::vector<int>>& remote_ranks);
 
 // Runs exchange `spec` for `round`, then `next` with the peers' contributions, continuing
 // rank `me`: on this thread if the peers were already there, else on a pool thread,

@@ -55,12 +55,12 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   const size_t item = x.size_bytes() / n;
   LaunchOptions options{/*split_by_rank=*/false};
   // Across hosts, reduce within each host first; not for half precision, which would
-  // then round once per phase instead of once.
-  if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {
-    options.combine = [dtype, op](const std::vector<const void*>& in, void* out, size_t elements) {
-      return Reduce(dtype, op, in, {out}, 0, elements);
-    };
-  }
+  // then round once per phase instead of once. (A reduce-scatter over TCP reduces each
+  // element once, over every rank.)
+  options.combine = [dtype, op](const std::vector<const void*>& in, void* out, size_t elements) {
+    return Reduce(dtype, op, in, {out}, 0, elements);
+  };
+  options.combine_partials = dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16;
   options.range = [dtype, op, item, streaming](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
     std::vector<const void*> in;
     std::vector<void*> out;

@@ -125,6 +125,7 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   call.tolerant = options.tolerant;
   if (options.range) call.range = std::make_shared<const RangeFn>(std::move(options.range));
   if (options.combine) call.combine = std::make_shared<const CombineFn>(std::move(options.combine));
+  call.combine_partials = options.combine_partials;
   if (options.needs) call.needs = std::make_shared<const NeedsFn>(std::move(options.needs));
   if (options.reads) call.reads = std::make_shared<const ReadsFn>(std::move(options.reads));
   call.point_to_point = options.point_to_point;
@@ -138,7 +139,9 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   }
   if (FlightRecorder& rec = registry.recorder(); rec.enabled()) {
     call.mine.trace = rec.Enqueue(call.ctx.partition, rec.SiteOf(*c.state->table, call.ctx, Streamable(mine, call.range != nullptr, call.tolerant),
-                                  /*hierarchical=*/MayRunInPhases(call.tolerant, call.direct(), mine.in_bytes)), call.ctx.rank,
+                                  /*hierarchical=*/MayRunInPhases(call.tolerant, call.direct(), mine.in_bytes),
+                                  /*scatters=*/MayScatterGather(call.tolerant, call.combine != nullptr, mine)),
+                                  call.ctx.rank,
                                   call.run_id, mine.dtype, mine.elements, static_cast<int64_t>(mine.in_bytes));
   }
   return c.state->table->Arrive(call, std::make_shared<const WorkFn>(std::move(work)));

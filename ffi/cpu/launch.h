@@ -85,6 +85,9 @@ struct LaunchOptions {
   // combining step of reductions (see CombineFn).
   RangeFn range;
   CombineFn combine;
+  // Whether `combine` may reduce partial results, as hierarchical rounds do (within each
+  // host, then across): not for half precision, which would then round once per phase.
+  bool combine_partials = true;
   // Which operands each result reads (see NeedsFn), for ops that read only some, and
   // which element ranges of them (see ReadsFn).
   NeedsFn needs;

@@ -41,7 +41,9 @@ class OpStats:
       axis: the axis name(s) as written at the (first) call site.
       algorithm: how the data moved (``"in-process zero-copy"``, ``"shm"``, ``"shm stream"``
         (operands of 1 MiB and more per rank, streamed through shared memory in chunks),
-        ``"tcp"``, ``"shm+tcp"``).
+        ``"tcp"``, ``"shm+tcp"``, ``"hierarchical shm+tcp"`` (across hosts, in phases
+        through the hosts' leaders), ``"tcp reduce-scatter+all-gather"`` (all_reduce of
+        512 KiB and more per rank over three or more processes linked by TCP)).
       calls: rounds completed or failed (one per execution of the group, not per rank).
       failed: rounds that failed (timeouts, transport errors).
       bytes: message bytes (nccl-tests "size") summed over the completed rounds.

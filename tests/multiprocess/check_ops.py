@@ -31,7 +31,7 @@ def groups_of(mesh, axes):
     return where
 
 
-def run_case(name, mesh, axes, f, expected, block=(4, 6), donate=False):
+def run_case(name, mesh, axes, f, expected, block=(4, 6), donate=False, rtol=1e-5):
     """Runs f per device under shard_map; expected(X, group, rank) gives one block."""
     n = mesh.devices.size
     X = np.random.default_rng(7).standard_normal((n, *block)).astype(np.float32)
@@ -48,7 +48,7 @@ def run_case(name, mesh, axes, f, expected, block=(4, 6), donate=False):
         p = flat.index(shard.device)
         group, rank = where[p]
         want = expected(X, group, rank)
-        np.testing.assert_allclose(np.asarray(shard.data), want, rtol=1e-5, atol=1e-5,
+        np.testing.assert_allclose(np.asarray(shard.data), want, rtol=rtol, atol=1e-5,
                                    err_msg=f"{name} on partition {p} (rank {rank} of {group})")
     print("CHECKED", name, flush=True)
 
@@ -136,6 +136,12 @@ def check_streamed(mesh, axes, tag):
              lambda X, g, r: X[g].sum(0), big, donate=True)
     run_case(f"{tag} streamed all_reduce max", mesh, axes, lambda x: jaxcomm.all_reduce(x, a, op="max"),
              lambda X, g, r: X[g].max(0), big)
+    # Half precision is summed in float32 and rounded once, on every path.
+    bf16 = jnp.bfloat16
+    run_case(f"{tag} streamed all_reduce bfloat16", mesh, axes,
+             lambda x: jaxcomm.all_reduce(x.astype(bf16), a).astype(jnp.float32),
+             lambda X, g, r: X[g].astype(bf16).astype(np.float32).sum(0).astype(bf16).astype(np.float32),
+             big, rtol=8e-3)
     run_case(f"{tag} streamed all_gather", mesh, axes,
              lambda x: jaxcomm.all_gather(x, a, tiled=True).reshape(G, rows, cols).sum(0),
              lambda X, g, r: X[g].sum(0), big)
@@ -157,6 +163,12 @@ def check_streamed(mesh, axes, tag):
     want = set() if not one_host or NPROC > os.cpu_count() else {
         "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute"}
     assert streamed == want, (tag, streamed, [(s.op, s.algorithm, s.bytes) for s in jaxcomm.stats()])
+    # Over TCP among three or more processes, the large all_reduces ran as a
+    # reduce-scatter then an all-gather (ffi/core/scatter_gather.cc).
+    scattered = {s.op for s in jaxcomm.stats() if s.algorithm == "tcp reduce-scatter+all-gather"}
+    tcp = os.environ.get("JAXCOMM_TRANSPORT") == "tcp"
+    assert scattered == ({"all_reduce"} if tcp and NPROC >= 3 else set()), (
+        tag, scattered, [(s.op, s.algorithm, s.bytes) for s in jaxcomm.stats()])
 
 
 devices = np.asarray(jax.devices()).reshape(NPROC, LOCAL)
