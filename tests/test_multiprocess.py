@@ -42,6 +42,7 @@ TWO_PER_HOST = 'os.environ["JAXCOMM_HOST_ID"] = f"test-host-{RANK // 2}"\n'
     (2, 2, "auto", "1"),
     (4, 1, "auto", None),
     (2, 2, "tcp", None),
+    (3, 1, "tcp", None),  # slices of 301000 elements that 3 processes do not divide evenly
     (4, 2, "tcp", None),
     (4, 1, "hosts", None),
     (4, 2, "hosts", "1"),
