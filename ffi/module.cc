@@ -139,6 +139,14 @@ NB_MODULE(_jaxcomm, m) {
         "Moves the calling thread off core `cpu`, its affinity kept (what waiting threads do).");
   m.def("core_moves", [] { return jaxcomm::Registry::Get().core_moves.load(); },
         "How often a thread waiting for a peer process moved off the core that peer spun on.");
+  m.def("single_copy", [] { return jaxcomm::Registry::Get().single_copy(); },
+        "Whether streamed rounds may read the peers' operands straight from their memory.");
+  m.def("set_single_copy", [](bool on) { jaxcomm::Registry::Get().set_single_copy(on); }, nb::arg("on"),
+        "Sets single_copy (JAXCOMM_SINGLE_COPY); off: this process offers no single-copy rounds.");
+  m.def("transport_direct", [](int64_t process) { return World().ReadsDirectly(process); },
+        "Whether this process may read peer `process`'s memory directly (probed when linked).");
+  m.def("single_copy_rounds", [] { return jaxcomm::Registry::Get().single_copy_rounds.load(); },
+        "Streamed rounds that read the peers' operands straight from their memory (JAXCOMM_SINGLE_COPY).");
   m.def("nontemporal_bytes", [] { return jaxcomm::Registry::Get().nontemporal_bytes(); },
         "Results of at least this many bytes are written with non-temporal stores (0: never).");
   m.def("set_nontemporal_bytes", [](int64_t bytes) { jaxcomm::Registry::Get().set_nontemporal_bytes(bytes); },

@@ -37,23 +37,26 @@ TWO_PER_HOST = 'os.environ["JAXCOMM_HOST_ID"] = f"test-host-{RANK // 2}"\n'
 
 # JAXCOMM_NONTEMPORAL_BYTES=1: every result, however small, is written with streaming
 # stores (ffi/cpu/result_stores.h), in the shared-memory streams and across hosts too.
-@pytest.mark.parametrize("processes,devices,transport,nontemporal", [
-    (2, 1, "auto", None),
-    (2, 2, "auto", "1"),
-    (4, 1, "auto", None),
-    (2, 2, "tcp", None),
-    (3, 1, "tcp", None),  # slices of 301000 elements that 3 processes do not divide evenly
-    (4, 2, "tcp", None),
-    (4, 1, "hosts", None),
-    (4, 2, "hosts", "1"),
+# JAXCOMM_SINGLE_COPY=0: the streams go through the ring where they would read the peers'
+# memory directly.
+NT_RING = {"JAXCOMM_NONTEMPORAL_BYTES": "1", "JAXCOMM_SINGLE_COPY": "0"}
+
+
+@pytest.mark.parametrize("processes,devices,transport,settings", [
+    (2, 1, "auto", {}),
+    (2, 2, "auto", NT_RING),
+    (4, 1, "auto", {}),
+    (2, 2, "tcp", {}),
+    (3, 1, "tcp", {}),  # slices of 301000 elements that 3 processes do not divide evenly
+    (4, 2, "tcp", {}),
+    (4, 1, "hosts", {}),
+    (4, 2, "hosts", {"JAXCOMM_NONTEMPORAL_BYTES": "1"}),
 ])
 def test_every_op_matches_numpy_across_processes(processes: int, devices: int, transport: str,
-                                                 nontemporal: str | None) -> None:
+                                                 settings: dict[str, str]) -> None:
     before = jaxcomm_segments()
     body = TWO_PER_HOST + CHECK_OPS if transport == "hosts" else CHECK_OPS
-    env = {"JAXCOMM_TRANSPORT": "auto" if transport == "hosts" else transport}
-    if nontemporal is not None:
-        env["JAXCOMM_NONTEMPORAL_BYTES"] = nontemporal
+    env = {"JAXCOMM_TRANSPORT": "auto" if transport == "hosts" else transport, **settings}
     res = run_script(body, processes, devices, env=env, timeout_s=180)
     assert_ok(res)
     for rank in range(processes):
@@ -61,6 +64,33 @@ def test_every_op_matches_numpy_across_processes(processes: int, devices: int, t
         # Seven ops per mesh axis case: none silently skipped.
         assert res.output[rank].count("CHECKED") >= 8
     assert jaxcomm_segments() <= before
+
+
+# A streamed round reads the peers' memory directly only if every process of it offers
+# to: here process 1 turns it off, and both must then use the ring.
+ONE_DECLINES_SINGLE_COPY = """
+from jaxcomm import _jaxcomm
+if RANK == 1:
+    _jaxcomm.set_single_copy(False)
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
+f = jax.jit(jax.shard_map(lambda v: jaxcomm.ppermute(v, "x", [(0, 1), (1, 0)]), mesh=mesh,
+                          in_specs=P("x"), out_specs=P("x"), check_vma=False))
+n = 300001  # 1.2 MB per rank: streamed
+x = jax.device_put(np.arange(2 * n, dtype=np.float32), NamedSharding(mesh, P("x")))
+for _ in range(3):
+    out = f(x)
+want = np.arange(2 * n, dtype=np.float32).reshape(2, n)[1 - RANK]
+np.testing.assert_array_equal(np.asarray(out.addressable_shards[0].data), want)
+assert {s.algorithm for s in jaxcomm.stats()} == {"shm stream"}, jaxcomm.stats()
+print("SINGLE COPY ROUNDS", _jaxcomm.single_copy_rounds(), flush=True)
+"""
+
+
+def test_single_copy_needs_every_process_to_offer_it() -> None:
+    res = run_script(ONE_DECLINES_SINGLE_COPY, 2, 1, timeout_s=60)
+    assert_ok(res)
+    for rank in range(2):
+        assert "SINGLE COPY ROUNDS 0" in res.output[rank], res.format()
 
 
 # The last process dies while the others are inside the loop's collectives. The script

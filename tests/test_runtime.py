@@ -457,6 +457,18 @@ def test_invalid_nontemporal_bytes_is_rejected(monkeypatch, raw, message):
     assert config.nontemporal_bytes() == 0
 
 
+@pytest.mark.parametrize("raw", ["2", "yes", "-1"])
+def test_invalid_single_copy_is_rejected(monkeypatch, raw):
+    from jaxcomm._src import config
+    monkeypatch.setenv("JAXCOMM_SINGLE_COPY", raw)
+    with pytest.raises(ValueError, match=f"JAXCOMM_SINGLE_COPY must be 0 or 1, got '{raw}'"):
+        config.single_copy()
+    monkeypatch.setenv("JAXCOMM_SINGLE_COPY", "0")
+    assert config.single_copy() is False
+    monkeypatch.delenv("JAXCOMM_SINGLE_COPY")
+    assert config.single_copy() is True
+
+
 # ---------------------------------------------------------------- composition with pjit
 
 

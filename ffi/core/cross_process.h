@@ -73,6 +73,17 @@ struct StreamSpec {
   // reads are counted as published without being copied. Empty: every chunk is read.
   std::function<bool(size_t lo, size_t hi)> published;
   std::chrono::steady_clock::time_point deadline;
+  // Single copy (every process of the round agreed, CrossProcess::CanReadDirectly): no
+  // ring; each process reads the chunks of the peers' inputs itself, straight from their
+  // memory, and waits at the end until the peers have read its own.
+  bool pull = false;
+  // pull: each remote rank's input, at its address in its own process (ranks in the
+  // order of StreamConsume's `remote`).
+  std::vector<uint64_t> remote_inputs;
+  // pull: whether this process's ranks read each remote rank's input (NeedsFn), and
+  // elements [lo, hi) of them (ReadsFn); empty: all of them.
+  std::vector<bool> remote_read;
+  std::function<bool(size_t lo, size_t hi)> read_here;
 };
 
 // Consumes elements [lo, hi) of every rank's input: remote[k] points at element lo of the
@@ -101,6 +112,9 @@ class CrossProcess {
   // (every peer on this host, no more processes than cores). The answer is the same in
   // every process of the group.
   virtual bool CanStream(const std::vector<int64_t>& /*peers*/) const { return false; }
+  // Whether this process may read the memory of every one of `peers` directly (a
+  // streamed round then copies once, StreamSpec::pull, if every process of it may).
+  virtual bool CanReadDirectly(const std::vector<int64_t>& /*peers*/) const { return false; }
   // Streams round spec.seq, once every process of the group arrived at it (its arrival
   // handshake finished): returns once this process published all its chunks and
   // consumed every peer's (its inputs are no longer read); "" or the error, with

@@ -34,6 +34,7 @@ std::string TraceDir() {
 Registry::Registry()
     : spin_us_(kDefaultSpinUs),
       nontemporal_bytes_(kDefaultNontemporalBytes),
+      single_copy_(EnvInt("JAXCOMM_SINGLE_COPY", 1) != 0),
       recorder_(static_cast<size_t>(std::max<int64_t>(0, EnvInt("JAXCOMM_TRACE_ENTRIES", kDefaultTraceEntries))),
                 TraceDir()),
       faults_(std::getenv("JAXCOMM_FAULT")) {

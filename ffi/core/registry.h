@@ -35,6 +35,12 @@ class Registry {
   int64_t nontemporal_bytes() const { return nontemporal_bytes_.load(std::memory_order_relaxed); }
   void set_nontemporal_bytes(int64_t bytes) { nontemporal_bytes_.store(bytes < 0 ? 0 : bytes, std::memory_order_relaxed); }
 
+  // Whether streamed rounds may read the peers' operands directly (process_vm_readv)
+  // where the kernel allows it; JAXCOMM_SINGLE_COPY. Links made while it is off are
+  // never read directly.
+  bool single_copy() const { return single_copy_.load(std::memory_order_relaxed); }
+  void set_single_copy(bool on) { single_copy_.store(on, std::memory_order_relaxed); }
+
   // This process's index in the job (jax.process_index()), set when handlers register.
   int64_t process_index() const { return process_index_.load(std::memory_order_relaxed); }
   void set_process_index(int64_t i) { process_index_.store(i, std::memory_order_relaxed); }
@@ -65,11 +71,14 @@ class Registry {
   // Times a thread waiting for a peer process moved off the core that peer spun on
   // (cpu/world_internal.h, PeerSpin).
   std::atomic<int64_t> core_moves{0};
+  // Streamed rounds that read the peers' operands directly (cpu/world_stream.cc, Pull).
+  std::atomic<int64_t> single_copy_rounds{0};
 
  private:
   Registry();
   std::atomic<int64_t> spin_us_;
   std::atomic<int64_t> nontemporal_bytes_;
+  std::atomic<bool> single_copy_;
   std::atomic<int64_t> process_index_{0};
   std::atomic<int> host_processes_{1};
   CompletionPool pool_;

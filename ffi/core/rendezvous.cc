@@ -1,6 +1,7 @@
 #include "core/rendezvous.h"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <thread>
 
@@ -424,7 +425,11 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
         auto arrival = std::make_shared<ExchangePlan>(*p);
         arrival->key = Mix(p->key, 0x6172726976616c00ull);  // "arrival"
         arrival->fingerprint = Mix(p->fingerprint, 2);
-        arrival->peer_bytes.assign(l.processes.size(), 0);
+        // Each process's offer (StartStream): whether it reads single-copy, then where
+        // its ranks' inputs are.
+        for (size_t i = 0; i < l.processes.size(); ++i) {
+          arrival->peer_bytes[i] = sizeof(uint64_t) * (1 + l.remote[i].size());
+        }
         p->arrival = std::move(arrival);
       }
       l.plan = std::move(p);
@@ -477,11 +482,30 @@ void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::s
   const auto deadline = Clock::now() + round->timeout;
   // The whole round is one stream on one thread (its chunks are consumed in order),
   // which then completes the round; `inline_rank` continues on it.
-  auto stream = [world, plan, seq, shape, deadline, &layout](const std::shared_ptr<Round>& round, int inline_rank) {
+  auto stream = [world, plan, seq, shape, deadline, &layout](const std::shared_ptr<Round>& round, int inline_rank,
+                                                             std::vector<uint64_t> remote_inputs) {
     Registry::Get().recorder().Start(round->peers);
     StreamSpec spec;
     spec.plan = plan;
     spec.seq = seq;
+    spec.pull = !remote_inputs.empty();
+    spec.remote_inputs = std::move(remote_inputs);
+    if (spec.pull && round->needs) {
+      for (const auto& ranks : layout.remote) {
+        for (int r : ranks) {
+          spec.remote_read.push_back(
+              std::any_of(layout.local.begin(), layout.local.end(), [&](int d) { return (*round->needs)(r, d); }));
+        }
+      }
+    }
+    if (spec.pull && round->reads) {
+      spec.read_here = [&layout, &reads = *round->reads](size_t lo, size_t hi) {
+        return std::any_of(layout.local.begin(), layout.local.end(), [&](int d) {
+          const ElementRange read = reads(d);
+          return lo < read.second && hi > read.first;
+        });
+      };
+    }
     for (int r : layout.local) spec.mine.push_back(static_cast<const char*>(round->peers[r].in));
     for (const auto& ranks : layout.remote) spec.peer_ranks.push_back(ranks.size());
     spec.elements = static_cast<size_t>(shape.elements);
@@ -514,17 +538,38 @@ void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::s
     RecordError(*round, error);
     CompleteAll(*round, inline_rank, timed_out ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kUnavailable);
   };
-  // First every process learns that all the others are in this round (an exchange of
-  // nothing); from then on each one streams, and no wait in the stream can be on a
-  // process that is still busy elsewhere.
+  // First every process learns that all the others are in this round; from then on each
+  // one streams, and no wait in the stream can be on a process that is still busy
+  // elsewhere. Each one offers to read single-copy (it may read every peer's memory, and
+  // no result of its overwrites an input the peers would read) and says where its inputs
+  // are: the round is single-copy if every process offered.
+  auto offer = std::make_shared<std::vector<uint64_t>>();
+  bool aliased = false;
+  for (int r : layout.local) {
+    const Peer& p = round->peers[r];
+    const auto* in = static_cast<const char*>(p.in);
+    const auto* out = static_cast<const char*>(p.out);
+    aliased |= in < out + p.in_bytes && out < in + p.in_bytes;
+  }
+  offer->push_back(!aliased && world->CanReadDirectly(layout.processes) ? 1 : 0);
+  for (int r : layout.local) offer->push_back(reinterpret_cast<uint64_t>(round->peers[r].in));
   ExchangeSpec arrival;
   arrival.plan = plan->arrival;
   arrival.seq = seq;
   arrival.deadline = deadline;
+  arrival.mine = {{offer->data(), offer->size() * sizeof(uint64_t)}};
   ExchangeThen(*world, std::move(arrival), round, me,
-               [round, stream, seq, world, plan](const std::vector<const char*>&, int me) {
+               [round, stream, seq, world, plan, offer, &layout](const std::vector<const char*>& blobs, int me) {
+                 bool pull = (*offer)[0] == 1;
+                 std::vector<uint64_t> remote_inputs;
+                 for (size_t i = 0; i < blobs.size(); ++i) {
+                   std::vector<uint64_t> theirs(1 + layout.remote[i].size());
+                   std::memcpy(theirs.data(), blobs[i], theirs.size() * sizeof(uint64_t));
+                   pull &= theirs[0] == 1;
+                   remote_inputs.insert(remote_inputs.end(), theirs.begin() + 1, theirs.end());
+                 }
                  round->after_work = [world, plan, seq] { world->Release(*plan->arrival, seq); };
-                 stream(round, me);
+                 stream(round, me, pull ? std::move(remote_inputs) : std::vector<uint64_t>{});
                });
 }
 

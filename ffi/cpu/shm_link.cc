@@ -97,6 +97,7 @@ std::unique_ptr<ShmOwner> ShmOwner::Create(int64_t process, std::string* error) 
   b.magic = kMagic;
   b.pid = static_cast<int32_t>(getpid());
   b.process = static_cast<int32_t>(process);
+  b.self_address = reinterpret_cast<uint64_t>(owner->control_->data());
   return owner;
 }
 

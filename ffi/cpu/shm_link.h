@@ -100,6 +100,9 @@ struct ControlBlock {
   uint64_t magic;
   int32_t pid;
   int32_t process;
+  // Where the owner maps this block: a peer reads `magic` there with process_vm_readv to
+  // learn whether it may read the owner's memory directly (World::Link).
+  uint64_t self_address;
   Doorbell bell;
   // The core (plus one; 0: none) of a thread of this process that now spins waiting for
   // its peers: a peer that spins on the same core knows they take turns on it (PeerSpin).

@@ -66,6 +66,9 @@ class World : public CrossProcess {
 
   void Exchange(ExchangeSpec spec, ExchangeDone done) override;
   bool CanStream(const std::vector<int64_t>& peers) const override;
+  bool CanReadDirectly(const std::vector<int64_t>& peers) const override;
+  // Whether the link to `p` allows reading its memory directly (false if not linked).
+  bool ReadsDirectly(int64_t p) const;
   std::string Stream(const StreamSpec& spec, const StreamConsume& consume,
                      bool* timed_out) override;  // world_stream.cc
   void Release(const ExchangePlan& plan, int64_t seq) override;
@@ -109,6 +112,12 @@ class World : public CrossProcess {
   // Restarted process: true once readmitted (p's rounds renumbered) or failed (`error`).
   bool TryAdmission(Pending& p, std::string* error);
   void ReleaseRound(const ExchangePlan& plan, int64_t seq);
+  // Stream's single-copy form (StreamSpec::pull), world_stream.cc.
+  std::string Pull(const StreamSpec& spec, const StreamConsume& consume, bool* timed_out);
+  // A buffer of `bytes` for the chunks Pull reads, kept from one round to the next (a
+  // fresh one costs a page fault per 4 KiB).
+  std::vector<char> TakeBounce(size_t bytes);
+  void GiveBounce(std::vector<char> buffer);
   // Takes a connection accepted on this process's listener: a peer linking at bootstrap,
   // or a restarted process rejoining (kept aside until its request is seen).
   void Adopt(int fd, std::chrono::steady_clock::time_point deadline);
@@ -131,6 +140,8 @@ class World : public CrossProcess {
   uint64_t joining_ = 0;                       // restarted process: its request
   std::map<uint64_t, int64_t> seq_offset_;     // restarted process: per call, survivors' numbering
   std::vector<std::unique_ptr<Pending>> pending_;
+  std::mutex bounce_mu_;
+  std::vector<std::vector<char>> bounces_;  // Pull's spare buffers
   std::atomic<int> wakes_{0};
   std::atomic<bool> stop_{false};
   std::thread progress_;

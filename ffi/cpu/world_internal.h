@@ -22,6 +22,8 @@ struct World::PeerLink {
   std::mutex mu;  // the ShmPeer's lookup cache
   std::unique_ptr<ShmPeer> shm;
   std::unique_ptr<TcpLink> tcp;
+  // This process may read the peer's memory with process_vm_readv (probed when linked).
+  bool direct = false;
 
   std::string Describe() const {
     return "process " + std::to_string(process) + " (host " + host + ", pid " + std::to_string(pid) + ")";

@@ -12,7 +12,19 @@
 // A chunk may overwrite a ring entry once every peer consumed the chunk it held; a
 // process marks done = Mark(round, 0) when it starts a round, after it consumed all of
 // the previous one, so the first chunks of a round never overwrite unread ones.
+//
+// Single copy (StreamSpec::pull, where every process of the round may read the others'
+// memory): no ring. Each process reads the chunks of the peers' inputs with
+// process_vm_readv into a buffer that stays in its cache, consumes them, and then
+// publishes done = Mark(round, chunks) in a slot of its own and waits for the peers'
+// before it returns (XLA may reuse its inputs once the call completes). Each byte then
+// crosses once, from the peer's memory, instead of into the ring and out of it through
+// the other core's cache (16 MiB each way between 2 processes: 3.5-4.1 ms against
+// 4.4-4.9 ms in a C model of both; an in-process copy of the same bytes took 1.6-2.2).
+#include <sys/uio.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -41,6 +53,16 @@ uint64_t RingKey(uint64_t key) {
   return k == 0 ? 1 : k;
 }
 
+uint64_t PullKey(uint64_t key) {
+  const uint64_t k = key ^ 0x70756c6c73747265ull;  // "pullstre"
+  return k == 0 ? 1 : k;
+}
+
+// Chunks of a round: per_chunk elements each (at most 2^24 chunks, one Mark field).
+size_t PerChunk(size_t elements, size_t item) {
+  return std::max({size_t{1}, kChunkBytes / item, (elements >> kChunkBits) + 1});
+}
+
 }  // namespace
 
 bool World::CanStream(const std::vector<int64_t>& peers) const {
@@ -56,13 +78,41 @@ bool World::CanStream(const std::vector<int64_t>& peers) const {
   return true;
 }
 
+bool World::CanReadDirectly(const std::vector<int64_t>& peers) const {
+  return Registry::Get().single_copy() &&
+         std::all_of(peers.begin(), peers.end(), [this](int64_t q) { return ReadsDirectly(q); });
+}
+
+bool World::ReadsDirectly(int64_t p) const {
+  auto link = Peer(p);
+  return link && link->shm && link->direct;
+}
+
+std::vector<char> World::TakeBounce(size_t bytes) {
+  std::vector<char> b;
+  {
+    std::lock_guard<std::mutex> lock(bounce_mu_);
+    if (!bounces_.empty()) {
+      b = std::move(bounces_.back());
+      bounces_.pop_back();
+    }
+  }
+  b.resize(bytes);
+  return b;
+}
+
+void World::GiveBounce(std::vector<char> buffer) {
+  std::lock_guard<std::mutex> lock(bounce_mu_);
+  bounces_.push_back(std::move(buffer));
+}
+
 std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, bool* timed_out) {
   *timed_out = false;
+  if (s.pull) return Pull(s, consume, timed_out);
   const ExchangePlan& plan = *s.plan;
   const size_t item = s.item_bytes;
   if (s.elements == 0 || item == 0) return "";
-  // At most 2^24 chunks a round (one Mark field): larger chunks for huge inputs.
-  const size_t per_chunk = std::max({size_t{1}, kChunkBytes / item, (s.elements >> kChunkBits) + 1});
+  const size_t per_chunk = PerChunk(s.elements, item);
   const size_t chunks = (s.elements + per_chunk - 1) / per_chunk;
   const size_t rank_chunk = per_chunk * item;  // bytes of one rank in an entry
   const uint64_t key = RingKey(plan.key);
@@ -212,6 +262,128 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
       std::this_thread::sleep_for(kStallPoll);
     }
   }
+  return consume_error;
+}
+
+std::string World::Pull(const StreamSpec& s, const StreamConsume& consume, bool* timed_out) {
+  const ExchangePlan& plan = *s.plan;
+  const size_t item = s.item_bytes;
+  if (s.elements == 0 || item == 0) return "";
+  const size_t per_chunk = PerChunk(s.elements, item);
+  const size_t chunks = (s.elements + per_chunk - 1) / per_chunk;
+  const size_t rank_chunk = per_chunk * item;
+  const uint64_t key = PullKey(plan.key);
+  const int64_t finished = Mark(s.seq, chunks);
+  std::string error;
+  SlotEntry* slot = shm_->Slot(key, plan.fingerprint, sizeof(uint64_t), &error);
+  if (!slot) return error;
+
+  struct Source {
+    std::shared_ptr<PeerLink> link;
+    const SlotEntry* slot = nullptr;  // where it says it finished reading, once it made it
+    size_t first = 0;                 // its first rank in `remote`
+    size_t ranks = 0;
+    std::string desc;
+  };
+  std::vector<Source> sources(plan.peers.size());
+  size_t remote_ranks = 0;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    sources[i].link = Peer(plan.peers[i]);
+    if (!sources[i].link || !sources[i].link->shm) {
+      return "process " + std::to_string(plan.peers[i]) + " is not linked through shared memory";
+    }
+    sources[i].first = remote_ranks;
+    sources[i].ranks = s.peer_ranks[i];
+    sources[i].desc = sources[i].link->Describe() + " with " + plan.peer_desc[i];
+    remote_ranks += s.peer_ranks[i];
+  }
+  if (s.remote_inputs.size() != remote_ranks) return "the peers' operand addresses did not arrive";
+
+  std::vector<char> bounce = TakeBounce(remote_ranks * rank_chunk);
+  std::vector<const char*> remote(remote_ranks), local(s.mine.size());
+  for (size_t k = 0; k < remote_ranks; ++k) remote[k] = bounce.data() + k * rank_chunk;
+  std::vector<iovec> here, there;
+  std::string consume_error;
+  for (size_t c = 0; c < chunks && error.empty(); ++c) {
+    const size_t lo = c * per_chunk, n = std::min(per_chunk, s.elements - lo);
+    const bool wanted = !s.read_here || s.read_here(lo, lo + n);
+    for (const Source& src : sources) {
+      here.clear();
+      there.clear();
+      size_t bytes = 0;
+      for (size_t k = src.first; wanted && k < src.first + src.ranks; ++k) {
+        if (!s.remote_read.empty() && !s.remote_read[k]) continue;  // the chunk is not read
+        here.push_back({bounce.data() + k * rank_chunk, n * item});
+        there.push_back({reinterpret_cast<void*>(s.remote_inputs[k] + lo * item), n * item});
+        bytes += n * item;
+      }
+      if (here.empty()) continue;
+      const ssize_t got = process_vm_readv(src.link->pid, here.data(), here.size(), there.data(), there.size(), 0);
+      if (got == static_cast<ssize_t>(bytes)) continue;
+      const int err = errno;
+      const std::string at = " (chunk " + std::to_string(c) + " of " + std::to_string(chunks) + ")";
+      if (std::string gone = ProcessGone(src.link->pid); !gone.empty()) {
+        error = src.desc + " failed: " + gone + " while this call read its operands from its memory" + at;
+      } else {
+        error = "reading the operands of " + src.desc + " from its memory (process_vm_readv)" + at + ": " +
+                (got < 0 ? std::strerror(err) : "short read");
+      }
+      break;
+    }
+    if (!error.empty()) break;
+    for (size_t r = 0; r < s.mine.size(); ++r) local[r] = s.mine[r] + lo * item;
+    // A kernel error still lets the round finish: the peers must not wait for it.
+    std::string e = consume(local, remote, lo, lo + n);
+    if (consume_error.empty()) consume_error = std::move(e);
+  }
+  GiveBounce(std::move(bounce));
+  // This process reads no more of the peers' inputs (also after an error: they must not
+  // wait for it); its own must stay as they are until every peer says the same.
+  slot->done.store(finished, std::memory_order_release);
+  PeerSpin spin(Block(), [&sources](int cpu) {
+    return std::any_of(sources.begin(), sources.end(), [cpu](const Source& src) { return SpinsOn(*src.link, cpu); });
+  });
+  const auto waiting_since = Clock::now();
+  auto next_check = waiting_since + kFirstLivenessCheck;
+  for (;;) {
+    bool all = true;
+    for (Source& src : sources) {
+      if (!src.slot) {
+        std::lock_guard<std::mutex> lock(src.link->mu);
+        src.slot = src.link->shm->Find(key);
+        if (src.slot && src.slot->fingerprint != plan.fingerprint) {
+          return src.desc + " runs a different collective at this call (op, dtype or shape differ); "
+                            "the processes run different programs";
+        }
+      }
+      all &= src.slot && src.slot->done.load(std::memory_order_acquire) >= finished;
+    }
+    if (all) break;
+    const auto now = Clock::now();
+    if (now >= next_check || now >= s.deadline) {
+      next_check = now + kLivenessPeriod;
+      std::ostringstream behind;
+      for (const Source& src : sources) {
+        if (src.slot && src.slot->done.load() >= finished) continue;
+        if (std::string gone = ProcessGone(src.link->pid); !gone.empty()) {
+          return src.desc + " failed: " + gone + " while it read this call's operands from this process's memory";
+        }
+        behind << (behind.tellp() > 0 ? "; " : "") << src.desc;
+      }
+      if (now >= s.deadline) {
+        *timed_out = true;
+        return "timed out (timeout_s / JAXCOMM_TIMEOUT_S) waiting for " + behind.str() +
+               " to finish reading this call's operands from this process's memory";
+      }
+    }
+    if (now - waiting_since < Registry::Get().spin()) {
+      spin.Step();
+    } else {
+      std::this_thread::sleep_for(kStallPoll);
+    }
+  }
+  if (!error.empty()) return error;
+  Registry::Get().single_copy_rounds.fetch_add(1, std::memory_order_relaxed);
   return consume_error;
 }
 

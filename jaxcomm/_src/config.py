@@ -92,3 +92,11 @@ def trace_entries() -> int:
 def nontemporal_bytes() -> int:
     """JAXCOMM_NONTEMPORAL_BYTES, validated."""
     return _count("JAXCOMM_NONTEMPORAL_BYTES", 4 << 20, "bytes")
+
+
+def single_copy() -> bool:
+    """JAXCOMM_SINGLE_COPY (0 or 1), validated."""
+    raw = os.environ.get("JAXCOMM_SINGLE_COPY", "1").strip() or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(f"JAXCOMM_SINGLE_COPY must be 0 or 1, got {raw!r}")
+    return raw == "1"

@@ -36,6 +36,7 @@ def target_name(op: str) -> str:
 def ensure_registered() -> None:
     """Registers every handler and the rendezvous state type with XLA:CPU."""
     config.nontemporal_bytes()  # a malformed value fails here, not silently in C++
+    config.single_copy()
     jax.devices("cpu")  # the FFI type registry lives in the CPU client
     jax.ffi.register_ffi_type("jaxcomm_instruction_state", _jaxcomm.state_type(), platform="cpu")
     for op, stages in _jaxcomm.cpu_targets().items():

@@ -163,6 +163,12 @@ def check_streamed(mesh, axes, tag):
     want = set() if not one_host or NPROC > os.cpu_count() else {
         "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute"}
     assert streamed == want, (tag, streamed, [(s.op, s.algorithm, s.bytes) for s in jaxcomm.stats()])
+    # Streams read the peers' operands straight from their memory wherever every
+    # process of the round may (and did not turn it off), else through the ring.
+    from jaxcomm import _jaxcomm
+    direct = _jaxcomm.single_copy() and all(_jaxcomm.transport_direct(p) for p in range(NPROC) if p != RANK)
+    assert (_jaxcomm.single_copy_rounds() > 0) == bool(want and direct), (
+        tag, _jaxcomm.single_copy_rounds(), direct)
     # Over TCP among three or more processes, the large all_reduces ran as a
     # reduce-scatter then an all-gather (ffi/core/scatter_gather.cc).
     scattered = {s.op for s in jaxcomm.stats() if s.algorithm == "tcp reduce-scatter+all-gather"}
