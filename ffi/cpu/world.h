@@ -112,6 +112,9 @@ class World : public CrossProcess {
   // Restarted process: true once readmitted (p's rounds renumbered) or failed (`error`).
   bool TryAdmission(Pending& p, std::string* error);
   void ReleaseRound(const ExchangePlan& plan, int64_t seq);
+  struct StreamPeer;
+  // The peers of stream `s`, or an error naming one not linked through shared memory.
+  std::string StreamPeers(const StreamSpec& s, std::vector<StreamPeer>* peers) const;
   // Stream's single-copy form (StreamSpec::pull), world_stream.cc.
   std::string Pull(const StreamSpec& spec, const StreamConsume& consume, bool* timed_out);
   // A buffer of `bytes` for the chunks Pull reads, kept from one round to the next (a

@@ -30,6 +30,16 @@ struct World::PeerLink {
   }
 };
 
+// A peer of a streamed round (world_stream.cc) as this process sees it.
+struct World::StreamPeer {
+  std::shared_ptr<PeerLink> link;
+  const SlotEntry* slot = nullptr;  // its slot for the round, once it made it
+  const char* data = nullptr;       // that slot's data (the ring), once mapped
+  size_t first = 0;                 // its first rank among the round's remote ranks
+  size_t ranks = 0;
+  std::string desc;                 // the process, with its ranks
+};
+
 struct World::Pending {
   ExchangeSpec spec;
   ExchangeDone done;

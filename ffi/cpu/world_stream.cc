@@ -83,6 +83,24 @@ bool World::CanReadDirectly(const std::vector<int64_t>& peers) const {
          std::all_of(peers.begin(), peers.end(), [this](int64_t q) { return ReadsDirectly(q); });
 }
 
+std::string World::StreamPeers(const StreamSpec& s, std::vector<StreamPeer>* peers) const {
+  const ExchangePlan& plan = *s.plan;
+  peers->assign(plan.peers.size(), StreamPeer{});
+  size_t first = 0;
+  for (size_t i = 0; i < plan.peers.size(); ++i) {
+    StreamPeer& p = (*peers)[i];
+    p.link = Peer(plan.peers[i]);
+    if (!p.link || !p.link->shm) {
+      return "process " + std::to_string(plan.peers[i]) + " is not linked through shared memory";
+    }
+    p.first = first;
+    p.ranks = s.peer_ranks[i];
+    p.desc = p.link->Describe() + " with " + plan.peer_desc[i];
+    first += p.ranks;
+  }
+  return "";
+}
+
 bool World::ReadsDirectly(int64_t p) const {
   auto link = Peer(p);
   return link && link->shm && link->direct;
@@ -124,37 +142,23 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
   if (!slot) return error;
   char* const ring = shm_->Data(*slot);
 
-  struct Source {
-    std::shared_ptr<PeerLink> link;
-    const SlotEntry* slot = nullptr;  // its ring, once it created it
-    const char* ring = nullptr;
-    size_t entry = 0;
-    std::string desc;
-  };
-  std::vector<Source> sources(plan.peers.size());
-  size_t remote_ranks = 0;
-  for (size_t i = 0; i < sources.size(); ++i) {
-    sources[i].link = Peer(plan.peers[i]);
-    if (!sources[i].link || !sources[i].link->shm) {
-      return "process " + std::to_string(plan.peers[i]) + " is not linked through shared memory";
-    }
-    sources[i].entry = s.peer_ranks[i] * rank_chunk;
-    sources[i].desc = sources[i].link->Describe() + " with " + plan.peer_desc[i];
-    remote_ranks += s.peer_ranks[i];
-  }
+  using Source = StreamPeer;  // its slot: its ring, once it created it
+  std::vector<Source> sources;
+  if (std::string e = StreamPeers(s, &sources); !e.empty()) return e;
+  const size_t remote_ranks = sources.empty() ? 0 : sources.back().first + sources.back().ranks;
   // Finds a peer's ring (it makes it when its first round starts); false while absent.
   auto resolve = [&](Source& src) -> bool {
     if (src.slot) return true;
     std::lock_guard<std::mutex> lock(src.link->mu);
     const SlotEntry* e = src.link->shm->Find(key);
     if (!e) return false;
-    if (e->fingerprint != plan.fingerprint || e->bytes != kRingChunks / 2 * src.entry) {
+    if (e->fingerprint != plan.fingerprint || e->bytes != kRingChunks / 2 * src.ranks * rank_chunk) {
       error = src.desc + " runs a different collective at this call (op, dtype or shape differ); "
                          "the processes run different programs";
       return false;
     }
-    src.ring = src.link->shm->Data(*e, &error);
-    if (!src.ring) {
+    src.data = src.link->shm->Data(*e, &error);
+    if (!src.data) {
       error = "reading the shared memory of " + src.desc + ": " + error;
       return false;
     }
@@ -212,8 +216,8 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
       if (ready) {
         size_t k = 0;
         for (const Source& src : sources) {
-          const char* entry = src.ring + (got % kRingChunks) * src.entry;
-          for (size_t r = 0; r < src.entry / rank_chunk; ++r) remote[k++] = entry + r * rank_chunk;
+          const char* entry = src.data + (got % kRingChunks) * src.ranks * rank_chunk;
+          for (size_t r = 0; r < src.ranks; ++r) remote[k++] = entry + r * rank_chunk;
         }
         const size_t lo = got * per_chunk;
         // This process's own chunk is read from its ring entry, in the cache, unless it
@@ -278,25 +282,10 @@ std::string World::Pull(const StreamSpec& s, const StreamConsume& consume, bool*
   SlotEntry* slot = shm_->Slot(key, plan.fingerprint, sizeof(uint64_t), &error);
   if (!slot) return error;
 
-  struct Source {
-    std::shared_ptr<PeerLink> link;
-    const SlotEntry* slot = nullptr;  // where it says it finished reading, once it made it
-    size_t first = 0;                 // its first rank in `remote`
-    size_t ranks = 0;
-    std::string desc;
-  };
-  std::vector<Source> sources(plan.peers.size());
-  size_t remote_ranks = 0;
-  for (size_t i = 0; i < sources.size(); ++i) {
-    sources[i].link = Peer(plan.peers[i]);
-    if (!sources[i].link || !sources[i].link->shm) {
-      return "process " + std::to_string(plan.peers[i]) + " is not linked through shared memory";
-    }
-    sources[i].first = remote_ranks;
-    sources[i].ranks = s.peer_ranks[i];
-    sources[i].desc = sources[i].link->Describe() + " with " + plan.peer_desc[i];
-    remote_ranks += s.peer_ranks[i];
-  }
+  using Source = StreamPeer;  // its slot: where it says it finished reading, once it made it
+  std::vector<Source> sources;
+  if (std::string e = StreamPeers(s, &sources); !e.empty()) return e;
+  const size_t remote_ranks = sources.empty() ? 0 : sources.back().first + sources.back().ranks;
   if (s.remote_inputs.size() != remote_ranks) return "the peers' operand addresses did not arrive";
 
   std::vector<char> bounce = TakeBounce(remote_ranks * rank_chunk);
