@@ -187,7 +187,8 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
       uint64_t magic = 0;
       iovec here{&magic, sizeof(magic)};
       iovec there{reinterpret_cast<void*>(theirs.self_address), sizeof(magic)};
-      link->direct = process_vm_readv(peer.pid, &here, 1, &there, 1, 0) == sizeof(magic) && magic == theirs.magic;
+      link->direct = process_vm_readv(peer.pid, &here, 1, &there, 1, 0) == static_cast<ssize_t>(sizeof(magic)) &&
+                     magic == theirs.magic;
     }
   } else if (process_ < process || rejoining) {
     int fd = TcpLink::Connect(host, peer.port, process_, deadline, &error);

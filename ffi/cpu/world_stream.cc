@@ -355,7 +355,9 @@ std::string World::Pull(const StreamSpec& s, const StreamConsume& consume, bool*
       for (const Source& src : sources) {
         if (src.slot && src.slot->done.load() >= finished) continue;
         if (std::string gone = ProcessGone(src.link->pid); !gone.empty()) {
-          return src.desc + " failed: " + gone + " while it read this call's operands from this process's memory";
+          return !error.empty() ? error
+                                : src.desc + " failed: " + gone +
+                                      " while it read this call's operands from this process's memory";
         }
         behind << (behind.tellp() > 0 ? "; " : "") << src.desc;
       }
