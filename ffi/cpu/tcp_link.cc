@@ -257,6 +257,11 @@ std::string TcpLink::Send(uint64_t key, int64_t seq, uint64_t fingerprint,
     ssize_t w = sendmsg(fd_, &msg, MSG_NOSIGNAL);
     if (w < 0) {
       if (errno == EINTR) continue;
+      if (errno == EPIPE || errno == ECONNRESET) {
+        // The same as a receive that finds the stream closed: which one notices first is
+        // a race, and the message should not depend on it.
+        return "connection closed by the peer (its process exited?; " + Errno("send") + ")";
+      }
       if (errno != EAGAIN && errno != EWOULDBLOCK) return Errno("send");
       if (Clock::now() >= deadline) return "timed out sending (the peer does not read)";
       WaitFd(fd_, POLLOUT, std::min(deadline, Clock::now() + std::chrono::milliseconds(200)));
