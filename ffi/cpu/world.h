@@ -32,6 +32,8 @@
 
 namespace jaxcomm::cpu {
 
+class PeerSpin;  // world_internal.h
+
 struct Endpoint {
   int pid = 0;
   int control_fd = -1;  // -1: no shared memory (TCP only)
@@ -115,6 +117,8 @@ class World : public CrossProcess {
   struct StreamPeer;
   // The peers of stream `s`, or an error naming one not linked through shared memory.
   std::string StreamPeers(const StreamSpec& s, std::vector<StreamPeer>* peers) const;
+  // A wait for `peers` (kept alive by the caller) that moves off a core one of them spins on.
+  PeerSpin SpinFor(const std::vector<StreamPeer>& peers) const;
   // Stream's single-copy form (StreamSpec::pull), world_stream.cc.
   std::string Pull(const StreamSpec& spec, const StreamConsume& consume, bool* timed_out);
   // A buffer of `bytes` for the chunks Pull reads, kept from one round to the next (a

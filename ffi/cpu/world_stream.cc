@@ -58,6 +58,23 @@ uint64_t PullKey(uint64_t key) {
   return k == 0 ? 1 : k;
 }
 
+// What a process says of a peer whose slot for the call does not match its own.
+std::string RunsAnotherProgram(const std::string& desc) {
+  return desc + " runs a different collective at this call (op, dtype or shape differ); "
+                "the processes run different programs";
+}
+
+// One step of a wait for peers that have been quiet since `since`: spinning while they
+// keep up; a peer that stalls (descheduled, paging) is then polled with short sleeps
+// instead of burning this core.
+void WaitStep(PeerSpin& spin, Clock::time_point since) {
+  if (Clock::now() - since < Registry::Get().spin()) {
+    spin.Step();
+  } else {
+    std::this_thread::sleep_for(kStallPoll);
+  }
+}
+
 // Chunks of a round: per_chunk elements each (at most 2^24 chunks, one Mark field).
 size_t PerChunk(size_t elements, size_t item) {
   return std::max({size_t{1}, kChunkBytes / item, (elements >> kChunkBits) + 1});
@@ -99,6 +116,12 @@ std::string World::StreamPeers(const StreamSpec& s, std::vector<StreamPeer>* pee
     first += p.ranks;
   }
   return "";
+}
+
+PeerSpin World::SpinFor(const std::vector<StreamPeer>& peers) const {
+  return PeerSpin(Block(), [&peers](int cpu) {
+    return std::any_of(peers.begin(), peers.end(), [cpu](const StreamPeer& p) { return SpinsOn(*p.link, cpu); });
+  });
 }
 
 bool World::ReadsDirectly(int64_t p) const {
@@ -153,8 +176,7 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
     const SlotEntry* e = src.link->shm->Find(key);
     if (!e) return false;
     if (e->fingerprint != plan.fingerprint || e->bytes != kRingChunks / 2 * src.ranks * rank_chunk) {
-      error = src.desc + " runs a different collective at this call (op, dtype or shape differ); "
-                         "the processes run different programs";
+      error = RunsAnotherProgram(src.desc);
       return false;
     }
     src.data = src.link->shm->Data(*e, &error);
@@ -171,9 +193,7 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
   std::vector<bool> copied(chunks, false);
   std::string consume_error;
   size_t sent = 0, got = 0;
-  PeerSpin spin(Block(), [&sources](int cpu) {
-    return std::any_of(sources.begin(), sources.end(), [cpu](const Source& src) { return SpinsOn(*src.link, cpu); });
-  });
+  PeerSpin spin = SpinFor(sources);
   auto next_check = Clock::now() + kFirstLivenessCheck;
   auto last_moved = Clock::now();
   while (sent < chunks || got < chunks) {
@@ -258,13 +278,7 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
                behind.str();
       }
     }
-    // Spin while the peers keep up; a peer that stalls (descheduled, paging) is then
-    // polled with short sleeps instead of burning this core.
-    if (now - last_moved < Registry::Get().spin()) {
-      spin.Step();
-    } else {
-      std::this_thread::sleep_for(kStallPoll);
-    }
+    WaitStep(spin, last_moved);
   }
   return consume_error;
 }
@@ -329,9 +343,7 @@ std::string World::Pull(const StreamSpec& s, const StreamConsume& consume, bool*
   // This process reads no more of the peers' inputs (also after an error: they must not
   // wait for it); its own must stay as they are until every peer says the same.
   slot->done.store(finished, std::memory_order_release);
-  PeerSpin spin(Block(), [&sources](int cpu) {
-    return std::any_of(sources.begin(), sources.end(), [cpu](const Source& src) { return SpinsOn(*src.link, cpu); });
-  });
+  PeerSpin spin = SpinFor(sources);
   const auto waiting_since = Clock::now();
   auto next_check = waiting_since + kFirstLivenessCheck;
   for (;;) {
@@ -341,8 +353,7 @@ std::string World::Pull(const StreamSpec& s, const StreamConsume& consume, bool*
         std::lock_guard<std::mutex> lock(src.link->mu);
         src.slot = src.link->shm->Find(key);
         if (src.slot && src.slot->fingerprint != plan.fingerprint) {
-          return src.desc + " runs a different collective at this call (op, dtype or shape differ); "
-                            "the processes run different programs";
+          return RunsAnotherProgram(src.desc);
         }
       }
       all &= src.slot && src.slot->done.load(std::memory_order_acquire) >= finished;
@@ -367,11 +378,7 @@ std::string World::Pull(const StreamSpec& s, const StreamConsume& consume, bool*
                " to finish reading this call's operands from this process's memory";
       }
     }
-    if (now - waiting_since < Registry::Get().spin()) {
-      spin.Step();
-    } else {
-      std::this_thread::sleep_for(kStallPoll);
-    }
+    WaitStep(spin, waiting_since);
   }
   if (!error.empty()) return error;
   Registry::Get().single_copy_rounds.fetch_add(1, std::memory_order_relaxed);
