@@ -147,6 +147,8 @@ NB_MODULE(_jaxcomm, m) {
         "Whether this process may read peer `process`'s memory directly (probed when linked).");
   m.def("single_copy_rounds", [] { return jaxcomm::Registry::Get().single_copy_rounds.load(); },
         "Streamed rounds that read the peers' operands straight from their memory (JAXCOMM_SINGLE_COPY).");
+  m.def("inline_rounds", [] { return jaxcomm::Registry::Get().inline_rounds.load(); },
+        "Cross-process rounds a device thread completed inline, without a hand-off (JAXCOMM_INLINE).");
   m.def("nontemporal_bytes", [] { return jaxcomm::Registry::Get().nontemporal_bytes(); },
         "Results of at least this many bytes are written with non-temporal stores (0: never).");
   m.def("set_nontemporal_bytes", [](int64_t bytes) { jaxcomm::Registry::Get().set_nontemporal_bytes(bytes); },

@@ -123,11 +123,11 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   call.work_bytes = work_bytes;
   call.split_by_rank = options.split_by_rank;
   call.tolerant = options.tolerant;
-  if (options.range) call.range = std::make_shared<const RangeFn>(std::move(options.range));
-  if (options.combine) call.combine = std::make_shared<const CombineFn>(std::move(options.combine));
+  call.range = std::move(options.range);
+  call.combine = std::move(options.combine);
   call.combine_partials = options.combine_partials;
-  if (options.needs) call.needs = std::make_shared<const NeedsFn>(std::move(options.needs));
-  if (options.reads) call.reads = std::make_shared<const ReadsFn>(std::move(options.reads));
+  call.needs = std::move(options.needs);
+  call.reads = std::move(options.reads);
   call.point_to_point = options.point_to_point;
   // Injected faults first (a delayed rank arrives late, a hung one never joins),
   // then this call's flight recorder entry.
@@ -144,7 +144,7 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
                                   call.ctx.rank,
                                   call.run_id, mine.dtype, mine.elements, static_cast<int64_t>(mine.in_bytes));
   }
-  return c.state->table->Arrive(call, std::make_shared<const WorkFn>(std::move(work)));
+  return c.state->table->Arrive(call, std::move(work));
 }
 
 }  // namespace jaxcomm::cpu

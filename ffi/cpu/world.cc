@@ -274,6 +274,7 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
   const auto& peers = p->spec.plan->peers;
   p->blobs.assign(peers.size(), nullptr);
   p->left_out.assign(peers.size(), false);
+  p->published = p->spec.published;
   // Peers usually arrive within microseconds: checking their health (syscalls and a
   // /proc read) before then would cost more than the whole exchange. A dead peer is
   // still noticed within milliseconds, then every kLivenessPeriod.
@@ -338,6 +339,117 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
     pending_.push_back(std::move(p));
   }
   Wake();
+}
+
+// An inline exchange (core/cross_process.h) over shared memory: the slot protocol of
+// Advance, with every lookup done once when it is opened (this process's slot, the
+// peers' links), the peers' slots and data found on first use, and the wait a spin of
+// the calling thread. It never fails a round: whatever is not plainly the peers'
+// contributions arriving (a mismatch, a dead peer, a deadline) is left to Exchange.
+class World::ShmInline final : public InlineExchange {
+ public:
+  ShmInline(World& world, std::shared_ptr<const ExchangePlan> plan, SlotEntry* slot, char* data,
+            std::vector<std::shared_ptr<PeerLink>> links)
+      : world_(world), plan_(std::move(plan)), slot_(slot), data_(data), links_(std::move(links)),
+        theirs_(links_.size()), their_data_(links_.size()) {}
+
+  Status Run(int64_t seq, const std::vector<std::pair<const void*, size_t>>& mine, Clock::time_point until,
+             std::vector<const char*>& theirs) override {
+    if (world_.ever_excluded_.load(std::memory_order_relaxed)) return Status::kNotYet;
+    const size_t n = links_.size();
+    PeerSpin spin(world_.Block(), [this](int cpu) { return AnySpinsOn(links_, cpu); });
+    int steps = 0;
+    // Each check of the clock costs about as much as a look at the peers' flags.
+    const auto expired = [&steps, until] { return (++steps & 31) == 0 && Clock::now() >= until; };
+    // The buffer of round seq - 2 is reused: every peer must have read that round.
+    if (seq > 2) {
+      for (size_t i = 0; i < n; ++i) {
+        while (true) {
+          const SlotEntry* t = Theirs(i);
+          if (t != nullptr && t->done.load(std::memory_order_acquire) >= seq - 2) break;
+          if (expired()) return Status::kNotYet;
+          spin.Step();
+        }
+      }
+    }
+    const uint64_t bytes = slot_->bytes;
+    char* dst = data_ + Parity(seq) * bytes;
+    for (const auto& [ptr, size] : mine) {
+      if (size > 0) std::memcpy(dst, ptr, size);
+      dst += size;
+    }
+    slot_->published.store(seq, std::memory_order_release);
+    for (const auto& link : links_) Ring(link->shm->block().bell);
+    theirs.assign(n, nullptr);
+    size_t arrived = 0;
+    while (true) {
+      for (size_t i = 0; i < n; ++i) {
+        if (theirs[i] != nullptr) continue;
+        const SlotEntry* t = Theirs(i);
+        if (t == nullptr || t->published.load(std::memory_order_acquire) < seq) continue;
+        // Another program, or a restarted peer: Exchange names the mismatch.
+        if (t->fingerprint != plan_->fingerprint || t->bytes != plan_->peer_bytes[i]) return Status::kPublished;
+        const char* data = TheirData(i, *t);
+        if (data == nullptr) return Status::kPublished;
+        theirs[i] = data + Parity(seq) * t->bytes;
+        ++arrived;
+      }
+      if (arrived == n) return Status::kDone;
+      if (expired()) return Status::kPublished;
+      spin.Step();
+    }
+  }
+
+  void Release(int64_t seq) override {
+    slot_->done.store(seq, std::memory_order_release);
+    // A peer whose round waits on its progress thread may wait for this.
+    for (const auto& link : links_) Ring(link->shm->block().bell);
+  }
+
+ private:
+  // Peer i's slot of this exchange, once it made it (slots never move).
+  const SlotEntry* Theirs(size_t i) {
+    const SlotEntry* t = theirs_[i].load(std::memory_order_acquire);
+    if (t != nullptr) return t;
+    PeerLink& link = *links_[i];
+    std::lock_guard<std::mutex> lock(link.mu);
+    t = link.shm->Find(plan_->key);
+    if (t != nullptr) theirs_[i].store(t, std::memory_order_release);
+    return t;
+  }
+  // Where peer i's slot's data is mapped here (mapped on first use).
+  const char* TheirData(size_t i, const SlotEntry& t) {
+    const char* d = their_data_[i].load(std::memory_order_acquire);
+    if (d != nullptr) return d;
+    PeerLink& link = *links_[i];
+    std::lock_guard<std::mutex> lock(link.mu);
+    std::string error;
+    d = link.shm->Data(t, &error);
+    if (d != nullptr) their_data_[i].store(d, std::memory_order_release);
+    return d;
+  }
+
+  World& world_;
+  const std::shared_ptr<const ExchangePlan> plan_;
+  SlotEntry* const slot_;
+  char* const data_;
+  const std::vector<std::shared_ptr<PeerLink>> links_;
+  std::vector<std::atomic<const SlotEntry*>> theirs_;
+  std::vector<std::atomic<const char*>> their_data_;
+};
+
+std::unique_ptr<InlineExchange> World::OpenInline(std::shared_ptr<const ExchangePlan> plan, size_t my_bytes) {
+  if (!shm_ || plan->agreement || plan->arrival || plan->peers.empty()) return nullptr;
+  std::vector<std::shared_ptr<PeerLink>> links;
+  for (int64_t q : plan->peers) {
+    auto link = Peer(q);
+    if (!link || !link->shm) return nullptr;
+    links.push_back(std::move(link));
+  }
+  std::string error;
+  SlotEntry* slot = shm_->Slot(plan->key, plan->fingerprint, my_bytes, &error);
+  if (slot == nullptr) return nullptr;  // the first Exchange reports why
+  return std::make_unique<ShmInline>(*this, std::move(plan), slot, shm_->Data(*slot), std::move(links));
 }
 
 bool World::Advance(Pending& p) {

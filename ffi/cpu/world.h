@@ -82,10 +82,12 @@ class World : public CrossProcess {
   std::string Rejoin(uint64_t generation);
   std::string LinkKind(int64_t p) const override;
   std::string HostOf(int64_t p) const override;
+  std::unique_ptr<InlineExchange> OpenInline(std::shared_ptr<const ExchangePlan> plan, size_t my_bytes) override;
 
  private:
   struct PeerLink;
   struct Pending;
+  class ShmInline;  // OpenInline's exchanges
 
   std::shared_ptr<PeerLink> Peer(int64_t process) const;
   // Whether `link`'s process shows a thread spinning on core `cpu` (PeerSpin); any of
@@ -141,6 +143,9 @@ class World : public CrossProcess {
   std::unique_ptr<TcpListener> listener_;
   std::map<int64_t, std::shared_ptr<PeerLink>> peers_;
   std::set<int64_t> excluded_;
+  // Some process was ever left out (excluded_ not empty once): inline exchanges then
+  // defer to Exchange, which knows what to do about it.
+  std::atomic<bool> ever_excluded_{false};
   std::map<int64_t, uint64_t> seen_join_;      // survivors: newest request seen, per process
   std::map<int64_t, std::shared_ptr<PeerLink>> joiners_;  // survivors: TCP links of restarted processes
   std::map<int64_t, uint64_t> admitted_join_;  // survivors: request readmitted, per process
