@@ -99,7 +99,7 @@ def test_help_lists_every_option():
     proc = _run("--processes", "2", "--help", timeout=60)
     assert proc.returncode == 0, proc.stderr
     for option in ("--processes", "--devices", "--hosts", "--ops", "--sizes", "--latency",
-                   "--lengths", "--rounds", "--warmup", "--bind", "--no-mpi4jax", "--dtype",
+                   "--lengths", "--rounds", "--warmup", "--bind", "--no-mpi4jax", "--no-gloo", "--dtype",
                    "--timeout", "--hugetlb", "--json", "--no-check", "--no-progress", "--grace"):
         assert option in proc.stdout, option
     assert "--worker" not in proc.stdout and "--emit-json" not in proc.stdout

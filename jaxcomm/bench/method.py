@@ -71,11 +71,15 @@ class Fit:
 
 
 def fit(samples_us: Mapping[int, Sequence[float]]) -> Fit:
-    """Least-squares ``a + b * n`` through the median of each length's samples.
+    """``a + b * n`` through the median of each length's samples.
 
     ``samples_us``: per loop length n, the call times (us) of the rounds. The medians
     are fitted, not the samples, so a round disturbed by the machine does not pull the
-    line. With one length, ``b`` is that median / n and ``a`` is 0.
+    line. ``b`` is the least-squares slope through the medians, which the longest loops
+    decide; ``a`` is the shortest loop's median less its collectives (``t(n_min) - b *
+    n_min``), not the line's intercept: the intercept carries the longest loop's noise,
+    hundreds of times the fixed cost on a busy machine. With one length, ``b`` is that
+    median / n and ``a`` is 0.
 
     >>> f = fit({1: [12.0, 11.0, 40.0], 10: [30.0, 29.0, 31.0], 100: [210.0]})
     >>> round(f.per_collective_us, 3), round(f.per_call_us, 3)
@@ -89,9 +93,9 @@ def fit(samples_us: Mapping[int, Sequence[float]]) -> Fit:
         return Fit(0.0, t / n, medians)
     xs, ys = list(medians), list(medians.values())
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return Fit(my - b * mx, b, medians)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    shortest = min(medians)
+    return Fit(medians[shortest] - b * shortest, b, medians)
 
 
 def load_average() -> str:

@@ -226,7 +226,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def _sides(args: argparse.Namespace) -> list[str]:
-    sides = ["jaxcomm", "gloo"]
+    sides = ["jaxcomm"] + (["gloo"] if args.gloo else [])
     if args.launcher == "mpi":
         sides.append("mpi4jax")
     sides.append("plain")
@@ -321,10 +321,15 @@ def _measure(op: str, nbytes: int, count: int, elems: int, local: Any, sides: li
             samples[m] = [(max(t1 for _, t1 in call) - max(t0 for t0, _ in call)) * 1e6
                           for call in zip(*series)]
         f = method.fit(samples)
+        # The same line through each length's fastest call: what the side does when the
+        # machine leaves it alone (on a loaded machine the medians show the load too).
+        best = method.fit({m: [min(ts)] for m, ts in samples.items() if ts})
         rec["sides"][side] = {"per_call_us": f.per_call_us, "per_collective_us": f.per_collective_us,
-                              "medians_us": {str(m): t for m, t in f.medians_us.items()}}
+                              "medians_us": {str(m): t for m, t in f.medians_us.items()},
+                              "fastest_us": {str(m): t for m, t in best.medians_us.items()}}
         rec[f"{side}_per_call_us"] = f.per_call_us
         rec[f"{side}_per_collective_us"] = f.per_collective_us
+        rec[f"{side}_best_per_collective_us"] = best.per_collective_us
     rec["error"] = "; ".join(errors) or None
     rec["load"] = method.load_average()
     return rec
@@ -398,12 +403,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not compare with mpi4jax (compared when mpirun, mpi4py and "
                         "mpi4jax are installed, with --devices 1 and --hosts 1; the job is "
                         "then started by mpirun)")
+    p.add_argument("--no-gloo", dest="gloo", action="store_false",
+                   help="do not compare with jax.lax's collectives (gloo: 0.1-5 ms each, "
+                        "the longest part of a run with loops of 1000)")
     p.add_argument("--dtype", default="float32", help="element type (default %(default)s)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="jaxcomm's deadline per call (default %(default)s)")
     p.add_argument("--hugetlb", choices=("off", "on"), default="off",
                    help="run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (default %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write the records as a JSON list")
+    p.add_argument("--show", metavar="FILE",
+                   help="print the tables of a run saved with --json (measures nothing)")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="do not compare the peers' results with jaxcomm's")
     p.add_argument("--no-progress", dest="progress", action="store_false",
@@ -473,7 +483,8 @@ def format_table(records: Sequence[dict[str, Any]], how: str, load: str) -> str:
     head = ["size", "lengths", "jaxcomm"]
     for p in peers:
         head += [p, f"{p}/jaxcomm"]
-    head += ["|"] + [f"{s} /call" for s in sides] + ["ok"]
+    head += ["|"] + [f"{s} /call" for s in sides] + ["|", "fastest:"] + \
+        [f"{p}/jaxcomm" for p in peers] + ["ok"]
     rows = []
     for r in records:
         row = [common.format_bytes(r["bytes"]), ",".join(map(str, r["lengths"])),
@@ -481,7 +492,9 @@ def format_table(records: Sequence[dict[str, Any]], how: str, load: str) -> str:
         for p in peers:
             row += [_fmt(r.get(f"{p}_per_collective_us")),
                     _fmt(method.ratio(r.get(f"{p}_per_collective_us"), r.get("jaxcomm_per_collective_us")))]
-        row += ["|"] + [_fmt(r.get(f"{s}_per_call_us"), ".1f") for s in sides]
+        row += ["|"] + [_fmt(r.get(f"{s}_per_call_us"), ".1f") for s in sides] + ["|", ""]
+        row += [_fmt(method.ratio(r.get(f"{p}_best_per_collective_us"), r.get("jaxcomm_best_per_collective_us")))
+                for p in peers]
         row.append("ERR" if r["error"] else ("NO" if False in r["match"].values() else "yes"))
         rows.append(row)
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
@@ -489,8 +502,9 @@ def format_table(records: Sequence[dict[str, Any]], how: str, load: str) -> str:
     lines = [f"# {first['op']}: {procs} processes x {devs} device{'s' if devs > 1 else ''}, "
              f"{first['dtype']}; {PLACEMENTS.get(first['bind'], first['bind'])} ({how}); "
              f"load average {load}",
-             "# us per collective (b of a + b*n; ratio = peer / jaxcomm, above 1: jaxcomm "
-             "faster), then us per call (a)",
+             "# us per collective (b of a + b*n through the median call of each loop length; "
+             "ratio = peer / jaxcomm, above 1: jaxcomm faster), us per call (a), and the "
+             "ratios of b through each length's fastest call",
              "  ".join(h.rjust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines += [f"#   {common.format_bytes(r['bytes'])}: {r['error']}" for r in records if r["error"]]
@@ -515,6 +529,34 @@ def summary_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def print_report(records: Sequence[dict[str, Any]]) -> None:
+    """The tables (one per placement and op) and each placement's summary lines."""
+    for bind in dict.fromkeys(r["bind"] for r in records):
+        mine = [r for r in records if r["bind"] == bind]
+        for op in dict.fromkeys(r["op"] for r in mine):
+            rows = [r for r in mine if r["op"] == op]
+            print(format_table(rows, rows[0].get("started_by", "?"), rows[0].get("load_after", "?")) + "\n",
+                  flush=True)
+        for line in summary_lines(mine):
+            print(f"# [{bind}] {line}")
+
+
+def refit(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records with every side's a and b fitted again from their saved medians
+    (:func:`jaxcomm.bench.method.fit`): a saved run re-read by ``--show``."""
+    out = []
+    for r in records:
+        r = dict(r)
+        for side, fig in r["sides"].items():
+            f = method.fit({int(m): [t] for m, t in fig["medians_us"].items()})
+            r[f"{side}_per_call_us"], r[f"{side}_per_collective_us"] = f.per_call_us, f.per_collective_us
+            if "fastest_us" in fig:
+                best = method.fit({int(m): [t] for m, t in fig["fastest_us"].items()})
+                r[f"{side}_best_per_collective_us"] = best.per_collective_us
+        out.append(r)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m jaxcomm.bench --processes N ...``; the exit status.
 
@@ -526,6 +568,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.show:
+        with open(args.show) as f:
+            print_report(refit(json.load(f)))
+        return 0
     if args.processes < 1 or args.devices < 1:
         parser.error(f"need --processes >= 1 and --devices >= 1, got {args.processes} and "
                      f"{args.devices}")
@@ -556,10 +602,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         records, ok, how = _run_job(argv, args, launcher, bind)
         failed |= not ok
         load = method.load_average()
-        for op in dict.fromkeys(r["op"] for r in records):
-            print(format_table([r for r in records if r["op"] == op], how, load) + "\n", flush=True)
-        for line in summary_lines(records):
-            print(f"# [{bind}] {line}")
+        for r in records:
+            r.update(started_by=how, load_after=load)
+        print_report(records)
         all_records.extend(records)
     if args.json:
         with open(args.json, "w") as f:
