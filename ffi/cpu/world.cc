@@ -717,6 +717,13 @@ void World::Progress() {
       continue;
     }
     spin.Stop();
+    if (bell && !mine.empty() && bell->awaiting_peers.load(std::memory_order_relaxed) == 0) {
+      // Peers ring only a process that awaits them (Ring): say so, then look once more,
+      // for what they published before they could see it.
+      bell->awaiting_peers.store(1, std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      continue;
+    }
     // Sleep until woken: a peer published or released a round (doorbell), a new
     // exchange or TCP frame arrived (Wake), or the nap ends. Never unbounded.
     const auto limit = mine.empty() ? kIdleNap : kMaxNap;
