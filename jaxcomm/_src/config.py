@@ -15,6 +15,10 @@ JAXCOMM_NONTEMPORAL_BYTES  4194304    results of at least this many bytes (per r
                                       with non-temporal stores, which bypass the caches: a
                                       large result is not read from memory before it is
                                       written; ``0``: never; read at start (C++ runtime)
+JAXCOMM_INLINE             1          a cross-process call whose group has one rank per process,
+                                      all on one host, runs on its device thread (no hand-off)
+                                      from its second round; ``0``: never; read at start (C++
+                                      runtime)
 JAXCOMM_TRANSPORT          auto       between processes: ``auto``: shared memory on one host, TCP
                                       across hosts; ``tcp``: TCP everywhere
 JAXCOMM_TRACE_ENTRIES      2048       flight recorder: calls kept per rank (partition); ``0`` turns
