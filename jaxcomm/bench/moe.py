@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -46,7 +47,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5,
                    help="timed iterations of each side, in two alternating blocks (median reported)")
     p.add_argument("--skip-layer", action="store_true", help="leave out the MoE layer step")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the routing and the data (default 0)")
     return p.parse_args(argv)
 
 
@@ -276,3 +277,7 @@ def _layer_step(args: argparse.Namespace, mesh: Any, xs: Any, base_plan: Callabl
     info = (f"MoE layer step: F={F}; jaxcomm dispatch_padded slabs of {slab} rows per expert; "
             f"baseline slabs of R*cap = {R * cap} rows per expert")
     return times, info
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
