@@ -234,7 +234,7 @@ void RoundTable::Tombstone(const Key& key, int64_t execution) {
   }
 }
 
-ffi::Future RoundTable::Arrive(const CollectiveCall& call, WorkFn work_fn) {
+CallResult RoundTable::Arrive(const CollectiveCall& call, WorkFn work_fn) {
   const int64_t g = call.ctx.group_index;
   if (InlineExchange* exchange = inline_[g].load(std::memory_order_acquire)) {
     return ArriveInline(*exchange, call, work_fn);
@@ -353,16 +353,9 @@ bool InlineCandidate(const Round& round, size_t local, const Peer& shape, bool s
   return bytes <= kInlineBytes;
 }
 
-ffi::Future Available() {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  promise.SetAvailable();
-  return future;
-}
-
 }  // namespace
 
-ffi::Future RoundTable::ArriveInline(InlineExchange& exchange, const CollectiveCall& call, WorkFn& work) {
+CallResult RoundTable::ArriveInline(InlineExchange& exchange, const CollectiveCall& call, WorkFn& work) {
   const int64_t g = call.ctx.group_index;
   const int rank = call.ctx.rank;
   const int64_t execution = executions_[g].fetch_add(1, std::memory_order_relaxed) + 1;
@@ -371,9 +364,13 @@ ffi::Future RoundTable::ArriveInline(InlineExchange& exchange, const CollectiveC
   // Set before inline_ was published, read-only since.
   const Layout& layout = layouts_[g];
   // Per thread, reused: a call allocates nothing here.
-  thread_local std::vector<std::pair<const void*, size_t>> mine;
-  thread_local std::vector<const char*> theirs;
-  thread_local std::vector<Peer> peers;
+  struct Scratch {
+    std::vector<std::pair<const void*, size_t>> mine;
+    std::vector<const char*> theirs;
+    std::vector<Peer> peers;
+  };
+  thread_local Scratch scratch;
+  auto& [mine, theirs, peers] = scratch;
   mine.clear();
   AppendOperands(call.mine, {0, static_cast<size_t>(layout.shape.elements)}, mine);
   const auto now = Clock::now();
@@ -402,7 +399,7 @@ ffi::Future RoundTable::ArriveInline(InlineExchange& exchange, const CollectiveC
   registry.recorder().Finish(peers, error, false);
   (error.empty() ? registry.rounds_completed : registry.rounds_failed).fetch_add(1, std::memory_order_relaxed);
   registry.inline_rounds.fetch_add(1, std::memory_order_relaxed);
-  if (error.empty()) return Available();
+  if (error.empty()) return CallResult::Done();
   CallContext ctx = call.ctx;
   ctx.execution = execution;
   ffi::Promise promise;
