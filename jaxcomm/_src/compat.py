@@ -7,14 +7,25 @@ so a jax upgrade touches one file.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Sequence
 
 import jax
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src.interpreters import pxla as _pxla
+from jax._src.lax import parallel as _parallel
 
 NamedAxisEffect = _core.NamedAxisEffect
+
+#: The collectives jax.lax defines, as the installed jax defines them. jaxcomm's own
+#: fallbacks call these, never ``jax.lax.<name>``: ``jaxcomm.use_for_lax()`` rebinds the
+#: names in ``jax.lax`` to jaxcomm, and a fallback through them would come back here.
+LAX_COLLECTIVES = ("psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all",
+                   "ppermute", "pshuffle", "pbroadcast", "pswapaxes", "ragged_all_to_all")
+jax_lax = types.SimpleNamespace(
+    **{name: getattr(_parallel, name) for name in LAX_COLLECTIVES},
+    axis_index=_parallel.axis_index, axis_size=_parallel.axis_size)
 
 
 def check_vma_enabled() -> bool:
@@ -84,3 +95,58 @@ def mesh_axis_names() -> frozenset:
     """Axis names of the mesh in context (empty outside any mesh)."""
     from jax._src import mesh as _mesh
     return frozenset(_mesh.get_abstract_mesh().axis_names)
+
+
+def auto_pcast_enabled() -> bool:
+    """Whether jax.lax's collectives cast an invariant operand to varying by themselves."""
+    flag = getattr(_config, "auto_pcast", None)
+    return True if flag is None else bool(flag.value)
+
+
+def skip_size_one_axes(axes: tuple) -> tuple:
+    """``axes`` without the size-1 mesh axes where jax drops them from types (a jax flag)."""
+    skip = getattr(_parallel, "_maybe_skip_one_sized_axes", None)
+    return tuple(skip(axes)) if skip is not None else axes
+
+
+def axes_state(aval: Any, axes: tuple) -> set[str]:
+    """How ``aval`` relates to each axis: {"varying", "unreduced", "reduced", "invarying"}.
+
+    jax.lax picks a collective's typing from this (``_get_from``); a mixture is an error
+    there. Without explicit-sharding types every axis is "varying" or "invarying".
+    """
+    mat = getattr(aval, "mat", None)
+    out = set()
+    for a in axes:
+        if a in vma(aval):
+            out.add("varying")
+        elif mat is not None and a in getattr(mat, "unreduced", ()):
+            out.add("unreduced")
+        elif mat is not None and a in getattr(mat, "reduced", ()):
+            out.add("reduced")
+        else:
+            out.add("invarying")
+    return out
+
+
+def ppermute_rejects_unsorted_groups() -> bool:
+    """Whether jax.lax.ppermute raises over axes in an order other than the mesh's (newer
+    jax, ``jax_raise_on_ppermute_sort_diff``) instead of numbering each group sorted."""
+    flag = getattr(_config, "raise_on_ppermute_sort_diff", None)
+    return bool(flag.value) if flag is not None else False
+
+
+def mesh_axis_order() -> tuple:
+    """Axis names of the mesh in context, in the mesh's order."""
+    from jax._src import mesh as _mesh
+    return tuple(_mesh.get_abstract_mesh().axis_names)
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, _core.Tracer)
+
+
+def with_weak_type(x: jax.Array) -> jax.Array:
+    """``x`` typed weak (as a Python scalar is), with no computation."""
+    from jax._src.lax import lax as _lax_internal
+    return _lax_internal._convert_element_type(x, x.dtype, weak_type=True)

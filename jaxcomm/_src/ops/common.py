@@ -13,13 +13,15 @@ import jax.numpy as jnp
 from jaxcomm._src import callsite, compat, config, groups, runtime
 
 
-def prepare(op: str, x: Any, axis_name: Any, timeout_s: float | None) -> tuple[jax.Array, dict[str, Any]]:
+def prepare(op: str, x: Any, axis_name: Any, timeout_s: float | None,
+            axis_index_groups: Any = None) -> tuple[jax.Array, dict[str, Any]]:
     """Validates the axes and returns (operand, common primitive params).
 
     Under ``check_vma`` an operand that is invariant over the group's axes is cast to
     varying first, as jax.lax's collectives do.
     """
     axes = groups.normalize_axes(op, axis_name)
+    index_groups = groups.normalize_index_groups(op, axis_index_groups, axes)
     x = jnp.asarray(x)
     vma_checked = compat.check_vma_enabled()
     if vma_checked:
@@ -27,6 +29,7 @@ def prepare(op: str, x: Any, axis_name: Any, timeout_s: float | None) -> tuple[j
         x = compat.pvary(x, missing)
     params = dict(
         axes=axes,
+        axis_index_groups=index_groups,
         call_site=callsite.user_call_site(),
         timeout_ms=config.timeout_ms(timeout_s),
         vma_checked=vma_checked,

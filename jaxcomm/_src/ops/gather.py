@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.interpreters import ad
 
-from jaxcomm._src import groups, primitive
+from jaxcomm._src import compat, groups, primitive
 from jaxcomm._src.ops import common
 
 
@@ -40,21 +40,30 @@ def _all_gather_transpose(ct: Any, x: Any, *, axis: int, **params: Any):
 ad.deflinear2(all_gather_p, _all_gather_transpose)
 
 
-def all_gather(x: jax.Array, axis_name: Any, *, axis: int = 0, tiled: bool = False,
-               timeout_s: float | None = None) -> jax.Array:
+def all_gather(x: Any, axis_name: Any, *, axis: int = 0, tiled: bool = False,
+               axis_index_groups: Any = None, timeout_s: float | None = None) -> Any:
     """Gathers ``x`` from every rank of the group: ``jax.lax.all_gather``.
 
     Args:
-      x: array of any shape and dtype (scalars only with ``tiled=False``).
+      x: array of any shape and dtype (scalars only with ``tiled=False``), or a pytree
+        of them (each leaf gathered on its own).
       axis_name: mesh axis name or tuple of names.
       axis: where the group dimension goes (``tiled=False``: a new dimension of size R
         inserted at ``axis``; ``tiled=True``: dimension ``axis`` grows R-fold).
+      axis_index_groups: as in jax.lax: groups of axis indices, each gathered on its own,
+        in the order listed (equal sizes, covering the axis once).
 
     Example::
 
         # x: f32[2] on each of 4 ranks -> f32[4, 2] (tiled=False) or f32[8] (tiled=True)
         jaxcomm.all_gather(x, "x")
     """
+    return jax.tree.map(lambda leaf: _all_gather(leaf, axis_name, axis, tiled, axis_index_groups,
+                                                 timeout_s), x)
+
+
+def _all_gather(x: Any, axis_name: Any, axis: int, tiled: bool, axis_index_groups: Any,
+                timeout_s: float | None) -> jax.Array:
     x = jnp.asarray(x)
     if tiled:
         if x.ndim == 0:
@@ -63,9 +72,10 @@ def all_gather(x: jax.Array, axis_name: Any, *, axis: int = 0, tiled: bool = Fal
     else:
         dim = common.canonical_axis("all_gather", "axis", axis, x.ndim + 1, rank=x.ndim)
     if common.use_xla("all_gather", x.dtype):
-        groups.normalize_axes("all_gather", axis_name)
-        return jax.lax.all_gather(x, axis_name, axis=dim, tiled=tiled)
-    x, params = common.prepare("all_gather", x, axis_name, timeout_s)
+        axes = groups.normalize_axes("all_gather", axis_name)
+        return compat.jax_lax.all_gather(x, axis_name, axis=dim, tiled=tiled, axis_index_groups=
+                                         groups.normalize_index_groups("all_gather", axis_index_groups, axes))
+    x, params = common.prepare("all_gather", x, axis_name, timeout_s, axis_index_groups)
     if not tiled:
         x = jnp.expand_dims(x, dim)
     return all_gather_p.bind(x, axis=dim, **params)

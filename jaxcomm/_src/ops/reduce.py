@@ -67,7 +67,7 @@ def _all_reduce_jvp(primals: Any, tangents: Any, *, op: str, **params: Any):
     if op == "prod":
         # d(prod_k x_k) = sum_j t_j * prod_{k != j} x_k, exact also where some x_k == 0.
         gathered = all_gather_p.bind(x[None], **params, axis=0)
-        me = jax.lax.axis_index(params["axes"])
+        me = groups.rank_in_group(params["axes"], params.get("axis_index_groups"))
         others = jnp.where((jnp.arange(gathered.shape[0]) == me).reshape((-1,) + (1,) * x.ndim),
                            jnp.ones_like(gathered), gathered)
         return y, all_reduce_p.bind(t * jnp.prod(others, axis=0), op="sum", **params)
@@ -89,20 +89,25 @@ ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
 ad.primitive_transposes[all_reduce_p] = _all_reduce_transpose
 
 
-def all_reduce(x: jax.Array, axis_name: Any, *, op: str = "sum",
-               timeout_s: float | None = None) -> jax.Array:
+def all_reduce(x: Any, axis_name: Any, *, op: str = "sum", axis_index_groups: Any = None,
+               timeout_s: float | None = None) -> Any:
     """Reduces ``x`` over the group: ``jax.lax.psum``/``pmax``/``pmin``/``pmean`` (and prod).
 
     Args:
-      x: array of any shape; numeric or bool dtype (bool sums to int32, as in psum).
+      x: an array of any shape, or a pytree of them (each leaf reduced on its own);
+        numeric or bool dtype (bool sums to int32, as in psum).
       axis_name: mesh axis name or tuple of names of the enclosing ``shard_map``.
       op: ``"sum" | "prod" | "min" | "max" | "mean"``.
+      axis_index_groups: as in jax.lax: groups of axis indices, each reduced on its own
+        (e.g. ``[[0, 1], [2, 3]]`` on an axis of 4); equal sizes, covering the axis once.
       timeout_s: deadline for the ranks to meet (default ``JAXCOMM_TIMEOUT_S``, 300 s).
 
     Returns:
-      An array of ``x``'s shape, equal on every member of the group (``mean`` of an
+      Arrays of ``x``'s shapes, equal on every member of the group (``mean`` of an
       integer input is float, as ``x / n`` is). Gradients: ``sum``/``mean`` as jax.lax;
       ``max``/``min`` split the tangent evenly among tied extrema; ``prod`` is exact.
+      ``max``/``min`` propagate NaN, as ``jnp.max`` does (``jaxcomm.lax.pmax``/``pmin``
+      give jax.lax's answer instead, see :func:`skip_nan`).
 
     Example::
 
@@ -111,24 +116,47 @@ def all_reduce(x: jax.Array, axis_name: Any, *, op: str = "sum",
                           in_specs=P("x"), out_specs=P())
         jax.jit(f)(jnp.arange(8.0))   # -> [28.]
     """
+    return jax.tree.map(lambda leaf: _all_reduce(leaf, axis_name, op, axis_index_groups, timeout_s), x)
+
+
+def _all_reduce(x: Any, axis_name: Any, op: str, axis_index_groups: Any,
+                timeout_s: float | None) -> jax.Array:
     x = jnp.asarray(x)
     _check_op("all_reduce", op, x.dtype, ALL_REDUCE_OPS)
     if x.dtype == np.bool_ and op in ("sum", "mean"):
         x = x.astype(np.int32)
     if common.use_xla("all_reduce", x.dtype):
-        return _lax_all_reduce(x, axis_name, op)
-    x, params = common.prepare("all_reduce", x, axis_name, timeout_s)
+        return lax_all_reduce(x, axis_name, op, axis_index_groups)
+    x, params = common.prepare("all_reduce", x, axis_name, timeout_s, axis_index_groups)
     y = all_reduce_p.bind(x, op="sum" if op == "mean" else op, **params)
     if op == "mean":
-        y = y / groups.group_size(params["axes"])
+        y = y / groups.group_size(params["axes"], params["axis_index_groups"])
     return y
 
 
-def _lax_all_reduce(x: jax.Array, axis_name: Any, op: str) -> jax.Array:
-    if op == "prod":
-        return jnp.prod(jax.lax.all_gather(x, axis_name), axis=0)
-    return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin,
-            "mean": jax.lax.pmean}[op](x, axis_name)
+def skip_nan(x: jax.Array, op: str) -> jax.Array:
+    """``x`` with NaN replaced by the identity of ``op`` when it is max or min on the host.
+
+    XLA:CPU's all-reduce (one process) keeps the running extremum unless a value compares
+    greater (or less), starting from -inf (+inf): NaN never wins, and a group of NaN only
+    gives -inf (+inf). jaxcomm's kernels propagate NaN, as ``jnp.max`` does; applied to the
+    operand, this makes them give jax.lax's answer (``jaxcomm.lax.pmax``/``pmin``).
+    """
+    if op not in ("max", "min") or not jnp.issubdtype(x.dtype, jnp.floating) \
+            or jax.default_backend() != "cpu":
+        return x
+    return jnp.where(jnp.isnan(x), jnp.array(-np.inf if op == "max" else np.inf, x.dtype), x)
+
+
+def lax_all_reduce(x: jax.Array, axis_name: Any, op: str, axis_index_groups: Any = None) -> jax.Array:
+    lax = compat.jax_lax
+    if op == "prod" or (axis_index_groups is not None and op in ("sum", "mean")):
+        # jax.lax.psum refuses axis_index_groups inside shard_map; a gather does not.
+        every = lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups)
+        total = jnp.prod(every, axis=0) if op == "prod" else jnp.sum(every, axis=0)
+        return total / every.shape[0] if op == "mean" else total
+    return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin,
+            "mean": lax.pmean}[op](x, axis_name, axis_index_groups=axis_index_groups)
 
 
 # -------------------------------------------------------------------------- reduce_scatter
@@ -172,23 +200,31 @@ ad.primitive_jvps[reduce_scatter_p] = _reduce_scatter_jvp
 ad.primitive_transposes[reduce_scatter_p] = _reduce_scatter_transpose
 
 
-def reduce_scatter(x: jax.Array, axis_name: Any, *, scatter_dimension: int = 0, op: str = "sum",
-                   tiled: bool = False, timeout_s: float | None = None) -> jax.Array:
+def reduce_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, op: str = "sum",
+                   tiled: bool = False, axis_index_groups: Any = None,
+                   timeout_s: float | None = None) -> Any:
     """Reduces ``x`` over the group and leaves rank ``i`` the ``i``-th block: ``lax.psum_scatter``.
 
     Args:
-      x: array with ``x.shape[scatter_dimension]`` equal to the group size R
-        (``tiled=False``) or divisible by it (``tiled=True``).
+      x: array (or pytree of arrays) with ``x.shape[scatter_dimension]`` equal to the
+        group size R (``tiled=False``) or divisible by it (``tiled=True``).
       axis_name: mesh axis name or tuple of names.
       scatter_dimension: the dimension split into R blocks.
       op: ``"sum" | "prod" | "min" | "max"`` (only ``"sum"`` is differentiable).
       tiled: keep the dimension (size divided by R) instead of removing it.
+      axis_index_groups: as in :func:`all_reduce`; R is then the size of one group.
 
     Example::
 
         # x: f32[8, 3] on each of 8 ranks of axis "x" -> f32[3] on each rank
         jaxcomm.reduce_scatter(x, "x")
     """
+    return jax.tree.map(lambda leaf: _reduce_scatter(leaf, axis_name, scatter_dimension, op, tiled,
+                                                     axis_index_groups, timeout_s), x)
+
+
+def _reduce_scatter(x: Any, axis_name: Any, scatter_dimension: int, op: str, tiled: bool,
+                    axis_index_groups: Any, timeout_s: float | None) -> jax.Array:
     x = jnp.asarray(x)
     _check_op("reduce_scatter", op, x.dtype, tuple(REDUCE_OPS))
     if x.ndim == 0:
@@ -197,7 +233,8 @@ def reduce_scatter(x: jax.Array, axis_name: Any, *, scatter_dimension: int = 0, 
     if x.dtype == np.bool_ and op == "sum":
         x = x.astype(np.int32)
     axes = groups.normalize_axes("reduce_scatter", axis_name)
-    size = groups.group_size(axes)
+    index_groups = groups.normalize_index_groups("reduce_scatter", axis_index_groups, axes)
+    size = groups.group_size(axes, index_groups)
     n = x.shape[dim]
     if tiled and n % size:
         raise ValueError(f"jaxcomm.reduce_scatter: dimension {dim} of size {n} is not divisible by "
@@ -207,12 +244,12 @@ def reduce_scatter(x: jax.Array, axis_name: Any, *, scatter_dimension: int = 0, 
                          f"group size {size} of axis {groups.describe(axes)}, got {n}")
     if common.use_xla("reduce_scatter", x.dtype):
         if op != "sum":
-            y = _lax_all_reduce(x, axis_name, op)
-            idx = jax.lax.axis_index(axis_name)
+            y = lax_all_reduce(x, axis_name, op, index_groups)
             blk = n // size
-            y = jax.lax.dynamic_slice_in_dim(y, idx * blk, blk, dim)
+            y = jax.lax.dynamic_slice_in_dim(y, groups.rank_in_group(axes, index_groups) * blk, blk, dim)
             return y if tiled else jnp.squeeze(y, dim)
-        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
-    x, params = common.prepare("reduce_scatter", x, axis_name, timeout_s)
+        return compat.jax_lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled,
+                                           axis_index_groups=index_groups)
+    x, params = common.prepare("reduce_scatter", x, axis_name, timeout_s, index_groups)
     y = reduce_scatter_p.bind(x, op=op, scatter_dimension=dim, **params)
     return y if tiled else jnp.squeeze(y, dim)
