@@ -302,6 +302,17 @@ def test_every_dtype(mesh8, dtype, request):
     same(mesh8, _dtype_program(dtype), x, fast=fast)
 
 
+def test_negative_dimensions(mesh8):
+    # jax.lax takes them for all_gather only (psum_scatter fails to lower, all_to_all
+    # crashes XLA:CPU); jaxcomm.lax counts them from the end everywhere.
+    def f(lax, v):
+        neg = lax is jaxcomm.lax
+        return {"gather": lax.all_gather(v, "x", axis=-1, tiled=True),
+                "scatter": lax.psum_scatter(v, "x", scatter_dimension=-2 if neg else 1, tiled=True),
+                "a2a": lax.all_to_all(v, "x", -2 if neg else 1, -3 if neg else 0, tiled=True)}
+    same(mesh8, f, rand((N, 2, 8, 3), "float32", 26))
+
+
 # ---------------------------------------------------------------------- Python scalars
 
 def test_python_scalars(mesh8):
