@@ -120,8 +120,9 @@ def type_of(aval: Any) -> tuple:
 def assert_fast(mesh: Any, f: Callable[..., Any], *placed: Any, check_vma: bool = True) -> None:
     """The jaxcomm.lax side of ``f`` uses jaxcomm's collectives only."""
     spec = P(tuple(mesh.axis_names))
-    program = jax.shard_map(lambda *xs: f(jaxcomm.lax, *(x[0] for x in xs)), mesh=mesh,
-                            in_specs=(spec,) * len(placed), out_specs=P(), check_vma=False)
+    flat = lambda out: jax.tree.map(lambda v: jnp.ravel(v)[None], out)
+    program = jax.shard_map(lambda *xs: flat(f(jaxcomm.lax, *(x[0] for x in xs))), mesh=mesh,
+                            in_specs=(spec,) * len(placed), out_specs=spec, check_vma=check_vma)
     names = primitives(jax.make_jaxpr(program)(*placed).jaxpr)
     assert not names & LAX_COLLECTIVE_PRIMS, f"fell back to jax.lax: {sorted(names & LAX_COLLECTIVE_PRIMS)}"
     assert any(n.startswith("jaxcomm_") for n in names), f"no jaxcomm collective in {sorted(names)}"

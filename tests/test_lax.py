@@ -231,6 +231,7 @@ EXPLICIT_OPS = {
     "psum_scatter_unreduced": lambda lax, v: lax.psum_scatter(
         jax.lax.pcast(jnp.tile(v, (4, 1)), "ep", to="unreduced"), "ep", tiled=True),
     "all_gather_invarying": lambda lax, v: lax.all_gather(v, "ep", to="invarying", tiled=True),
+    "all_gather_invarying_tuple": lambda lax, v: lax.all_gather(v, ("dp", "ep"), to="invarying"),
     "all_gather_reduced": lambda lax, v: jax.lax.pcast(
         lax.all_gather(v, "ep", to="reduced", axis=1), "ep", to="varying"),
     "varying_psum": lambda lax, v: lax.psum(v, ("dp", "ep")),
@@ -239,9 +240,39 @@ EXPLICIT_OPS = {
 
 @pytest.mark.parametrize("op", EXPLICIT_OPS)
 def test_explicit_sharding_types(mesh2x4, op):
-    # Operands typed unreduced/reduced over the axes: jax.lax's own primitives (logged).
+    # Sums of operands typed unreduced, and gathers typed invariant or reduced (jax 0.10's
+    # explicit sharding): jaxcomm's collectives with jax.lax's result types.
     with jax.set_mesh(mesh2x4):
-        same(mesh2x4, EXPLICIT_OPS[op], rand((N, 2, 3), "float32", 11), fast=op == "varying_psum")
+        same(mesh2x4, EXPLICIT_OPS[op], rand((N, 2, 3), "float32", 11))
+
+
+@pytest.mark.parametrize("op", EXPLICIT_OPS)
+def test_explicit_sharding_grads(mesh2x4, op):
+    # Their transposes: reduced cast (psum), all_gather(to="reduced") (psum_scatter), this
+    # rank's block (invariant gather); all_gather(to="reduced")'s goes through jax's
+    # transpose of the reduced cast (an XLA all-reduce).
+    def f(lax, v):
+        return jax.grad(lambda u: jnp.sum(jnp.sin(EXPLICIT_OPS[op](lax, u))))(v)
+    with jax.set_mesh(mesh2x4):
+        same(mesh2x4, f, rand((N, 2, 3), "float32", 27), fast=op != "all_gather_reduced")
+
+
+def test_native_ops_take_unreduced_sums(mesh2x4):
+    # jaxcomm.all_reduce/reduce_scatter sum unreduced operands as jax.lax.psum does; the
+    # other ops refuse them with a ValueError naming the type (jax.lax's type).
+    def f(lax, v):
+        u = jax.lax.pcast(v, "ep", to="unreduced")
+        if lax is jax.lax:
+            return jax.lax.pmean(u, "ep"), jax.lax.psum_scatter(jnp.tile(u, (4, 1)), "ep", tiled=True)
+        return (jaxcomm.all_reduce(u, "ep", op="mean"),
+                jaxcomm.reduce_scatter(jnp.tile(u, (4, 1)), "ep", tiled=True))
+    with jax.set_mesh(mesh2x4):
+        same(mesh2x4, f, rand((N, 2, 3), "float32", 28))
+        with pytest.raises(ValueError, match=r"jaxcomm.all_gather: the operand .* is unreduced over axis 'ep'"):
+            jax.make_jaxpr(jax.shard_map(
+                lambda v: jaxcomm.all_gather(jax.lax.pcast(v, "ep", to="unreduced"), "ep"),
+                mesh=mesh2x4, in_specs=P(("dp", "ep")), out_specs=P(("dp", "ep"))))(
+                _abstract(mesh2x4, (N, 3), P(("dp", "ep"))))
 
 
 # ------------------------------------------------------------------ tuples of mesh axes
@@ -531,3 +562,56 @@ def test_use_for_lax_call_and_undo(mesh8):
     assert all(getattr(jax.lax, n) is getattr(compat.jax_lax, n) for n in collectives.COLLECTIVES)
     with pytest.raises(ValueError, match="jaxcomm.use_for_lax.*'dot'"):
         jaxcomm.use_for_lax("dot")
+
+
+# -------------------------------------------------------------------------- processes
+
+_TWO_PROCESSES = """
+from jax.sharding import NamedSharding
+mesh = jax.make_mesh((2, 2), ("a", "b"))  # a: the process, b: its devices
+spec = P(("a", "b"))
+rng = np.random.default_rng(0)
+x = rng.integers(-8, 8, size=(4, 4, 3)).astype(np.float32)
+place = lambda v: jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec), lambda i: v[i])
+groups = [[0, 3], [2, 1]]
+
+def program(lax, v):
+    v = v[0]
+    mean = lax.pmean({"f": v, "i": v.astype(jnp.int32)}, ("a", "b"))
+    out = {"pmean_f": mean["f"], "pmean_i": mean["i"],
+           "pmax": lax.pmax(jnp.where(v > 5, jnp.nan, v), "a"),
+           "gather": lax.all_gather(v, ("a", "b"), axis_index_groups=groups, tiled=True),
+           "scatter": lax.psum_scatter(v.astype(jnp.int32), ("b", "a"), tiled=True),
+           "perm": lax.ppermute(v, ("b", "a"), [(0, 3), (3, 2), (2, 0)])}
+    return jax.tree.map(lambda a: jnp.ravel(a)[None], out)
+
+results = {}
+for name, lib in (("lax", jax.lax), ("jaxcomm", jaxcomm.lax)):
+    f = jax.jit(jax.shard_map(lambda v: program(lib, v), mesh=mesh, in_specs=spec, out_specs=spec))
+    out = f(place(x))
+    results[name] = {k: np.asarray(a.addressable_shards[0].data).tolist() for k, a in out.items()}
+    if name == "jaxcomm":
+        jaxpr = str(jax.make_jaxpr(jax.shard_map(lambda v: program(lib, v), mesh=mesh, in_specs=spec,
+                                                 out_specs=spec))(place(x)))
+        results["prims"] = sorted(set(re.findall(r"= ([a-z_]+)\\[", jaxpr)))
+print("RESULT", json.dumps(results))
+"""
+
+
+def test_two_processes():
+    # Groups that span processes, through jaxcomm's cross-process transport. Float sums may
+    # differ from gloo's in the last bits (docs/lax.md); these inputs are integers.
+    from mp_util import assert_ok, results, run_script
+    res = run_script("import json, re\n" + _TWO_PROCESSES, n=2, devices=2, timeout_s=120)
+    assert_ok(res)
+    per_rank = results(res)
+    assert set(per_rank) == {0, 1}
+    for rank, r in per_rank.items():
+        assert not set(r["prims"]) & LAX_COLLECTIVE_PRIMS and "jaxcomm_all_reduce" in r["prims"], r["prims"]
+        for key in r["lax"]:
+            want, got = np.asarray(r["lax"][key], float), np.asarray(r["jaxcomm"][key], float)
+            if key == "pmax":  # a NaN sits at the start of gloo's order or not (docs/lax.md)
+                ok = ~np.isnan(want)
+                np.testing.assert_array_equal(got[ok], want[ok], err_msg=f"rank {rank} {key}")
+                continue
+            np.testing.assert_array_equal(got, want, err_msg=f"rank {rank} {key}")

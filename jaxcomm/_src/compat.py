@@ -49,6 +49,33 @@ def with_vma(aval: Any, varying: frozenset) -> Any:
     return aval.update(vma=frozenset(varying))
 
 
+def unreduced(aval: Any) -> frozenset:
+    """The mesh axes over which ``aval`` holds partial sums still to be added up
+    (explicit sharding's ``unreduced``; empty on jax versions without it)."""
+    return frozenset(getattr(getattr(aval, "mat", None), "unreduced", ()))
+
+
+def reduced(aval: Any) -> frozenset:
+    """The mesh axes over which ``aval`` is typed ``reduced`` (the cotangent type of an
+    operand that was unreduced there)."""
+    return frozenset(getattr(getattr(aval, "mat", None), "reduced", ()))
+
+
+def without_unreduced(aval: Any, axes: Sequence[Any]) -> Any:
+    """``aval`` no longer unreduced over ``axes`` (a collective summed them)."""
+    left = unreduced(aval) - frozenset(axes)
+    if left == unreduced(aval):
+        return aval
+    return aval.update(manual_axis_type=aval.mat.update(unreduced=left))
+
+
+def preduced(x: jax.Array, axes: Sequence[Any]) -> jax.Array:
+    """Cast an invariant ``x`` to ``reduced`` over ``axes`` (no data movement): the
+    cotangent type of an operand that was ``unreduced`` there."""
+    axes = tuple(axes)
+    return _parallel.pcast(x, axes, to="reduced") if axes else x
+
+
 def pvary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     """Cast ``x`` to varying over ``axes`` (no data movement)."""
     axes = tuple(axes)

@@ -41,7 +41,7 @@ class CollectiveSpec:
     """What distinguishes one collective primitive from another.
 
     Attributes:
-      name: the public op name, e.g. ``"all_gather"``; the FFI target is ``jaxcomm_<name>``.
+      name: the primitive's name is ``jaxcomm_<name>``.
       out_shape: the result shape from the operand shape, the group size and the params.
       invariant_result: True when the result is the same on every member of the group
         (all_reduce, broadcast): its type drops the group's axes from the varying set. A
@@ -52,6 +52,8 @@ class CollectiveSpec:
         ``ALIAS_MAX_BYTES`` (see there).
       batch_dims: how many leading dimensions XLA may split over auto mesh axes (in a
         partially manual shard_map): those the op treats independently.
+      handler: the op whose FFI handler it lowers to (target ``jaxcomm_<handler>``);
+        default ``name``. Two primitives may share a handler and differ in typing.
     """
 
     name: str
@@ -61,6 +63,7 @@ class CollectiveSpec:
     shift_axes: Callable[[dict[str, Any]], dict[str, Any]] = lambda params: params
     aliases: bool = False
     batch_dims: Callable[..., int] = lambda ndim, **_: ndim
+    handler: str = ""
 
 
 def _outside_shard_map(name: str) -> Callable[..., Any]:
@@ -80,13 +83,13 @@ def define(spec: CollectiveSpec) -> core.Primitive:
         shape = spec.out_shape(x.shape, size, **_own(params))
         out = x.update(shape=tuple(shape), weak_type=False)
         if params["vma_checked"]:
-            varying = compat.vma(x)
+            # Over its axes the result is invariant (the same on every member) or varying;
+            # an operand unreduced there (partial sums) is summed, so the result is not.
             invariant = spec.invariant_result
             if callable(invariant):
                 invariant = invariant(**_own(params))
-            if invariant:
-                varying = varying - frozenset(axes)
-            out = compat.with_vma(out, varying)
+            varying = compat.vma(x) - frozenset(axes) if invariant else compat.vma(x) | frozenset(axes)
+            out = compat.with_vma(compat.without_unreduced(out, axes), varying)
         return out, {compat.NamedAxisEffect(a) for a in axes}
 
     prim.def_effectful_abstract_eval(abstract_eval)
@@ -159,7 +162,7 @@ def _ffi_lowering(spec: CollectiveSpec) -> Callable[..., Any]:
         x_aval = ctx.avals_in[0]
         attrs = spec.ffi_attrs(x_aval=x_aval, group_size=size, **_own(params))
         in_place = spec.aliases and x_aval.size * x_aval.dtype.itemsize <= ALIAS_MAX_BYTES
-        return lower_collective(ctx, spec.name, [x], params, attrs,
+        return lower_collective(ctx, spec.handler or spec.name, [x], params, attrs,
                                 aliases={0: 0} if in_place else None,
                                 batch_dims=spec.batch_dims(ctx.avals_in[0].ndim, **_own(params)))
     return lowering

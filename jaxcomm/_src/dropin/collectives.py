@@ -78,7 +78,7 @@ def _extremum(api: str, op: str, x: Any, axis_name: Any, axis_index_groups: Any)
 
 def _reduce(api: str, op: str, leaf: Any, axes: tuple, index_groups: Any) -> Any:
     def ours() -> jax.Array:
-        route.check_served(leaf, axes, index_groups)
+        route.check_served(leaf, axes, index_groups, reduction=True, sums=op == "sum")
         if op == "sum":
             _float16_sum(leaf)
         y = reduce.all_reduce(reduce.skip_nan(jnp.asarray(leaf), op), axes, op=op,
@@ -104,7 +104,7 @@ def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, axis_ind
 
     def leaf_op(leaf: Any) -> Any:
         def ours() -> jax.Array:
-            route.check_served(leaf, axes, axis_index_groups)
+            route.check_served(leaf, axes, axis_index_groups, reduction=True, sums=True)
             if jnp.asarray(leaf).dtype == np.bool_:  # jax.lax refuses when lowering
                 raise route.definite(TypeError(
                     "jaxcomm.lax.psum_scatter: cannot sum bool values (jax.lax.psum_scatter "
@@ -141,10 +141,13 @@ def all_gather(x: Any, axis_name: Any, *, axis_index_groups: Any = None, axis: i
 
     def leaf_op(leaf: Any) -> Any:
         def ours() -> jax.Array:
-            if to != "varying":
-                raise route.Fallback(f"to={to!r}")
+            if to != "varying" and (axis_index_groups is not None or not compat.check_vma_enabled()):
+                # jax.lax refuses these (NotImplementedError; ValueError for "reduced"
+                # without check_vma) or, for "invarying" without check_vma, types nothing.
+                raise route.Fallback(f"to={to!r} with axis_index_groups or without check_vma")
             route.check_served(leaf, axes, axis_index_groups)
-            y = gather.all_gather(leaf, axes, axis=axis, tiled=tiled, axis_index_groups=axis_index_groups)
+            y = gather.all_gather(leaf, axes, axis=axis, tiled=tiled, axis_index_groups=axis_index_groups,
+                                  to=to)
             return route.like_lax_weak_type(y, leaf, True)
 
         return route.run("all_gather", ours, lambda: lax.all_gather(

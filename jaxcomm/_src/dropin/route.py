@@ -80,14 +80,17 @@ def axes_of(axis_name: Any) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def check_served(leaf: Any, axes: tuple, index_groups: Any = None) -> None:
+def check_served(leaf: Any, axes: tuple, index_groups: Any = None, *, reduction: bool = False,
+                 sums: bool = False) -> None:
     """Raises :class:`Fallback` for the cases jaxcomm leaves to jax.lax.
 
     * positional (integer) axes, and axes bound by ``vmap`` or ``pmap`` rather than by a
       ``shard_map`` mesh: jax.lax computes them over the batch dimension, with no
       communication to speed up (a tuple mixing them with mesh axes goes there too);
-    * operands typed ``unreduced`` or ``reduced`` over the axes (explicit sharding),
-      whose collectives change those types;
+    * operands typed ``reduced`` over the axes, or ``unreduced`` except for a sum
+      (``sums``): explicit sharding's types, which jax.lax refuses or treats apart;
+    * for a ``reduction``, an operand varying over some of the axes and not others: jax.lax
+      reads one state for all the axes (an error in jax 0.10's psum, jax 0.11's pmax);
     * ``axis_index_groups`` of different sizes (jaxcomm's handlers serve equal groups).
     """
     for a in axes:
@@ -96,9 +99,11 @@ def check_served(leaf: Any, axes: tuple, index_groups: Any = None) -> None:
         if compat.axis_exists(a) and a not in compat.mesh_axis_names():
             raise Fallback(f"axis {a!r} is bound by vmap or pmap, not by a shard_map mesh")
     if compat.check_vma_enabled():
-        state = compat.axes_state(jax.typeof(leaf), axes) - {"varying", "invarying"}
-        if state:
+        state = compat.axes_state(jax.typeof(leaf), axes)
+        if "reduced" in state or ("unreduced" in state and not (sums and state == {"unreduced"})):
             raise Fallback(f"an operand typed {'/'.join(sorted(state))} over {axes}")
+        if reduction and len(state) > 1:
+            raise Fallback(f"an operand varying over some of the axes {axes} and not others")
     if index_groups is not None:
         try:
             sizes = {len(g) for g in index_groups}

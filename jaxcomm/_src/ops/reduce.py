@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax._src.interpreters import ad
 
 from jaxcomm._src import compat, groups, primitive
-from jaxcomm._src.ops import common
+from jaxcomm._src.ops import common, gather
 from jaxcomm._src.ops.gather import all_gather_p
 
 REDUCE_OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
@@ -80,8 +80,12 @@ def _all_reduce_transpose(ct: Any, x: Any, *, op: str, **params: Any):
     if type(ct) is ad.Zero:
         return [ad.Zero(x.aval)]
     if params["vma_checked"]:
-        # psum with check_vma is variant -> invariant; its transpose is the varying cast.
-        return [compat.pvary(ct, params["axes"])]
+        # psum with check_vma is variant -> invariant; its transpose is the varying cast,
+        # or the reduced cast over axes where the operand was unreduced (as jax.lax's): the
+        # cotangent's type, x.aval here, says which.
+        partial = compat.reduced(x.aval)
+        ct = compat.pvary(ct, tuple(a for a in params["axes"] if a not in partial))
+        return [compat.preduced(ct, tuple(a for a in params["axes"] if a in partial))]
     return [all_reduce_p.bind(ct, op="sum", **params)]
 
 
@@ -127,7 +131,8 @@ def _all_reduce(x: Any, axis_name: Any, op: str, axis_index_groups: Any,
         x = x.astype(np.int32)
     if common.use_xla("all_reduce", x.dtype):
         return lax_all_reduce(x, axis_name, op, axis_index_groups)
-    x, params = common.prepare("all_reduce", x, axis_name, timeout_s, axis_index_groups)
+    x, params = common.prepare("all_reduce", x, axis_name, timeout_s, axis_index_groups,
+                               sums=op in ("sum", "mean"))
     y = all_reduce_p.bind(x, op="sum" if op == "mean" else op, **params)
     if op == "mean":
         y = y / groups.group_size(params["axes"], params["axis_index_groups"])
@@ -193,6 +198,9 @@ def _reduce_scatter_transpose(ct: Any, x: Any, *, op: str, scatter_dimension: in
     assert op == "sum"
     if type(ct) is ad.Zero:
         return [ad.Zero(x.aval)]
+    if params["vma_checked"] and compat.reduced(x.aval) & frozenset(params["axes"]):
+        # An unreduced operand's cotangent is reduced (jax.lax: all_gather(to="reduced")).
+        return [gather.all_gather_reduced(ct, scatter_dimension, params)]
     return [all_gather_p.bind(ct, axis=scatter_dimension, **params)]
 
 
@@ -250,6 +258,6 @@ def _reduce_scatter(x: Any, axis_name: Any, scatter_dimension: int, op: str, til
             return y if tiled else jnp.squeeze(y, dim)
         return compat.jax_lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled,
                                            axis_index_groups=index_groups)
-    x, params = common.prepare("reduce_scatter", x, axis_name, timeout_s, index_groups)
+    x, params = common.prepare("reduce_scatter", x, axis_name, timeout_s, index_groups, sums=op == "sum")
     y = reduce_scatter_p.bind(x, op=op, scatter_dimension=dim, **params)
     return y if tiled else jnp.squeeze(y, dim)
