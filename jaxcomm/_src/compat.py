@@ -22,7 +22,7 @@ NamedAxisEffect = _core.NamedAxisEffect
 #: fallbacks call these, never ``jax.lax.<name>``: ``jaxcomm.use_for_lax()`` rebinds the
 #: names in ``jax.lax`` to jaxcomm, and a fallback through them would come back here.
 LAX_COLLECTIVES = ("psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all",
-                   "ppermute", "pshuffle", "pbroadcast", "pswapaxes", "ragged_all_to_all")
+                   "pswapaxes", "ppermute", "pshuffle", "pbroadcast", "ragged_all_to_all")
 jax_lax = types.SimpleNamespace(
     **{name: getattr(_parallel, name) for name in LAX_COLLECTIVES},
     axis_index=_parallel.axis_index, axis_size=_parallel.axis_size)
@@ -124,12 +124,6 @@ def mesh_axis_names() -> frozenset:
     return frozenset(_mesh.get_abstract_mesh().axis_names)
 
 
-def auto_pcast_enabled() -> bool:
-    """Whether jax.lax's collectives cast an invariant operand to varying by themselves."""
-    flag = getattr(_config, "auto_pcast", None)
-    return True if flag is None else bool(flag.value)
-
-
 def skip_size_one_axes(axes: tuple) -> tuple:
     """``axes`` without the size-1 mesh axes where jax drops them from types (a jax flag)."""
     skip = getattr(_parallel, "_maybe_skip_one_sized_axes", None)
@@ -142,14 +136,13 @@ def axes_state(aval: Any, axes: tuple) -> set[str]:
     jax.lax picks a collective's typing from this (``_get_from``); a mixture is an error
     there. Without explicit-sharding types every axis is "varying" or "invarying".
     """
-    mat = getattr(aval, "mat", None)
     out = set()
     for a in axes:
         if a in vma(aval):
             out.add("varying")
-        elif mat is not None and a in getattr(mat, "unreduced", ()):
+        elif a in unreduced(aval):
             out.add("unreduced")
-        elif mat is not None and a in getattr(mat, "reduced", ()):
+        elif a in reduced(aval):
             out.add("reduced")
         else:
             out.add("invarying")

@@ -26,8 +26,6 @@ from jaxcomm._src.ops import alltoall, broadcast, gather, permute, ragged, reduc
 
 lax = compat.jax_lax
 
-_GATHER_TO = ("varying", "reduced", "invarying")
-
 
 def _float16_sum(x: Any) -> None:
     # XLA:CPU's all-reduce adds float16 values in float16, rounding after each addition;
@@ -132,9 +130,9 @@ def all_gather(x: Any, axis_name: Any, *, axis_index_groups: Any = None, axis: i
         # x: f32[2] on each of 4 ranks -> f32[4, 2] (tiled=False) or f32[8] (tiled=True)
         jaxcomm.lax.all_gather(x, "x")
     """
-    if to not in _GATHER_TO:
-        raise ValueError(f"jaxcomm.lax.all_gather: to={to!r} is not one of {_GATHER_TO}, the "
-                         f"result types jax.lax.all_gather knows")
+    if to not in gather.RESULT_TYPES:
+        raise ValueError(f"jaxcomm.lax.all_gather: to={to!r} is not one of {gather.RESULT_TYPES}, "
+                         f"the result types jax.lax.all_gather knows")
     axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     if not axes:
         return x
@@ -314,5 +312,4 @@ axis_index = lax.axis_index
 axis_size = lax.axis_size
 
 #: The names jaxcomm.lax defines in place of jax.lax's (use_for_lax rebinds these).
-COLLECTIVES = ("psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all",
-               "pswapaxes", "ppermute", "pshuffle", "pbroadcast", "ragged_all_to_all")
+COLLECTIVES = compat.LAX_COLLECTIVES

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -20,14 +21,15 @@ def _gather_shape(shape: tuple, size: int, *, axis: int, **_: Any) -> tuple:
 
 # The primitive always gathers "tiled" along an existing dimension; the untiled form
 # inserts a size-1 dimension first, which has the same memory layout.
-all_gather_p = primitive.define(primitive.CollectiveSpec(
+ALL_GATHER = primitive.CollectiveSpec(
     name="all_gather",
     out_shape=_gather_shape,
     invariant_result=False,
     ffi_attrs=lambda axis, **_: {"axis_index": axis},
     shift_axes=lambda p: {**p, "axis": p["axis"] + 1},
     batch_dims=lambda ndim, axis, **_: axis,
-))
+)
+all_gather_p = primitive.define(ALL_GATHER)
 
 
 def _all_gather_transpose(ct: Any, x: Any, *, axis: int, **params: Any):
@@ -42,15 +44,8 @@ ad.deflinear2(all_gather_p, _all_gather_transpose)
 # The same gather typed invariant over the group's axes (every member holds the whole
 # result): jax.lax.all_gather(..., to="invarying"). Its transpose takes this rank's block of
 # the (invariant) cotangent: no communication.
-all_gather_invariant_p = primitive.define(primitive.CollectiveSpec(
-    name="all_gather_invariant",
-    handler="all_gather",
-    out_shape=_gather_shape,
-    invariant_result=True,
-    ffi_attrs=lambda axis, **_: {"axis_index": axis},
-    shift_axes=lambda p: {**p, "axis": p["axis"] + 1},
-    batch_dims=lambda ndim, axis, **_: axis,
-))
+all_gather_invariant_p = primitive.define(dataclasses.replace(
+    ALL_GATHER, name="all_gather_invariant", handler="all_gather", invariant_result=True))
 
 
 def _all_gather_invariant_transpose(ct: Any, x: Any, *, axis: int, **params: Any):
