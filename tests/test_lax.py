@@ -82,10 +82,10 @@ TREE_OPS = {
 }
 
 
-@pytest.mark.parametrize("op", TREE_OPS)
-def test_pytrees_of_mixed_dtypes(mesh2x4, op):
+def test_pytrees_of_mixed_dtypes(mesh2x4):
     v, i, b = rand((N, 2, 3), "float32", 1), rand((N, 4), "int32", 2), rand((N, 3), "bool", 3)
-    same(mesh2x4, lambda lax, v, i, b: TREE_OPS[op](lax, _tree(v, i, b), ("dp", "ep")), v, i, b)
+    same(mesh2x4, lambda lax, v, i, b: {op: f(lax, _tree(v, i, b), ("dp", "ep"))
+                                        for op, f in TREE_OPS.items()}, v, i, b)
 
 
 # -------------------------------------------------------------------- axis_index_groups
@@ -105,9 +105,9 @@ GROUP_OPS = {
 }
 
 
-@pytest.mark.parametrize("op", GROUP_OPS)
-def test_axis_index_groups(mesh8, op):
-    same(mesh8, GROUP_OPS[op], rand((N, 8, 3), "float32", 4))
+def test_axis_index_groups(mesh8):
+    same(mesh8, lambda lax, v: {op: f(lax, v) for op, f in GROUP_OPS.items()},
+         rand((N, 8, 3), "float32", 4))
 
 
 @pytest.mark.parametrize("op", ["psum", "pmean"])
@@ -172,19 +172,17 @@ VMAP_OPS = {
 }
 
 
-@pytest.mark.parametrize("op", VMAP_OPS)
-def test_vmap_axis_names(mesh8, op):
+def test_vmap_axis_names(mesh8):
     # jax.lax computes collectives over a vmap axis locally, over the batch dimension.
     # (Inside shard_map only without check_vma: with it, jax 0.10.2 fails an assertion in
     # pvary, and jaxcomm.lax, which hands vmap axes to jax.lax, fails the same way.)
-    def f(lax, v):
-        out = jax.vmap(lambda r: VMAP_OPS[op](lax, r), axis_name="v")(v)
-        return jax.tree.map(lambda a: a.astype(jnp.float32), out)
+    def f(lax, v, ops=tuple(VMAP_OPS)):
+        return {op: jax.vmap(lambda r: VMAP_OPS[op](lax, r), axis_name="v")(v) for op in ops}
     same(mesh8, f, rand((N, 4, 8), "float32", 8), fast=False, check_vma=False)
     x = jnp.asarray(rand((4, 8), "float32", 8))
-    if op != "psum_mixed":  # outside shard_map: vmap alone
-        assert_identical(jax.tree.map(np.asarray, f(jaxcomm.lax, x)),
-                         jax.tree.map(np.asarray, f(jax.lax, x)))
+    alone = tuple(op for op in VMAP_OPS if op != "psum_mixed")  # outside shard_map: vmap alone
+    assert_identical(jax.tree.map(np.asarray, f(jaxcomm.lax, x, alone)),
+                     jax.tree.map(np.asarray, f(jax.lax, x, alone)))
 
 
 def test_pmap_axis_names():
@@ -238,23 +236,25 @@ EXPLICIT_OPS = {
 }
 
 
-@pytest.mark.parametrize("op", EXPLICIT_OPS)
-def test_explicit_sharding_types(mesh2x4, op):
+def test_explicit_sharding_types(mesh2x4):
     # Sums of operands typed unreduced, and gathers typed invariant or reduced (jax 0.10's
     # explicit sharding): jaxcomm's collectives with jax.lax's result types.
     with jax.set_mesh(mesh2x4):
-        same(mesh2x4, EXPLICIT_OPS[op], rand((N, 2, 3), "float32", 11))
+        same(mesh2x4, lambda lax, v: {op: f(lax, v) for op, f in EXPLICIT_OPS.items()},
+             rand((N, 2, 3), "float32", 11))
 
 
-@pytest.mark.parametrize("op", EXPLICIT_OPS)
-def test_explicit_sharding_grads(mesh2x4, op):
+def test_explicit_sharding_grads(mesh2x4):
     # Their transposes: reduced cast (psum), all_gather(to="reduced") (psum_scatter), this
     # rank's block (invariant gather); all_gather(to="reduced")'s goes through jax's
-    # transpose of the reduced cast (an XLA all-reduce).
-    def f(lax, v):
-        return jax.grad(lambda u: jnp.sum(jnp.sin(EXPLICIT_OPS[op](lax, u))))(v)
+    # transpose of the reduced cast (an XLA all-reduce), checked apart.
+    def grads(ops):
+        return lambda lax, v: {op: jax.grad(lambda u: jnp.sum(jnp.sin(EXPLICIT_OPS[op](lax, u))))(v)
+                               for op in ops}
+    x = rand((N, 2, 3), "float32", 27)
     with jax.set_mesh(mesh2x4):
-        same(mesh2x4, f, rand((N, 2, 3), "float32", 27), fast=op != "all_gather_reduced")
+        same(mesh2x4, grads([op for op in EXPLICIT_OPS if op != "all_gather_reduced"]), x)
+        same(mesh2x4, grads(["all_gather_reduced"]), x, fast=False)
 
 
 def test_native_ops_take_unreduced_sums(mesh2x4):
@@ -293,9 +293,9 @@ TUPLE_OPS = {
 
 
 @pytest.mark.parametrize("axes", AXIS_TUPLES, ids=",".join)
-@pytest.mark.parametrize("op", TUPLE_OPS)
-def test_tuple_axes_in_both_orders(mesh2x4, op, axes):
-    same(mesh2x4, lambda lax, v: TUPLE_OPS[op](lax, v, axes), rand((N, 8, 2), "float32", 12))
+def test_tuple_axes_in_both_orders(mesh2x4, axes):
+    same(mesh2x4, lambda lax, v: {op: f(lax, v, axes) for op, f in TUPLE_OPS.items()},
+         rand((N, 8, 2), "float32", 12))
 
 
 # ------------------------------------------------------------------------------- dtypes
@@ -322,15 +322,25 @@ def _dtype_program(dtype):
     return f
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_every_dtype(mesh8, dtype, request):
-    if dtype in X64:
+def _dtype_data(dtype, seed):
+    if "float8" in dtype:
+        return (rand((N, 8, 3), "float32", seed) / 4).astype(jnp.dtype(dtype))
+    return rand((N, 8, 3), dtype, seed)
+
+
+# float16 sums and float8 / complex reductions are jax.lax's (see docs/lax.md).
+DTYPE_PROGRAMS = {"served": [d for d in DTYPES if d not in X64 | {"float16", "complex64", "float8_e4m3fn"}],
+                  "x64": [d for d in DTYPES if d in X64],
+                  "partly jax.lax": ["float16", "complex64", "float8_e4m3fn"]}
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_PROGRAMS)
+def test_every_dtype(mesh8, dtypes, request):
+    if dtypes == "x64":
         request.getfixturevalue("x64")
-    x = rand((N, 8, 3), dtype, 13) if "float8" not in dtype else \
-        (rand((N, 8, 3), "float32", 13) / 4).astype(jnp.dtype(dtype))
-    # float16 sums and float8 / complex reductions are jax.lax's (see docs/lax.md).
-    fast = dtype not in ("float16", "complex64", "float8_e4m3fn")
-    same(mesh8, _dtype_program(dtype), x, fast=fast)
+    names = DTYPE_PROGRAMS[dtypes]
+    same(mesh8, lambda lax, *xs: {d: _dtype_program(d)(lax, x) for d, x in zip(names, xs)},
+         *(_dtype_data(d, 13 + i) for i, d in enumerate(names)), fast=dtypes != "partly jax.lax")
 
 
 def test_negative_dimensions(mesh8):
