@@ -88,6 +88,22 @@ def test_pytrees_of_mixed_dtypes(mesh2x4):
                                         for op, f in TREE_OPS.items()}, v, i, b)
 
 
+def test_small_leaves_share_calls(mesh8):
+    # A gradient pytree of many small leaves: one call per type and 4 MiB, as XLA's
+    # all-reduce combiner makes one; leaves over 256 KiB go alone. Same bits as jax.lax.
+    small = [rand((N, 3, 5), "float32", s) for s in range(30, 50)]
+    ints, big = rand((N, 7), "int32", 50), rand((N, 300, 256), "float32", 51)  # 300 KiB
+
+    def f(lax, *xs):
+        return lax.pmean({"small": list(xs[:-2]), "ints": xs[-2], "big": xs[-1]}, "x")
+    same(mesh8, f, *small, ints, big)
+    placed = [jax.device_put(a, NamedSharding(mesh8, P("x"))) for a in (*small, ints, big)]
+    jaxpr = jax.make_jaxpr(jax.shard_map(lambda *xs: f(jaxcomm.lax, *(x[0] for x in xs)), mesh=mesh8,
+                                         in_specs=(P("x"),) * len(placed), out_specs=P()))(*placed)
+    calls = [e for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "jaxcomm_all_reduce"]
+    assert sorted(e.invars[0].aval.size for e in calls) == [7, 20 * 15, 300 * 256], calls
+
+
 # -------------------------------------------------------------------- axis_index_groups
 
 GROUP_OPS = {

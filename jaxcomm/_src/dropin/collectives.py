@@ -49,7 +49,7 @@ def psum(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
     if not any(compat.is_tracer(leaf) for leaf in jax.tree.leaves(x)):
         # Constants (psum(1, axis) is the axis size): jax.lax scales them, no communication.
         return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
-    return jax.tree.map(lambda leaf: _reduce("psum", "sum", leaf, axes, axis_index_groups), x)
+    return _reduce("psum", "sum", x, axes, axis_index_groups)
 
 
 def pmean(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
@@ -61,30 +61,35 @@ def pmean(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
 
 def pmax(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
     """``jax.lax.pmax``; NaN is skipped as XLA:CPU skips it (see ``reduce.skip_nan``)."""
-    return _extremum("pmax", "max", x, axis_name, axis_index_groups)
+    return _reduce("pmax", "max", x, route.axes_of(axis_name), axis_index_groups)
 
 
 def pmin(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
     """``jax.lax.pmin``; NaN is skipped as XLA:CPU skips it (see ``reduce.skip_nan``)."""
-    return _extremum("pmin", "min", x, axis_name, axis_index_groups)
+    return _reduce("pmin", "min", x, route.axes_of(axis_name), axis_index_groups)
 
 
-def _extremum(api: str, op: str, x: Any, axis_name: Any, axis_index_groups: Any) -> Any:
-    axes = route.axes_of(axis_name)
-    return jax.tree.map(lambda leaf: _reduce(api, op, leaf, axes, axis_index_groups), x)
-
-
-def _reduce(api: str, op: str, leaf: Any, axes: tuple, index_groups: Any) -> Any:
-    def ours() -> jax.Array:
+def _reduce(api: str, op: str, x: Any, axes: tuple, index_groups: Any) -> Any:
+    # Each leaf is checked on its own (route.run); those jaxcomm serves are then reduced
+    # together, small ones sharing calls (reduce.reduce_leaves).
+    def ours(leaf: Any) -> route.Served:
         route.check_served(leaf, axes, index_groups, reduction=True, sums=op == "sum")
         if op == "sum":
             _float16_sum(leaf)
-        y = reduce.all_reduce(reduce.skip_nan(jnp.asarray(leaf), op), axes, op=op,
-                              axis_index_groups=index_groups)
-        # Under check_vma jax.lax's reductions keep the operand's type, weak or not.
-        return route.like_lax_weak_type(y, leaf, compat.check_vma_enabled())
+        x = reduce.operand(leaf, op)
+        groups.normalize_index_groups(f"lax.{api}", index_groups, groups.normalize_axes(f"lax.{api}", axes))
+        return route.Served(reduce.skip_nan(x, op))
 
-    return route.run(api, ours, lambda: getattr(lax, api)(leaf, axes, axis_index_groups=index_groups))
+    leaves, treedef = jax.tree.flatten(x)
+    out = [route.run(api, lambda leaf=leaf: ours(leaf),
+                     lambda leaf=leaf: getattr(lax, api)(leaf, axes, axis_index_groups=index_groups))
+           for leaf in leaves]
+    served = [i for i, y in enumerate(out) if isinstance(y, route.Served)]
+    reduced = reduce.reduce_leaves([out[i].operand for i in served], axes, op, index_groups, None)
+    for i, y in zip(served, reduced):
+        # Under check_vma jax.lax's reductions keep the operand's type, weak or not.
+        out[i] = route.like_lax_weak_type(y, leaves[i], compat.check_vma_enabled())
+    return treedef.unflatten(out)
 
 
 def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, axis_index_groups: Any = None,

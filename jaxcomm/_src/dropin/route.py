@@ -12,6 +12,7 @@ own error. So a program never fails with jaxcomm.lax where it runs with jax.lax,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable
@@ -21,6 +22,14 @@ import jax
 from jaxcomm._src import compat
 
 log = logging.getLogger("jaxcomm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What jaxcomm's path of a reduction returns from :func:`run`: the checked operand,
+    reduced afterwards together with the pytree's other served leaves."""
+
+    operand: jax.Array
 
 
 class Fallback(Exception):

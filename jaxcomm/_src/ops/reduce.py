@@ -120,15 +120,67 @@ def all_reduce(x: Any, axis_name: Any, *, op: str = "sum", axis_index_groups: An
                           in_specs=P("x"), out_specs=P())
         jax.jit(f)(jnp.arange(8.0))   # -> [28.]
     """
-    return jax.tree.map(lambda leaf: _all_reduce(leaf, axis_name, op, axis_index_groups, timeout_s), x)
+    leaves, treedef = jax.tree.flatten(x)
+    return treedef.unflatten(reduce_leaves(leaves, axis_name, op, axis_index_groups, timeout_s))
 
 
-def _all_reduce(x: Any, axis_name: Any, op: str, axis_index_groups: Any,
-                timeout_s: float | None) -> jax.Array:
+#: Leaves of a pytree up to COMBINE_LEAF_BYTES are reduced several per call, concatenated,
+#: up to COMBINE_CALL_BYTES a call (as XLA's all-reduce combiner does for jax.lax.psum of a
+#: pytree): one meeting of the group instead of one per leaf. Each element is still summed
+#: alone, in the same order, so the results are the same bits. With 8 leaves of 32 KiB,
+#: 8 devices on 2 loaded cores: 5.1 ms a pmean per leaf, XLA's combined 3.0 ms.
+COMBINE_LEAF_BYTES = 256 * 1024
+COMBINE_CALL_BYTES = 4 << 20
+
+
+def operand(x: Any, op: str) -> jax.Array:
+    """``x`` as all_reduce reduces it (bool sums as int32); TypeError/ValueError for an op
+    or dtype it cannot reduce."""
     x = jnp.asarray(x)
     _check_op("all_reduce", op, x.dtype, ALL_REDUCE_OPS)
-    if x.dtype == np.bool_ and op in ("sum", "mean"):
-        x = x.astype(np.int32)
+    return x.astype(np.int32) if x.dtype == np.bool_ and op in ("sum", "mean") else x
+
+
+def reduce_leaves(leaves: list, axis_name: Any, op: str, axis_index_groups: Any,
+                  timeout_s: float | None) -> list[jax.Array]:
+    """:func:`all_reduce` of each of ``leaves``; small ones of one type share a call."""
+    arrays = [operand(leaf, op) for leaf in leaves]
+    out: list[Any] = [None] * len(arrays)
+    for bucket in _buckets(arrays):
+        if len(bucket) == 1:
+            out[bucket[0]] = _all_reduce(arrays[bucket[0]], axis_name, op, axis_index_groups, timeout_s)
+            continue
+        flat = jnp.concatenate([arrays[i].reshape(-1) for i in bucket])
+        total = _all_reduce(flat, axis_name, op, axis_index_groups, timeout_s)
+        start = 0
+        for i in bucket:
+            out[i] = total[start:start + arrays[i].size].reshape(arrays[i].shape)
+            start += arrays[i].size
+    return out
+
+
+def _buckets(arrays: list[jax.Array]) -> list[list[int]]:
+    # Leaves share a call when one concatenated operand types like each of them.
+    buckets: list[list[int]] = []
+    open_: dict[tuple, tuple[list[int], int]] = {}
+    for i, a in enumerate(arrays):
+        nbytes = a.size * a.dtype.itemsize
+        if nbytes == 0 or nbytes > COMBINE_LEAF_BYTES:
+            buckets.append([i])
+            continue
+        aval = jax.typeof(a)
+        key = (a.dtype, aval.weak_type, compat.vma(aval), compat.unreduced(aval))
+        members, size = open_.get(key, (None, 0))
+        if members is None or size + nbytes > COMBINE_CALL_BYTES:
+            members, size = [], 0
+            buckets.append(members)
+        members.append(i)
+        open_[key] = (members, size + nbytes)
+    return buckets
+
+
+def _all_reduce(x: jax.Array, axis_name: Any, op: str, axis_index_groups: Any,
+                timeout_s: float | None) -> jax.Array:
     if common.use_xla("all_reduce", x.dtype):
         return lax_all_reduce(x, axis_name, op, axis_index_groups)
     x, params = common.prepare("all_reduce", x, axis_name, timeout_s, axis_index_groups,
