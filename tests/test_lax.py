@@ -284,7 +284,8 @@ def test_native_ops_take_unreduced_sums(mesh2x4):
                 jaxcomm.reduce_scatter(jnp.tile(u, (4, 1)), "ep", tiled=True))
     with jax.set_mesh(mesh2x4):
         same(mesh2x4, f, rand((N, 2, 3), "float32", 28))
-        with pytest.raises(ValueError, match=r"jaxcomm.all_gather: the operand .* is unreduced over axis 'ep'"):
+        with pytest.raises(ValueError, match=r"jaxcomm.all_gather: the operand .* is unreduced "
+                                             r"over axis 'ep'"):
             jax.make_jaxpr(jax.shard_map(
                 lambda v: jaxcomm.all_gather(jax.lax.pcast(v, "ep", to="unreduced"), "ep"),
                 mesh=mesh2x4, in_specs=P(("dp", "ep")), out_specs=P(("dp", "ep"))))(
@@ -491,7 +492,8 @@ MISTAKES = {
     "psum_scatter not divisible": lambda lax, v: lax.psum_scatter(v[:3], "x", tiled=True),
     "psum_scatter of bool": lambda lax, v: lax.psum_scatter(v > 0, "x"),
     "groups not a cover": lambda lax, v: lax.all_gather(v, "x", axis_index_groups=[[0, 1], [1, 2]]),
-    "pmax groups not a cover": lambda lax, v: lax.pmax(v, "x", axis_index_groups=[[0, 1, 2, 3], [3, 4, 5, 6]]),
+    "pmax groups not a cover": lambda lax, v: lax.pmax(v, "x", axis_index_groups=[[0, 1, 2, 3],
+                                                                                 [3, 4, 5, 6]]),
     "ppermute duplicate source": lambda lax, v: lax.ppermute(v, "x", [(0, 1), (8, 2)]),
     "ppermute index out of range": lambda lax, v: lax.ppermute(v, "x", [(9, 1)]),
     "pshuffle not a permutation": lambda lax, v: lax.pshuffle(v, "x", [1, 2, 3]),
@@ -534,7 +536,8 @@ def test_fallback_is_logged_once(mesh8, caplog):
     with caplog.at_level(logging.WARNING, logger="jaxcomm"):
         for _ in range(2):
             jax.make_jaxpr(f)(_abstract(mesh8, (N, 2), P("x")))
-    lines = [r.getMessage() for r in caplog.records if "jaxcomm.lax.pmax computed by jax.lax" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records
+             if "jaxcomm.lax.pmax computed by jax.lax" in r.getMessage()]
     assert len(lines) == 1 and "complex" in lines[0], lines
 
 

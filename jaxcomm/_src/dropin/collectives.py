@@ -13,7 +13,7 @@ same answer; docs/lax.md lists the cases.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -25,6 +25,16 @@ from jaxcomm._src.dropin import route
 from jaxcomm._src.ops import alltoall, broadcast, gather, permute, ragged, reduce
 
 lax = compat.jax_lax
+
+
+def _per_leaf(api: str, x: Any, ours: Callable[[Any], jax.Array], theirs: Callable[[Any], Any],
+              keeps_weak: bool = True) -> Any:
+    """Each leaf of ``x`` through :func:`route.run`: ``ours(leaf)`` typed weak where jax.lax's
+    result is (its result type is its operand's: ``keeps_weak``), else ``theirs(leaf)``."""
+    def one(leaf: Any) -> Any:
+        return route.run(api, lambda: route.like_lax_weak_type(ours(leaf), leaf, keeps_weak),
+                         lambda: theirs(leaf))
+    return jax.tree.map(one, x)
 
 
 def _float16_sum(x: Any) -> None:
@@ -105,23 +115,18 @@ def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, axis_ind
     if not axes:
         return x
 
-    def leaf_op(leaf: Any) -> Any:
-        def ours() -> jax.Array:
-            route.check_served(leaf, axes, axis_index_groups, reduction=True, sums=True)
-            if jnp.asarray(leaf).dtype == np.bool_:  # jax.lax refuses when lowering
-                raise route.definite(TypeError(
-                    "jaxcomm.lax.psum_scatter: cannot sum bool values (jax.lax.psum_scatter "
-                    "does not convert them as psum does; cast to an integer type first)"))
-            _float16_sum(leaf)
-            y = reduce.reduce_scatter(leaf, axes, scatter_dimension=scatter_dimension, tiled=tiled,
-                                      axis_index_groups=axis_index_groups)
-            return route.like_lax_weak_type(y, leaf, True)
+    def ours(leaf: Any) -> jax.Array:
+        route.check_served(leaf, axes, axis_index_groups, reduction=True, sums=True)
+        if jnp.asarray(leaf).dtype == np.bool_:  # jax.lax refuses when lowering
+            raise route.definite(TypeError(
+                "jaxcomm.lax.psum_scatter: cannot sum bool values (jax.lax.psum_scatter "
+                "does not convert them as psum does; cast to an integer type first)"))
+        _float16_sum(leaf)
+        return reduce.reduce_scatter(leaf, axes, scatter_dimension=scatter_dimension, tiled=tiled,
+                                     axis_index_groups=axis_index_groups)
 
-        return route.run("psum_scatter", ours, lambda: lax.psum_scatter(
-            leaf, axes, scatter_dimension=scatter_dimension, axis_index_groups=axis_index_groups,
-            tiled=tiled))
-
-    return jax.tree.map(leaf_op, x)
+    return _per_leaf("psum_scatter", x, ours, lambda leaf: lax.psum_scatter(
+        leaf, axes, scatter_dimension=scatter_dimension, axis_index_groups=axis_index_groups, tiled=tiled))
 
 
 # ---------------------------------------------------------------------------- data movement
@@ -142,21 +147,17 @@ def all_gather(x: Any, axis_name: Any, *, axis_index_groups: Any = None, axis: i
     if not axes:
         return x
 
-    def leaf_op(leaf: Any) -> Any:
-        def ours() -> jax.Array:
-            if to != "varying" and (axis_index_groups is not None or not compat.check_vma_enabled()):
-                # jax.lax refuses these (NotImplementedError; ValueError for "reduced"
-                # without check_vma) or, for "invarying" without check_vma, types nothing.
-                raise route.Fallback(f"to={to!r} with axis_index_groups or without check_vma")
-            route.check_served(leaf, axes, axis_index_groups)
-            y = gather.all_gather(leaf, axes, axis=axis, tiled=tiled, axis_index_groups=axis_index_groups,
-                                  to=to)
-            return route.like_lax_weak_type(y, leaf, True)
+    def ours(leaf: Any) -> jax.Array:
+        if to != "varying" and (axis_index_groups is not None or not compat.check_vma_enabled()):
+            # jax.lax refuses these (NotImplementedError; ValueError for "reduced" without
+            # check_vma) or, for "invarying" without check_vma, has no type to give.
+            raise route.Fallback(f"to={to!r} with axis_index_groups or without check_vma")
+        route.check_served(leaf, axes, axis_index_groups)
+        return gather.all_gather(leaf, axes, axis=axis, tiled=tiled, axis_index_groups=axis_index_groups,
+                                 to=to)
 
-        return route.run("all_gather", ours, lambda: lax.all_gather(
-            leaf, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, to=to))
-
-    return jax.tree.map(leaf_op, x)
+    return _per_leaf("all_gather", x, ours, lambda leaf: lax.all_gather(
+        leaf, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, to=to))
 
 
 def all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int, *,
@@ -168,16 +169,15 @@ def all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int, *,
         # x: f32[8, 16] on each of 8 ranks; row j goes to rank j
         jaxcomm.lax.all_to_all(x, "x", 0, 0, tiled=True)
     """
-    def leaf_op(leaf: Any) -> Any:
-        def ours() -> jax.Array:
-            route.check_served(leaf, route.axes_of(axis_name), axis_index_groups)
-            return alltoall.all_to_all(leaf, axis_name, split_axis, concat_axis, tiled=tiled,
-                                       axis_index_groups=axis_index_groups)
+    def ours(leaf: Any) -> jax.Array:
+        route.check_served(leaf, route.axes_of(axis_name), axis_index_groups)
+        return alltoall.all_to_all(leaf, axis_name, split_axis, concat_axis, tiled=tiled,
+                                   axis_index_groups=axis_index_groups)
 
-        return route.run("all_to_all", ours, lambda: lax.all_to_all(
-            leaf, axis_name, split_axis, concat_axis, axis_index_groups=axis_index_groups, tiled=tiled))
-
-    return jax.tree.map(leaf_op, x)
+    # jax.lax's all_to_all drops a weak type.
+    return _per_leaf("all_to_all", x, ours, lambda leaf: lax.all_to_all(
+        leaf, axis_name, split_axis, concat_axis, axis_index_groups=axis_index_groups, tiled=tiled),
+        keeps_weak=False)
 
 
 def pswapaxes(x: Any, axis_name: Any, axis: int, *, axis_index_groups: Any = None) -> Any:
@@ -201,16 +201,12 @@ def ppermute(x: Any, axis_name: Any, perm: Sequence[Sequence[int]]) -> Any:
     """
     axes = route.axes_of(axis_name)
 
-    def leaf_op(leaf: Any) -> Any:
-        def ours() -> jax.Array:
-            route.check_served(leaf, axes)
-            pairs = lax_numbered_perm(perm, groups.normalize_axes("lax.ppermute", axes))
-            y = permute.ppermute(leaf, axes, pairs)
-            return route.like_lax_weak_type(y, leaf, True)
+    def ours(leaf: Any) -> jax.Array:
+        route.check_served(leaf, axes)
+        pairs = lax_numbered_perm(perm, groups.normalize_axes("lax.ppermute", axes))
+        return permute.ppermute(leaf, axes, pairs)
 
-        return route.run("ppermute", ours, lambda: lax.ppermute(leaf, axis_name, perm))
-
-    return jax.tree.map(leaf_op, x)
+    return _per_leaf("ppermute", x, ours, lambda leaf: lax.ppermute(leaf, axis_name, perm))
 
 
 def lax_numbered_perm(perm: Sequence[Sequence[int]], axes: tuple) -> tuple[tuple[int, int], ...]:
@@ -269,23 +265,18 @@ def pbroadcast(x: Any, axis_name: Any, source: int) -> Any:
 
     jax.lax lowers it on GPU only; this computes it on every platform jaxcomm serves.
     """
-    def leaf_op(leaf: Any) -> Any:
-        def ours() -> jax.Array:
-            axes = route.axes_of(axis_name)
-            route.check_served(leaf, axes)
-            axes = groups.normalize_axes("lax.pbroadcast", axes)
-            size = groups.axis_size(axes)
-            root = int(source)
-            if not -size <= root < size:  # jax.lax indexes the group with source
-                raise route.definite(IndexError(
-                    f"jaxcomm.lax.pbroadcast: source={source} is out of range for a group of "
-                    f"{size} ranks over axis {groups.describe(axes)}"))
-            y = broadcast.broadcast_leaf(leaf, axes, root % size, None, None, invariant=False)
-            return route.like_lax_weak_type(y, leaf, True)
+    def ours(leaf: Any) -> jax.Array:
+        route.check_served(leaf, route.axes_of(axis_name))
+        axes = groups.normalize_axes("lax.pbroadcast", route.axes_of(axis_name))
+        size = groups.axis_size(axes)
+        root = int(source)
+        if not -size <= root < size:  # jax.lax indexes the group with source
+            raise route.definite(IndexError(
+                f"jaxcomm.lax.pbroadcast: source={source} is out of range for a group of "
+                f"{size} ranks over axis {groups.describe(axes)}"))
+        return broadcast.broadcast_leaf(leaf, axes, root % size, None, None, invariant=False)
 
-        return route.run("pbroadcast", ours, lambda: lax.pbroadcast(leaf, axis_name, source))
-
-    return jax.tree.map(leaf_op, x)
+    return _per_leaf("pbroadcast", x, ours, lambda leaf: lax.pbroadcast(leaf, axis_name, source))
 
 
 def ragged_all_to_all(operand: Any, output: Any, input_offsets: Any, send_sizes: Any,
