@@ -2,7 +2,9 @@
 
 The ops run inside ``jax.shard_map`` (under ``jax.jit``) over mesh axes, with the
 semantics of their ``jax.lax`` namesakes; on CPU they are jaxcomm's own XLA FFI
-handlers. See README.md for the API table and configuration.
+handlers. See README.md for the API table and configuration. ``jaxcomm.lax`` has jax.lax's
+collectives with jax.lax's signatures and results, and ``jaxcomm.use_for_lax()`` routes
+``jax.lax``'s own names there (docs/lax.md).
 """
 
 from jaxcomm._src.distributed import init
@@ -14,6 +16,8 @@ from jaxcomm._src.ops.ragged import ragged_all_to_all
 from jaxcomm._src.ops.reduce import all_reduce, reduce_scatter
 
 from jaxcomm import ft, moe  # noqa: E402  (jaxcomm.ft.all_reduce, jaxcomm.moe.dispatch / combine)
+from jaxcomm import lax  # noqa: E402  (jax.lax's collectives, computed by jaxcomm)
+from jaxcomm._src.dropin.switch import LaxSwitch, use_for_lax  # noqa: E402
 from jaxcomm import trace  # noqa: E402  (flight recorder: dump, analyze, export)
 from jaxcomm._src.stats import reset_stats, stats  # noqa: E402
 
@@ -26,6 +30,8 @@ __all__ = [
     "broadcast",
     "ft",
     "init",
+    "lax",
+    "LaxSwitch",
     "moe",
     "ppermute",
     "ragged_all_to_all",
@@ -33,4 +39,5 @@ __all__ = [
     "reset_stats",
     "stats",
     "trace",
+    "use_for_lax",
 ]
