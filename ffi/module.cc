@@ -233,11 +233,15 @@ NB_MODULE(_jaxcomm, m) {
   m.def("trace_reset_stats", [] { jaxcomm::Registry::Get().recorder().ResetStats(); },
         "Zeroes the counters behind trace_stats().");
 
-  m.def("trace_round_cost_ns", [](int ranks, int rounds, size_t entries) {
+  m.def("trace_round_cost_ns", [](int ranks, int rounds, size_t entries, const std::string& dir) {
     nb::gil_scoped_release release;
-    return jaxcomm::FlightRecorder::MeasureRoundCostNs(ranks, rounds, entries);
-  }, nb::arg("ranks"), nb::arg("rounds"), nb::arg("entries") = 2048,
-     "The recorder's CPU cost of one round of `ranks` ranks (ns), on a private recorder.");
+    return jaxcomm::FlightRecorder::MeasureRoundCostNs(ranks, rounds, entries, dir);
+  }, nb::arg("ranks"), nb::arg("rounds"), nb::arg("entries") = 2048, nb::arg("dir") = "",
+     "The recorder's CPU cost of one round of `ranks` ranks (ns), on a private recorder "
+     "(its rings in a file in `dir`, or in memory when '').");
+
+  m.def("trace_ring_file", [] { return jaxcomm::Registry::Get().recorder().RingFile(); },
+        "The flight recorder's file-backed rings (JAXCOMM_TRACE_DIR), '' before the first call.");
 
   m.def("fault_error", [] { return jaxcomm::Registry::Get().faults().error(); },
         "Why JAXCOMM_FAULT was rejected ('' when it parsed or is unset).");
