@@ -458,12 +458,17 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
         cs.sort(key=lambda c: min(e["enqueue_us"] for e in c.entries.values()))
         first = cs[0]
         start = min(e["enqueue_us"] for e in first.entries.values())
+        owners = sorted({process_of[r] for r in left if r in process_of})
+        who = (f"process{'es' if len(owners) > 1 else ''} "
+               f"{', '.join(map(str, owners))} (ranks {_ranks(list(left))})" if owners
+               else f"ranks {_ranks(list(left))}")
         findings.append(Finding(
-            "dead", f"ranks {_ranks(list(left))} were left out of {len(cs)} fault-tolerant "
-            f"call(s) from {first.where()} on; the others went on without them" +
+            "dead", f"{who} {'were' if len(left) > 1 else 'was'} left out of {len(cs)} "
+            f"fault-tolerant call(s) from {first.where()} on; the others went on without "
+            f"{'them' if len(left) > 1 else 'it'}" +
             (f"; process(es) {_ranks(gone)} left no dump (died or killed)" if gone else ""),
             op=first.op, call_site=first.call_site, axis=first.axis, execution=first.key[2],
-            culprits=list(left), waiting=first.arrived, seconds=start / 1e6,
+            culprits=list(left), waiting=first.arrived, seconds=start / 1e6, processes=owners,
             details=[f"rank {r}: {_last_seen(by_rank.get(r, []))}" for r in left]))
 
     # Arrival skew of completed calls whose every rank is in the dumps.
