@@ -161,6 +161,7 @@ def _command(argv: Sequence[str], module: bool) -> list[str]:
 
 def _rank_env(base: dict[str, str], n: int, rank: int, devices: int, coordinator: str,
               job_id: str, keep_going: bool = False, secret: str = "") -> dict[str, str]:
+    secret = secret or _dist.new_job_secret()
     env = dict(base)
     if keep_going:
         env[_dist.ENV_KEEP_GOING] = "1"
@@ -180,7 +181,7 @@ def _rank_env(base: dict[str, str], n: int, rank: int, devices: int, coordinator
         _dist.ENV_JOB_ID: job_id,
         _dist.ENV_LAUNCHER_PID: str(os.getpid()),
         _dist.ENV_SERVICE: "external",
-        _dist.ENV_SECRET: secret or _dist.new_job_secret(),
+        _dist.ENV_SECRET: secret,
     })
     return env
 
@@ -464,7 +465,12 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
     out = _Output(capture, stdout, stderr)
     service = _Service(n, port, {**base, _dist.ENV_JOB_ID: job_id}, keep_going, out)
     coordinator = service.address
-    secret = _dist.new_job_secret()
+    # A secret given in the environment is the job's (tests, or a scheduler that draws
+    # it); else a fresh one.
+    secret = base.get(_dist.ENV_SECRET) or _dist.new_job_secret()
+    if not _dist._SECRET_RE.match(secret):
+        service.stop()
+        raise ValueError(f"{_dist.ENV_SECRET} must be 64 lowercase hex digits")
     trace_dir = base.get("JAXCOMM_TRACE_DIR") or None
 
     procs: list[subprocess.Popen] = []
