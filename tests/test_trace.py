@@ -190,7 +190,13 @@ T = {"hang": 2, "late": 2, "mismatch": 2, "exit": 2, "stuck": 6}.get(mode, 30)
 if mode == "stuck":  # a dump by SIGUSR1 while the ranks still wait (before the timeout)
     import shutil, threading
     def _poke():
-        time.sleep(2)
+        # Once the 7 other ranks wait in the hung call (however slow compiling was).
+        t = time.time() + 60
+        while time.time() < t and sum(
+                e["op"] == "all_gather" and e["execution"] == 2 and e["state"] == "pending"
+                for e in jaxcomm.trace.snapshot()["entries"]) < 7:
+            time.sleep(0.05)
+        time.sleep(1.2)  # waited long enough to count as stuck (stuck_s=1)
         os.kill(os.getpid(), signal.SIGUSR1)
         t = time.time() + 10
         while _jaxcomm.trace_auto_dumps() < 1 and time.time() < t:
