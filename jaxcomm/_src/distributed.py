@@ -309,6 +309,12 @@ def _install_fail_fast() -> None:
         global _failed_with
         _failed_with = 128 + int(signal.SIGINT) if issubclass(tp, KeyboardInterrupt) else 1
         previous(tp, value, tb)
+        text = str(value)
+        if "jaxcomm" in text and "Error dispatching computation" in text:
+            # JAX wrapped the error once per computation the failed one fed: the first
+            # failure, on a line of its own.
+            from jaxcomm.trace import causes
+            print(f"jaxcomm: the first failure: {causes.clean(text)}", file=sys.stderr)
 
     def exit_now() -> None:
         if _failed_with is None:
