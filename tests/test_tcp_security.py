@@ -192,3 +192,46 @@ def test_intruders_are_refused_and_the_job_is_undisturbed(tmp_path) -> None:
     for rank in range(N):
         logged = [l for l in sink.all if l.startswith(f"[{rank}] jaxcomm: refused a TCP connection")]
         assert 4 <= len(logged) <= 16, logged
+
+
+ADDRESS_WORKER = """
+import socket
+import numpy as np
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jaxcomm
+from jaxcomm._src import transport
+
+def listening_address(port):  # the address a listener on `port` of this host is bound to
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            addr, p = cols[1].split(":")
+            if cols[3] == "0A" and int(p, 16) == port:
+                return socket.inet_ntoa(bytes.fromhex(addr)[::-1])
+
+jaxcomm.init()
+mesh = jax.make_mesh((jax.device_count(),), ("x",))
+f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"),
+                          out_specs=P("x")))
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
+                                           np.full((1, 2), 1.0 + jax.process_index(), np.float32))
+y = np.asarray(f(x).addressable_shards[0].data)
+e = transport._endpoint()
+print("ENDPOINT", e["address"], listening_address(e["port"]), y.tolist(), flush=True)
+"""
+
+
+def test_listener_takes_the_address_it_is_given(tmp_path) -> None:
+    """JAXCOMM_TCP_ADDRESS names the interface: the listener binds it, and only it, and
+    the peers connect to it (127.0.0.2: another address of this host's loopback)."""
+    script = tmp_path / "worker.py"
+    script.write_text(ADDRESS_WORKER)
+    env = dict(os.environ, JAXCOMM_TRANSPORT="tcp", JAX_PLATFORMS="cpu",
+               JAXCOMM_TCP_ADDRESS="127.0.0.2", JAXCOMM_TIMEOUT_S="60")
+    res = launch.launch([str(script)], N, env=env, capture=True, timeout_s=120,
+                        cwd=str(tmp_path))
+    assert res.returncode == 0, res.format()
+    for rank in range(N):
+        (line,) = [l for l in res.output(rank).splitlines() if l.startswith("ENDPOINT ")]
+        assert line == "ENDPOINT 127.0.0.2 127.0.0.2 [[3.0, 3.0]]", res.format()
