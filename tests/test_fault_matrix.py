@@ -25,7 +25,6 @@ half, each of those over the other transport, runs with ``JAXCOMM_TEST_SLOW=1``.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import re
 import textwrap
@@ -145,50 +144,3 @@ def test_fault_matrix(tmp_path, kind: str, half: str) -> None:
     print("\n".join(f"{kind} at {pos} ({_transport(kind, pos, half)}): {v}"
                     for pos, v in verdicts.items()))
 
-
-FT_SCRIPT = textwrap.dedent("""
-    import json, os, signal
-    import numpy as np
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import jaxcomm
-
-    jaxcomm.init()
-    rank = jax.process_index()
-    mesh = jax.make_mesh((jax.device_count(),), ("dp",))
-    f = jax.jit(jax.shard_map(lambda v: jaxcomm.ft.all_reduce(v, "dp", timeout_s=20.0),
-                              mesh=mesh, in_specs=P("dp"), out_specs=(P(), P()),
-                              check_vma=False))
-    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("dp")),
-                                               np.full((1, 2), 10.0 ** rank, np.float32))
-    for step in range(4):
-        if rank == 0 and step == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        total, mask = f(x)
-        print("RESULT", json.dumps({"step": step,
-              "total": np.asarray(total.addressable_shards[0].data).tolist(),
-              "mask": np.asarray(mask.addressable_shards[0].data).tolist()}), flush=True)
-""")
-
-
-def test_ft_all_reduce_goes_on_without_process_0(tmp_path) -> None:
-    """Process 0 no longer hosts the coordination service: when it dies, the survivors'
-    fault-tolerant all_reduce leaves it out and they finish (JAX does not abort them)."""
-    script = tmp_path / "ft.py"
-    script.write_text(FT_SCRIPT)
-    env = dict(os.environ, JAXCOMM_TRANSPORT="tcp", JAXCOMM_TRACE_DIR=str(tmp_path / "trace"),
-               JAX_PLATFORMS="cpu")
-    res = launch.launch([str(script)], N, env=env, capture=True, timeout_s=150, keep_going=True,
-                        cwd=str(tmp_path))
-    assert res.returncodes[0] == -9 and res.returncodes[1:] == [0] * (N - 1), res.format()
-    assert res.terminated == [] and _job_processes(res.job_id) == []
-    for rank in range(1, N):
-        steps = [json.loads(line.split(" ", 1)[1]) for line in res.output(rank).splitlines()
-                 if line.startswith("RESULT ")]
-        assert [s["step"] for s in steps] == list(range(4)), res.format()
-        for s in steps:
-            alive = [r for r in range(N) if r != 0 or s["step"] < 2]
-            assert s["mask"] == [r in alive for r in range(N)], s
-            assert s["total"] == [[sum(10.0 ** r for r in alive)] * 2], s
-    report = analyzer.analyze(tmp_path / "trace")
-    assert report.kind == "dead" and report.findings[0].processes == [0], report.text()

@@ -538,6 +538,20 @@ def kv_client() -> Any:
 _job_id: str | None = None
 
 
+def _agree(key: str, proposal: str, timeout_s: float) -> str:
+    """One value for ``key`` in every process: each proposes one in the key-value store
+    and the first write wins (no process has to go first). ``proposal`` when there is
+    no store (a single process)."""
+    client = kv_client()
+    if client is None:
+        return proposal
+    try:
+        client.key_value_set(key, proposal)
+    except Exception:  # someone else's proposal was first: use theirs
+        pass
+    return client.blocking_key_value_get(key, int(timeout_s * 1000))
+
+
 def _ensure_job_id(timeout_s: float = 60.0) -> str:
     """Agrees one job id among all processes and puts it into ``JAXCOMM_JOB_ID``.
 
@@ -552,14 +566,7 @@ def _ensure_job_id(timeout_s: float = 60.0) -> str:
         return given
     if _job_id is not None:
         return _job_id
-    client = kv_client()
-    job_id = new_job_id()
-    if client is not None:
-        try:
-            client.key_value_set(_JOB_ID_KEY, job_id)
-        except Exception:  # someone else's proposal was first: use theirs
-            pass
-        job_id = client.blocking_key_value_get(_JOB_ID_KEY, int(timeout_s * 1000))
+    job_id = _agree(_JOB_ID_KEY, new_job_id(), timeout_s)
     _job_id = job_id
     os.environ[ENV_JOB_ID] = job_id
     return job_id
@@ -605,13 +612,6 @@ def job_secret(timeout_s: float = 60.0) -> bytes:
                              f"jaxcomm.launch; was the environment edited?)")
         secret = given
     else:
-        client = kv_client()
-        secret = new_job_secret()
-        if client is not None:
-            try:
-                client.key_value_set(_SECRET_KEY, secret)
-            except Exception:  # another process's proposal was first: use theirs
-                pass
-            secret = client.blocking_key_value_get(_SECRET_KEY, int(timeout_s * 1000))
+        secret = _agree(_SECRET_KEY, new_job_secret(), timeout_s)
     _job_secret = bytes.fromhex(secret)
     return _job_secret
