@@ -318,7 +318,7 @@ class _Service:
         why = ""
         for _ in range(1 if port else 3):
             address = f"127.0.0.1:{port or free_port()}"
-            # -s: no user site; the script imports only jaxlib (found on PYTHONPATH).
+            # Run as a script: it imports only jaxlib, not jaxcomm's package (nor jax).
             cmd = [sys.executable, coordinator.__file__, "--address", address,
                    "--processes", str(n), "--heartbeat-s", str(heartbeat),
                    "--shutdown-s", str(shutdown)] + (["--recoverable"] if keep_going else [])
@@ -331,7 +331,8 @@ class _Service:
                 threading.Thread(target=self._forward, args=(out,), daemon=True,
                                  name="jaxcomm-launch-service").start()
                 return
-            why = line or "it exited" if self.proc.poll() is not None else "it did not start"
+            why = line or ("it exited" if self.proc.poll() is not None
+                           else f"it did not listen within {_SERVICE_START_S:g} s")
             self.stop()
         raise RuntimeError(f"could not start the job's coordination service on {address}: {why}")
 
@@ -463,14 +464,13 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
     cmd = _command(argv, module)
     base = dict(os.environ if env is None else env)
     out = _Output(capture, stdout, stderr)
-    service = _Service(n, port, {**base, _dist.ENV_JOB_ID: job_id}, keep_going, out)
-    coordinator = service.address
     # A secret given in the environment is the job's (tests, or a scheduler that draws
     # it); else a fresh one.
     secret = base.get(_dist.ENV_SECRET) or _dist.new_job_secret()
     if not _dist._SECRET_RE.match(secret):
-        service.stop()
         raise ValueError(f"{_dist.ENV_SECRET} must be 64 lowercase hex digits")
+    service = _Service(n, port, {**base, _dist.ENV_JOB_ID: job_id}, keep_going, out)
+    coordinator = service.address
     trace_dir = base.get("JAXCOMM_TRACE_DIR") or None
 
     procs: list[subprocess.Popen] = []
@@ -504,7 +504,6 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
                                          stderr=subprocess.PIPE, cwd=cwd, start_new_session=True)
             except OSError as exc:
                 _kill_all(procs)
-                service.stop()
                 raise RuntimeError(f"could not start rank {rank} of {n} "
                                    f"({' '.join(cmd)}): {exc}") from exc
             procs.append(p)

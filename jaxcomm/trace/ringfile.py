@@ -83,7 +83,7 @@ def read(path: str | os.PathLike[str]) -> dict[str, Any] | None:
                 algorithm=site["algorithm"],
                 left_out=[r for r in range(64) if left_out >> r & 1],
                 state=_STATES[state], error=errors.get((partition, seq)),
-                enqueue_us=enq or None, start_us=start or None, end_us=end or None))
+                enqueue_us=enq, start_us=start or None, end_us=end or None))
     return {"format": "jaxcomm-trace", "version": 1, "reason": "ring file",
             "process_index": process, "pid": pid,
             "host": host.split(b"\0", 1)[0].decode("utf-8", "replace"),
