@@ -98,6 +98,7 @@ class LaunchResult:
         those that failed first, not those that gave up on them.
       verdict: the flight recorder analyzer's verdict line over this job's records
         (``JAXCOMM_TRACE_DIR`` set and the job failed), else "".
+      exit_times: when each rank was seen to end (``time.monotonic()``).
     """
 
     returncode: int

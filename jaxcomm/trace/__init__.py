@@ -104,7 +104,7 @@ def analyze(directory: str | os.PathLike[str], **kwargs: Any) -> Any:
 def _dump_at_exit() -> None:
     # A process that recorded no call (the launcher, a tool importing jaxcomm) leaves no
     # dump: an empty one would look like one more process of the job.
-    if not snapshot("exit")["ranks"]:
+    if not _jaxcomm.trace_stats():  # no call site described: nothing was recorded
         return
     try:
         dump(_jaxcomm.trace_dir(), reason="exit")
