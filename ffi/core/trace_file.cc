@@ -77,6 +77,13 @@ int64_t NowUs() {
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
+// Constructs `n` entries at `mem` one by one (an array new may put a cookie first).
+TraceEntry* Entries(void* mem, size_t n) {
+  auto* entries = static_cast<TraceEntry*>(mem);
+  for (size_t i = 0; i < n; ++i) new (&entries[i]) TraceEntry();
+  return entries;
+}
+
 }  // namespace
 
 // The header's layout is what ringfile.py reads: pin every offset.
@@ -176,7 +183,7 @@ TraceFile::RingMemory TraceFile::AddRing(int64_t partition, int64_t process) {
     }
     if (mem != MAP_FAILED) {
       mappings_.emplace_back(mem, ring_stride_);
-      ring.entries = new (mem) TraceEntry[entries_];
+      ring.entries = Entries(mem, entries_);
       auto* dir = reinterpret_cast<DirEntry*>(base + kDirOffset) + k;
       dir->partition = partition;
       ring.next = new (&dir->next) std::atomic<uint64_t>(0);
@@ -189,7 +196,7 @@ TraceFile::RingMemory TraceFile::AddRing(int64_t partition, int64_t process) {
   void* mem = mmap(nullptr, ring_stride_ + kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (mem == MAP_FAILED) return ring;
   mappings_.emplace_back(mem, ring_stride_ + kPage);
-  ring.entries = new (mem) TraceEntry[entries_];
+  ring.entries = Entries(mem, entries_);
   ring.next = new (static_cast<char*>(mem) + ring_stride_) std::atomic<uint64_t>(0);
   return ring;
 }
