@@ -7,6 +7,19 @@ collectives with jax.lax's signatures and results, and ``jaxcomm.use_for_lax()``
 ``jax.lax``'s own names there (docs/lax.md).
 """
 
+try:
+    from jaxcomm import _jaxcomm  # noqa: F401  (the C++ extension every op needs)
+except ImportError as _missing:  # pragma: no cover - depends on how jaxcomm was found
+    import os as _os
+
+    raise ImportError(
+        "jaxcomm's compiled extension (_jaxcomm) is missing from "
+        f"{_os.path.dirname(_os.path.abspath(__file__))}. That is a source tree, not an "
+        "installed jaxcomm: Python found it first because the current directory (or "
+        "PYTHONPATH) holds it. Install it with `pip install .` and run from another "
+        "directory, or copy a built _jaxcomm*.so into that folder."
+    ) from _missing
+
 from jaxcomm._src.distributed import init
 from jaxcomm._src.ops.alltoall import all_to_all
 from jaxcomm._src.ops.broadcast import broadcast
