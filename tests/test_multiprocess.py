@@ -35,6 +35,18 @@ def jaxcomm_segments() -> set[str]:
 TWO_PER_HOST = 'os.environ["JAXCOMM_HOST_ID"] = f"test-host-{RANK // 2}"\n'
 
 
+# What check_ops.py prints for each mesh and axis ("CHECKED <tag> <case>"), and for the
+# large operands of the first two ("CHECKED <tag> streamed<case>").
+CHECKED_CASES = ["all_reduce sum", "all_reduce max", "all_reduce prod", "all_gather",
+                 "all_gather axis 1", "reduce_scatter", "reduce_scatter dim 1", "all_to_all",
+                 "all_to_all split 1 concat 0", "ppermute", "broadcast", "ragged_all_to_all",
+                 "moe packed", "moe padded"]
+STREAMED_CASES = [" all_reduce sum", " all_reduce max", " all_gather", " reduce_scatter",
+                  " all_to_all", " ppermute", " donated all_reduce in place",
+                  " float16 all_reduce", " float16 reduce_scatter", " bfloat16 all_reduce",
+                  " bfloat16 reduce_scatter"]
+
+
 # JAXCOMM_NONTEMPORAL_BYTES=1: every result, however small, is written with streaming
 # stores (ffi/cpu/result_stores.h), in the shared-memory streams and across hosts too.
 # JAXCOMM_SINGLE_COPY=0: the streams go through the ring where they would read the peers'
@@ -59,10 +71,18 @@ def test_every_op_matches_numpy_across_processes(processes: int, devices: int, t
     env = {"JAXCOMM_TRANSPORT": "auto" if transport == "hosts" else transport, **settings}
     res = run_script(body, processes, devices, env=env, timeout_s=180)
     assert_ok(res)
+    # Every case of every mesh and axis checked, in every process: none silently skipped.
+    tags, streamed_tags = (["p", "l", "pl", "transposed p", "transposed lp"], ["pl", "transposed p"]
+                           ) if devices > 1 else (["x"], ["x"])
+    want = {f"{t} {c}" for t in tags for c in CHECKED_CASES} | {
+        f"{t} streamed{c}" for t in streamed_tags for c in STREAMED_CASES}
+    if transport == "hosts":
+        want.add("hierarchical")
     for rank in range(processes):
         assert "ALL CHECKED" in res.output[rank], res.format()
-        # Seven ops per mesh axis case: none silently skipped.
-        assert res.output[rank].count("CHECKED") >= 8
+        checked = [line.split("CHECKED ", 1)[1] for line in res.output[rank].splitlines()
+                   if line.startswith("CHECKED ")]
+        assert sorted(checked) == sorted(want), res.format()
     assert jaxcomm_segments() <= before
 
 
@@ -172,28 +192,45 @@ def test_killed_process_in_a_phased_round_is_named_by_every_survivor(
 LATE_PROCESS = """
 import time
 mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
-f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_gather(v, "x", tiled=True, timeout_s=2.0),
-                          mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+def program(timeout_s):
+    return jax.jit(jax.shard_map(lambda v: jaxcomm.all_gather(v, "x", tiled=True, timeout_s=timeout_s),
+                                 mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
 x = jax.device_put(np.arange(jax.device_count(), dtype=np.float32), NamedSharding(mesh, P("x")))
-f.lower(x).compile()
+within, past = program(5.0), program(2.0)
+# Process 1 comes 1 s late, within the 5 s deadline: the call completes everywhere.
 if RANK == 1:
-    time.sleep(6)   # alive, but never arrives within the deadline
+    time.sleep(1)
+print("WITHIN", np.asarray(within(x).addressable_shards[0].data).tolist(), flush=True)
+past(x).block_until_ready()  # compiled, and both processes past the first call
+from jaxcomm._src import distributed
+kv = distributed.kv_client()
+if RANK == 1:
+    # Alive, but never arrives: waits until process 0 is done.
+    kv.blocking_key_value_get("test/late/done", 60000)
     os._exit(0)
+start = time.monotonic()
 try:
-    f(x).block_until_ready()
+    past(x).block_until_ready()
     print("NO ERROR", flush=True)
 except Exception as e:
+    print("ELAPSED", time.monotonic() - start, flush=True)
     print("ERROR", str(e).replace("\\n", " "), flush=True)
+kv.key_value_set("test/late/done", "1")
 os._exit(0)
 """
 
 
-def test_timeout_names_the_process_that_did_not_arrive() -> None:
+def test_late_process_within_the_deadline_completes_past_it_fails_at_the_deadline() -> None:
     res = run_script(LATE_PROCESS, 2, 1, timeout_s=60, grace_s=10)
+    for rank in range(2):
+        assert f"WITHIN {[0.0, 1.0]}" in res.output[rank], res.format()
     line = next((l for l in res.output[0].splitlines() if "ERROR" in l), "")
     assert line.startswith("ERROR DEADLINE_EXCEEDED"), res.format()
     assert "timed out" in line and "process 1" in line and "ranks [1]" in line, line
     assert "did not arrive at this call" in line and "jaxcomm.all_gather" in line, line
+    # Not before the deadline, nor long after it (a generous bound for a loaded machine).
+    elapsed = float(next(l for l in res.output[0].splitlines() if l.startswith("ELAPSED")).split()[1])
+    assert 2.0 <= elapsed < 30.0, elapsed
 
 
 TWO_MESHES = """
