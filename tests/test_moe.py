@@ -239,6 +239,11 @@ def test_gradients(padded, backend, monkeypatch):
     g = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
     ids_d = jax.device_put(ids, sh)
     f = lambda x, w: g(jax.reshard(x, sh), ids_d, jax.reshard(w, sh))
+    # check_grads compares with f's own finite differences: f itself must be right too.
+    want_ex, _, row_of, _ = np_dispatch(x, ids, E, padded=padded)
+    want_ey = np.tanh(want_ex) * (np.asarray(scale)[None, :, None, None] if padded else 1.5)
+    np.testing.assert_allclose(np.asarray(f(jax.device_put(x, sh), jax.device_put(w, sh))),
+                               np_combine(want_ey, row_of, w, T, H), rtol=1e-5, atol=1e-6)
     # Forward and reverse mode, and reverse over reverse (the transports' transposes are
     # transports again, so second order needs no extra rule).
     jtu.check_grads(f, (jax.device_put(x, sh), jax.device_put(w, sh)), order=2,

@@ -122,7 +122,8 @@ def test_doc_example():
     np.testing.assert_array_equal(got, np_ragged(operand, output, io, ss, oo))
 
 
-@pytest.mark.parametrize("R,m,dtype", [(8, 1, np.float32), (4, 3, np.int32), (8, 2, jnp.bfloat16)])
+@pytest.mark.parametrize("R,m,dtype", [(8, 1, np.float32), (4, 3, np.int32), (8, 2, jnp.bfloat16),
+                                       (5, 2, np.float32), (6, 1, np.int32), (7, 1, np.float32)])
 def test_random_against_numpy(R, m, dtype):
     n_op, n_out, h = 10, 16, 3
     io, ss, oo, rs = random_case(R, m, n_op, n_out, seed=R * 10 + m)
@@ -232,6 +233,9 @@ def test_check_grads_second_order():
     a = jax.device_put(rng.normal(size=(R, 4, 2)).astype(np.float32), NamedSharding(mesh, P("x")))
     b = jax.device_put(rng.normal(size=(R, 6, 2)).astype(np.float32), NamedSharding(mesh, P("x")))
     sh = NamedSharding(mesh, P("x"))
+    # check_grads compares with g's own finite differences: g itself must be right too.
+    np.testing.assert_array_equal(np.asarray(g(a, b, *idx)),
+                                  np_ragged(np.asarray(a), np.asarray(b), io, ss, oo))
     jtu.check_grads(lambda a, b: g(jax.reshard(a, sh), jax.reshard(b, sh), *idx), (a, b), order=2, modes=["fwd", "rev"],
                               atol=1e-2, rtol=1e-2)
 
