@@ -5,20 +5,15 @@ from __future__ import annotations
 import os
 import re
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import test_util as jtu
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax import test_util as jtu  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-import jaxcomm  # noqa: E402
-from conftest import per_device  # noqa: E402
+import jaxcomm
+from conftest import per_device
 
 R = 8
 

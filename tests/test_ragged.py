@@ -4,23 +4,15 @@ the pure-JAX fallback (JAXCOMM_BACKEND=xla)."""
 
 from __future__ import annotations
 
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import test_util as jtu
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-from jax import test_util as jtu  # noqa: E402
-
-import jaxcomm  # noqa: E402
-from conftest import per_device  # noqa: E402
+import jaxcomm
+from conftest import per_device
 
 
 def _mesh(r: int):

@@ -4,25 +4,18 @@ the jax.lax fallback and its HLO, and composition with pjit-style sharded progra
 from __future__ import annotations
 
 import os
+import re
+import threading
+import time
 
-# Standalone use (without tests/conftest.py): 8 emulated CPU devices, set before jax loads.
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-import re  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
-
-import jaxcomm  # noqa: E402
+import jaxcomm
 
 R = 8
 MESH = jax.make_mesh((R,), ("x",))  # Explicit axes: inputs are placed with device_put

@@ -7,27 +7,19 @@ lax control flow (scan, fori_loop, cond), and the varying/invariant typing of re
 
 from __future__ import annotations
 
-import os
+import functools
 import re
 
-# Standalone use (without tests/conftest.py): 8 emulated CPU devices, set before jax loads.
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, PartitionSpec as P
+from jax.test_util import check_grads
 
-import functools  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
-from jax.test_util import check_grads  # noqa: E402
-
-import jaxcomm  # noqa: E402
-from jaxcomm._src import compat  # noqa: E402
+import jaxcomm
+from jaxcomm._src import compat
 
 R = 8
 # Auto axes: shard_map reshards its inputs itself, so the perturbed/derived inputs that
