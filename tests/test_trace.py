@@ -15,19 +15,13 @@ import socket
 import subprocess
 import sys
 
-# Standalone use (without tests/conftest.py): 8 emulated CPU devices, set before jax loads.
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-import jaxcomm  # noqa: E402
-from jaxcomm.trace import analyzer, causes, exporter, ringfile  # noqa: E402
+import jaxcomm
+from jaxcomm.trace import analyzer, causes, exporter, ringfile
 
 R = 8
 MESH = jax.make_mesh((R,), ("x",))
@@ -174,7 +168,6 @@ def test_dump_json_schema(tmp_path):
 _CHILD = r"""
 import os, signal, sys, time
 mode, out = sys.argv[1], sys.argv[2]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -240,9 +233,11 @@ if mode == "signal":
 
 
 def _env(**extra):
+    """This session's environment (8 CPU devices: tests/conftest.py), jaxcomm importable,
+    without fault or recorder settings."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    for k in ("JAXCOMM_FAULT", "JAXCOMM_TRACE_DIR", "JAXCOMM_TRACE_ENTRIES", "XLA_FLAGS"):
+    for k in ("JAXCOMM_FAULT", "JAXCOMM_TRACE_DIR", "JAXCOMM_TRACE_ENTRIES"):
         env.pop(k, None)
     env.update(extra)
     return env
@@ -401,8 +396,7 @@ def test_injected_exit(tmp_path):
 
 
 def test_trace_entries_zero_turns_the_recorder_off():
-    code = ("import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n"
-            "import jax, jax.numpy as jnp, jaxcomm\n"
+    code = ("import jax, jax.numpy as jnp, jaxcomm\n"
             "from jax.sharding import NamedSharding, PartitionSpec as P\n"
             "mesh = jax.make_mesh((8,), ('x',))\n"
             "x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('x')))\n"
