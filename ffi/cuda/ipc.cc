@@ -167,13 +167,13 @@ ffi::ErrorOr<std::vector<PeerInfo>> ProcessPeerRoute::Exchange(const PeerCallKey
     IpcRecord peer;
     std::memcpy(&peer, theirs[i].data(), sizeof(peer));
     PeerInfo& info = all[rank_of_peer_[i]];
-    for (size_t b = 0; b < peer.buffers.size(); ++b) {
-      std::string e = ipc.Import(peer.buffers[b], device_, &info.ptr[b]);
-      if (e.empty()) e = b == 0 ? ipc.ImportEvent(peer.ready, device_, &info.ready) : "";
-      if (e.empty()) e = b == 0 ? ipc.ImportEvent(peer.done, device_, &info.done) : "";
-      if (!e.empty()) {
-        return ffi::Unexpected(Failed(ctx, "mapping rank " + std::to_string(rank_of_peer_[i]) + "'s buffers", e, false));
-      }
+    std::string e = ipc.ImportEvent(peer.ready, device_, &info.ready);
+    if (e.empty()) e = ipc.ImportEvent(peer.done, device_, &info.done);
+    for (size_t b = 0; b < peer.buffers.size() && e.empty(); ++b) {
+      e = ipc.Import(peer.buffers[b], device_, &info.ptr[b]);
+    }
+    if (!e.empty()) {
+      return ffi::Unexpected(Failed(ctx, "mapping rank " + std::to_string(rank_of_peer_[i]) + "'s buffers", e, false));
     }
   }
   return all;
