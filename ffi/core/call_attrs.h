@@ -16,6 +16,20 @@ namespace jaxcomm {
 
 namespace ffi = xla::ffi;
 
+// Binds the attributes every jaxcomm custom call carries, in this order: call_site (str),
+// axis (str), timeout_ms (int64), groups (int64 span), group_size (int64),
+// partition_devices (int64 span). Both backends' handlers bind them through this.
+template <typename B>
+auto BindCallAttrs(B&& b) {
+  return std::forward<B>(b)
+      .template Attr<std::string_view>("call_site")
+      .template Attr<std::string_view>("axis")
+      .template Attr<int64_t>("timeout_ms")
+      .template Attr<ffi::Span<const int64_t>>("groups")
+      .template Attr<int64_t>("group_size")
+      .template Attr<ffi::Span<const int64_t>>("partition_devices");
+}
+
 // The replica groups and (process, device ordinal) per partition of one instruction,
 // checked: every group member names a partition of the mesh.
 struct GroupAttrs {

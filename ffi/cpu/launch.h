@@ -37,16 +37,10 @@ struct Common {
 // PartitionId inside a shard_map that is manual over only some mesh axes.
 template <typename B, typename F>
 auto BindCommon(B&& b, F&& bind_buffers) {
-  return std::forward<F>(bind_buffers)(std::move(b)
-                                           .template Ctx<ffi::State<InstructionState>>()
-                                           .template Ctx<ffi::RunId>()
-                                           .template Ctx<ffi::DeviceOrdinal>())
-      .template Attr<std::string_view>("call_site")
-      .template Attr<std::string_view>("axis")
-      .template Attr<int64_t>("timeout_ms")
-      .template Attr<ffi::Span<const int64_t>>("groups")
-      .template Attr<int64_t>("group_size")
-      .template Attr<ffi::Span<const int64_t>>("partition_devices");
+  return BindCallAttrs(std::forward<F>(bind_buffers)(std::move(b)
+                                                         .template Ctx<ffi::State<InstructionState>>()
+                                                         .template Ctx<ffi::RunId>()
+                                                         .template Ctx<ffi::DeviceOrdinal>()));
 }
 
 // Binds `N` operands and one result, all AnyBuffer.

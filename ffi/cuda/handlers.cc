@@ -438,18 +438,6 @@ ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoe(JAXCOMM_COMMON_PARAMS, int64_t 
 #undef JAXCOMM_COMMON_ARGS
 #undef JAXCOMM_COMMON_PARAMS
 
-// Binds the attributes every custom call carries, in InstX's parameter order.
-template <typename B>
-auto CommonBinding(B&& b) {
-  return std::move(b)
-      .template Attr<std::string_view>("call_site")
-      .template Attr<std::string_view>("axis")
-      .template Attr<int64_t>("timeout_ms")
-      .template Attr<ffi::Span<const int64_t>>("groups")
-      .template Attr<int64_t>("group_size")
-      .template Attr<ffi::Span<const int64_t>>("partition_devices");
-}
-
 // The execute stage's context: stream, state, device, run, (scratch).
 template <typename B>
 auto Exec(B&& b) {
@@ -474,28 +462,28 @@ ffi::Error Initialize(CudaState* st, int32_t ordinal) { return st->Initialize(or
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstAllReduce, InstAllReduce,
-                              CommonBinding(ffi::Ffi::BindInstantiate()).Attr<int64_t>("reduce_op"));
+                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("reduce_op"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstAllGather, InstAllGather,
-                              CommonBinding(ffi::Ffi::BindInstantiate()).Attr<int64_t>("axis_index"));
+                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("axis_index"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstReduceScatter, InstReduceScatter,
-                              CommonBinding(ffi::Ffi::BindInstantiate())
+                              BindCallAttrs(ffi::Ffi::BindInstantiate())
                                   .Attr<int64_t>("reduce_op")
                                   .Attr<int64_t>("scatter_dimension"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstAllToAll, InstAllToAll,
-                              CommonBinding(ffi::Ffi::BindInstantiate())
+                              BindCallAttrs(ffi::Ffi::BindInstantiate())
                                   .Attr<int64_t>("split_axis")
                                   .Attr<int64_t>("concat_axis"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstPermute, InstPermute,
-                              CommonBinding(ffi::Ffi::BindInstantiate()).Attr<ffi::Span<const int64_t>>("sources"));
+                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<ffi::Span<const int64_t>>("sources"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstBroadcast, InstBroadcast,
-                              CommonBinding(ffi::Ffi::BindInstantiate()).Attr<int64_t>("root"));
+                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("root"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstRagged, InstRagged,
-                              CommonBinding(ffi::Ffi::BindInstantiate())
+                              BindCallAttrs(ffi::Ffi::BindInstantiate())
                                   .Attr<int64_t>("mode")
                                   .Attr<int64_t>("src_rows")
                                   .Attr<int64_t>("dst_rows"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstMoe, InstMoe,
-                              CommonBinding(ffi::Ffi::BindInstantiate()).Attr<int64_t>("mode"));
+                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("mode"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Initialize, Initialize,
                               ffi::Ffi::BindInitialize().Ctx<ffi::State<CudaState>>().Ctx<ffi::DeviceOrdinal>());

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/registry.h"
+#include "core/round.h"  // Mix
 #include "cuda/backend.h"
 #include "cuda/device_guard.h"
 #include "cuda/process_exchange.h"
@@ -31,13 +32,6 @@ GetAddressRangeFn AddressRange(std::string* error) {
   }();
   if (fn == nullptr) *error = "the CUDA driver has no cuMemGetAddressRange";
   return fn;
-}
-
-uint64_t Mix(uint64_t h, uint64_t v) {
-  uint64_t z = h ^ (v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
 }
 
 }  // namespace

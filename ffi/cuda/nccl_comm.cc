@@ -32,6 +32,14 @@ ncclResult_t WaitWhileInProgress(ncclResult_t r, Clock::time_point deadline, Pol
   return r;
 }
 
+// A communicator's state: its error, or ncclInProgress while a call (or its creation)
+// is still going, else ncclSuccess.
+ncclResult_t State(const NcclApi& api, ncclComm_t comm) {
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t q = api.CommGetAsyncError(comm, &state);
+  return q != ncclSuccess ? q : state;
+}
+
 std::string Millis(Clock::duration d) {
   return std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(d).count()) + " ms";
 }
@@ -62,11 +70,7 @@ ffi::Error Communicator::Run(const CallContext& ctx, const char* what,
   const auto started = Clock::now();
   ncclResult_t r = call(comm_);
   bool timed_out = false;
-  r = WaitWhileInProgress(r, deadline, [&] {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t q = api_->CommGetAsyncError(comm_, &state);
-    return q != ncclSuccess ? q : state;
-  }, &timed_out);
+  r = WaitWhileInProgress(r, deadline, [&] { return State(*api_, comm_); }, &timed_out);
   if (r == ncclSuccess) return ffi::Error::Success();
   std::ostringstream msg;
   msg << ctx.Describe() << ": " << what << " (group " << key_ << ", rank " << rank_ << " of " << size_
@@ -86,9 +90,7 @@ ffi::Error Communicator::Run(const CallContext& ctx, const char* what,
 ncclResult_t Communicator::AsyncError() {
   std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
   if (!lock.owns_lock() || comm_ == nullptr) return ncclSuccess;
-  ncclResult_t state = ncclSuccess;
-  const ncclResult_t q = api_->CommGetAsyncError(comm_, &state);
-  return q != ncclSuccess ? q : state;
+  return State(*api_, comm_);
 }
 
 bool Communicator::TryAbort(const std::string& why) {
@@ -178,11 +180,7 @@ ffi::ErrorOr<std::shared_ptr<Communicator>> CommRegistry::Acquire(
   ncclComm_t comm = nullptr;
   ncclResult_t r = api->CommInitRankConfig(&comm, size, id, rank, &config);
   bool timed_out = false;
-  r = WaitWhileInProgress(r, deadline, [&] {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t q = api->CommGetAsyncError(comm, &state);
-    return q != ncclSuccess ? q : state;
-  }, &timed_out);
+  r = WaitWhileInProgress(r, deadline, [&] { return State(*api, comm); }, &timed_out);
   if (r != ncclSuccess) {
     const std::string why = timed_out ? "did not finish within " + std::to_string(timeout.count()) +
                                             " ms (timeout_s / JAXCOMM_TIMEOUT_S): some rank of the "

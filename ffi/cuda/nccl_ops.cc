@@ -31,6 +31,13 @@ bool NcclReduceType(ffi::DataType dtype, logic::ReduceOp op, ncclDataType_t* typ
   }
 }
 
+// NcclReduceType for the call's operand and reduction, or the call's rejection.
+ffi::Error ReduceType(const Call& c, const ffi::AnyBuffer& x, ncclDataType_t* type, int* per) {
+  return NcclReduceType(x.element_type(), c.attrs().reduce_op, type, per)
+             ? ffi::Error::Success()
+             : Reject(c, "NCCL cannot apply this reduction to this dtype");
+}
+
 ncclRedOp_t NcclOp(logic::ReduceOp op) {
   switch (op) {
     case logic::ReduceOp::kSum: return ncclSum;
@@ -46,9 +53,7 @@ ncclRedOp_t NcclOp(logic::ReduceOp op) {
 ffi::Error NcclAllReduce(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y) {
   ncclDataType_t type;
   int per;
-  if (!NcclReduceType(x.element_type(), c.attrs().reduce_op, &type, &per)) {
-    return Reject(c, "NCCL cannot apply this reduction to this dtype");
-  }
+  JAXCOMM_TRY(ReduceType(c, x, &type, &per));
   const void* in = x.untyped_data();
   void* out = y.untyped_data();
   const size_t n = x.element_count() * per;
@@ -89,9 +94,7 @@ ffi::Error NcclReduceScatter(const Call& c, ffi::ScratchAllocator& scratch, cons
                              ffi::AnyBuffer& y) {
   ncclDataType_t type;
   int per;
-  if (!NcclReduceType(x.element_type(), c.attrs().reduce_op, &type, &per)) {
-    return Reject(c, "NCCL cannot apply this reduction to this dtype");
-  }
+  JAXCOMM_TRY(ReduceType(c, x, &type, &per));
   const size_t R = c.size, item = ItemBytes(x);
   const logic::Split s = SplitOf(x, c.attrs().scatter_dimension, R);
   const char* send = static_cast<const char*>(x.untyped_data());

@@ -61,16 +61,20 @@ PeerOperands Operands(const std::vector<PeerInfo>& all) {
   return p;
 }
 
-// The kernels' element type of a reduction of `t` by `op`, and elements per element.
-bool PeerReduceType(ffi::DataType t, logic::ReduceOp op, Elem* e, int* per) {
-  const bool sum = op == logic::ReduceOp::kSum;
-  if (t == ffi::DataType::PRED) {
+// The reduction kernel's element type for the call's operand and reduction, and elements
+// per element; or the call's rejection.
+ffi::Error PeerReduceType(const Call& c, const ffi::AnyBuffer& x, Elem* e, int* per) {
+  const bool sum = c.attrs().reduce_op == logic::ReduceOp::kSum;
+  bool ok;
+  if (x.element_type() == ffi::DataType::PRED) {
     *e = Elem::kU8;
     *per = 1;
-    return !sum;  // bool sums arrive as int32
+    ok = !sum;  // bool sums arrive as int32
+  } else {
+    ok = ElemOf(x.element_type(), e, per) && (*per == 1 || sum);  // complex: sums only
   }
-  if (!ElemOf(t, e, per)) return false;
-  return *per == 1 || sum;  // complex: sums of the parts only
+  return ok ? ffi::Error::Success()
+            : Reject(c, "jaxcomm's reduction kernel cannot apply this reduction to this dtype");
 }
 
 }  // namespace
@@ -79,9 +83,7 @@ ffi::Error PeerAllReduce(const Call& c, ffi::ScratchAllocator& scratch, const ff
                          ffi::AnyBuffer& y) {
   Elem elem;
   int per;
-  if (!PeerReduceType(x.element_type(), c.attrs().reduce_op, &elem, &per)) {
-    return Reject(c, "jaxcomm's reduction kernel cannot apply this reduction to this dtype");
-  }
+  JAXCOMM_TRY(PeerReduceType(c, x, &elem, &per));
   const void* operand = x.untyped_data();
   if (operand == y.untyped_data()) {
     // The result reuses the operand (XLA aliased them), which the peers still read while
@@ -105,9 +107,7 @@ ffi::Error PeerAllReduce(const Call& c, ffi::ScratchAllocator& scratch, const ff
 ffi::Error PeerReduceScatter(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y) {
   Elem elem;
   int per;
-  if (!PeerReduceType(x.element_type(), c.attrs().reduce_op, &elem, &per)) {
-    return Reject(c, "jaxcomm's reduction kernel cannot apply this reduction to this dtype");
-  }
+  JAXCOMM_TRY(PeerReduceType(c, x, &elem, &per));
   const size_t R = c.size, item = ItemBytes(x);
   const logic::Split s = SplitOf(x, c.attrs().scatter_dimension, R);
   const int64_t inner = static_cast<int64_t>(s.piece / item) * per;  // elements of one piece

@@ -18,7 +18,12 @@ bool UsesOwnKernels(std::string_view op) { return op == "ppermute" || op == "moe
 
 RouteChoice ChooseRoute(std::string_view op, const std::vector<Member>& group, int64_t me,
                         bool one_rank_nccl) {
-  if (group.size() <= 1) return {one_rank_nccl ? Route::kNccl : Route::kCopy, ""};
+  if (group.size() <= 1) {
+    // NCCL for a lone rank only where NCCL implements the op (JAXCOMM_CUDA_ONE_RANK=nccl
+    // exercises NCCL on one GPU); the MoE and ragged kernels have no NCCL form.
+    const bool nccl_op = op != "moe_transport" && op != "ragged_all_to_all";
+    return {one_rank_nccl && nccl_op ? Route::kNccl : Route::kCopy, ""};
+  }
   bool local = true, same_host = true, one_per_process = true, shared_device = false;
   std::set<int64_t> processes;
   std::set<std::string> devices;

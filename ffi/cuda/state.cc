@@ -6,18 +6,12 @@
 
 #include "core/flight_recorder.h"
 #include "core/registry.h"
+#include "core/round.h"  // Mix
 #include "cuda/backend.h"
 #include "cuda/ipc.h"
 
 namespace jaxcomm::cuda {
 namespace {
-
-uint64_t MixGroup(uint64_t key, int group) {
-  uint64_t z = key ^ (static_cast<uint64_t>(group) + 0x9e3779b97f4a7c15ull + (key << 6) + (key >> 2));
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 const char* ReduceName(logic::ReduceOp op) {
   switch (op) {
@@ -227,7 +221,7 @@ ffi::Error CudaState::Initialize(int64_t ordinal) {
       for (int64_t partition : members) processes.push_back(groups_.partition_devices[partition].first);
       auto events = std::make_unique<DeviceEvents>();
       std::string why = events->Create(device, /*interprocess=*/true);
-      auto route = std::make_shared<ProcessPeerRoute>(MixGroup(instruction_key_, g), p.rank,
+      auto route = std::make_shared<ProcessPeerRoute>(Mix(instruction_key_, static_cast<uint64_t>(g)), p.rank,
                                                       std::move(processes), device, std::move(events));
       if (why.empty()) why = route->Init();
       if (!why.empty()) return ffi::Error::Internal(ctx.Describe() + ": " + why);

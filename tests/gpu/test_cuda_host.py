@@ -243,8 +243,12 @@ def test_route_of_each_layout(op, group, me, route, error):
     assert (error in why) if error else why == "", why
 
 
-def test_one_rank_nccl_routes_a_lone_rank_through_nccl():
-    assert _jaxcomm.cuda_route("all_reduce", members((0, 0, "h", "g0")), 0, True)[0] == "nccl"
+def test_one_rank_nccl_routes_a_lone_rank_through_nccl_where_nccl_has_the_op():
+    lone = members((0, 0, "h", "g0"))
+    assert _jaxcomm.cuda_route("all_reduce", lone, 0, True)[0] == "nccl"
+    assert _jaxcomm.cuda_route("ppermute", lone, 0, True)[0] == "nccl"
+    assert _jaxcomm.cuda_route("moe_transport", lone, 0, True)[0] == "cuda copy"
+    assert _jaxcomm.cuda_route("ragged_all_to_all", lone, 0, True)[0] == "cuda copy"
 
 
 # -------------------------------------------------------- lowering across processes
@@ -381,3 +385,36 @@ def test_use_xla_on_gpu_routes_what_cuda_lacks(monkeypatch):
     assert common.use_xla("moe_transport", np.float32, group_size=2)      # composed transport
     monkeypatch.setattr(cuda_runtime, "available", lambda: False)
     assert common.use_xla("all_reduce", np.float32)
+
+
+# -------------------------------------------------- the CUDA IPC route's records exchange
+
+EXCHANGE = """
+from jaxcomm import _jaxcomm
+from jaxcomm._src import transport
+other = 1 - RANK
+transport.ensure_linked([other])
+got = []
+for seq in (1, 2, 3):
+    mine = bytes([RANK, seq]) * 40
+    got.append(list(_jaxcomm.cuda_test_exchange_records(0xC0DA, seq, [other], mine, 20000)[0][:2]))
+late = ""
+if RANK == 0:  # process 1 never comes to round 4
+    try:
+        _jaxcomm.cuda_test_exchange_records(0xC0DA, 4, [other], bytes(80), 500)
+    except RuntimeError as e:
+        late = str(e)
+import json
+print("RESULT", json.dumps(dict(got=got, late=late)), flush=True)
+"""
+
+
+@needs_cuda_build
+def test_records_exchange_between_processes():
+    from mp_util import assert_ok, results, run_script
+    res = run_script(EXCHANGE, 2)
+    assert_ok(res)
+    out = results(res)
+    for rank in (0, 1):
+        assert out[rank]["got"] == [[1 - rank, seq] for seq in (1, 2, 3)], out
+    assert out[0]["late"].startswith("timed out: ") and "process 1" in out[0]["late"], out[0]["late"]
