@@ -7,6 +7,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -194,6 +195,44 @@ void RegisterCuda(nb::module_& m) {
     return errors;
   }, nb::arg("ranks"), nb::arg("iterations"), nb::arg("timeout_ms"), nb::arg("absent") = -1,
      "Tests: in-process peer rounds of a loop body (see peers.h); every rank's error, '' if none.");
+
+  m.def("cuda_test_nccl_call", [](const std::string& behaviour, int64_t timeout_ms) {
+    // One NCCL call through Communicator::Run against a fake NCCL (no GPU, no library):
+    // "hang" stays in progress, "error" fails, "slow" finishes after a few polls. Returns
+    // (the call's error, whether the communicator was aborted, a second call's error).
+    static std::atomic<int> polls{0}, aborts{0};
+    static std::string mode;
+    polls = 0;
+    aborts = 0;
+    mode = behaviour;
+    NcclApi api;
+    api.CommGetAsyncError = [](ncclComm_t, ncclResult_t* state) {
+      *state = mode == "slow" && ++polls > 3 ? ncclSuccess : ncclInProgress;
+      return ncclSuccess;
+    };
+    api.CommAbort = [](ncclComm_t) {
+      ++aborts;
+      return ncclSuccess;
+    };
+    api.CommDestroy = [](ncclComm_t) { return ncclSuccess; };
+    api.GetErrorString = [](ncclResult_t) { return "fake NCCL error"; };
+    std::vector<int64_t> group = {4, 5};
+    CallContext ctx;
+    ctx.op = "all_reduce";
+    ctx.axis = "x";
+    ctx.call_site = "test.py:1";
+    ctx.group = &group;
+    ctx.rank = 1;
+    ctx.partition = 5;
+    ctx.execution = 3;
+    Communicator comm(&api, reinterpret_cast<ncclComm_t>(&api), "nccl:0/0,1/0", 1, 2, 0, 0);
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    auto call = [&](ncclComm_t) { return mode == "error" ? ncclSystemError : ncclInProgress; };
+    ffi::Error first = comm.Run(ctx, "ncclAllReduce", call, deadline);
+    ffi::Error second = comm.Run(ctx, "ncclAllReduce", call, deadline);
+    return nb::make_tuple(first.message(), aborts.load() > 0, second.message());
+  }, nb::arg("behaviour"), nb::arg("timeout_ms"),
+     "Tests: an NCCL call's deadline and abort (nccl_comm.h) against a fake NCCL.");
 
   m.def("cuda_test_exchange_records", [](uint64_t key, int64_t seq, std::vector<int64_t> peers,
                                          nb::bytes mine, int64_t timeout_ms) {

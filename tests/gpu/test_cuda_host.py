@@ -206,6 +206,30 @@ def test_peer_round_names_the_rank_that_never_arrives():
         assert "timed out after 0.3 s" in errors[r] and "waiting for ranks [1] to arrive" in errors[r], errors
 
 
+# ------------------------------------------------------------ NCCL deadlines (defect 3)
+
+@needs_cuda_build
+def test_nccl_call_past_its_deadline_aborts_the_communicator():
+    first, aborted, second = _jaxcomm.cuda_test_nccl_call("hang", 200)
+    assert "jaxcomm.all_reduce over axis x" in first and "call site test.py:1, execution #3" in first, first
+    assert "still in progress in NCCL after" in first and "timeout_s / JAXCOMM_TIMEOUT_S" in first, first
+    assert aborted
+    assert "was aborted earlier" in second and "still in progress" in second, second
+
+
+@needs_cuda_build
+def test_nccl_call_error_aborts_and_names_the_call():
+    first, aborted, second = _jaxcomm.cuda_test_nccl_call("error", 5000)
+    assert "ncclAllReduce (group nccl:0/0,1/0, rank 1 of 2) failed: fake NCCL error" in first, first
+    assert aborted and "aborted earlier" in second
+
+
+@needs_cuda_build
+def test_nccl_call_in_progress_a_while_then_done_is_fine():
+    first, aborted, second = _jaxcomm.cuda_test_nccl_call("slow", 5000)
+    assert (first, aborted) == ("", False)
+
+
 # --------------------------------------------------------------------- routes (item 3)
 
 def members(*specs):
