@@ -45,6 +45,7 @@ _KV_PROCESS = "jaxcomm/cuda/process/{}"
 ROUTE_NCCL = "nccl"
 ROUTE_IPC = "cuda ipc across processes"
 
+
 def built_with_cuda() -> bool:
     """Whether the extension has the CUDA handlers (it was built with nvcc)."""
     return bool(getattr(_jaxcomm, "has_cuda", lambda: False)())
