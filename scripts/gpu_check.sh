@@ -18,14 +18,17 @@
 #             jax.lax on the same data (tests/gpu/figures.py jit)
 #   mp        4 processes sharing the GPU: dispatch+combine through CUDA IPC against a
 #             device-to-device copy (tests/gpu/figures.py mp)
-#   tests     pytest tests/gpu, -ra (every failure's message and traceback kept)
+#   tests     pytest of the GPU test files, -ra (every failure's message and traceback
+#             kept), then the host-side ones (tests/gpu/test_kernel_logic.py is left to CI)
 # Without a GPU every stage after versions is skipped with the reason, so that a dry run
 # on a CPU machine checks the script itself.
 #
 # $OUT receives at most 8 files (the device tool brings back 8): check.log (everything
 # printed), versions.txt, build.log, figures.log, figures.json, tests.log, tests.xml,
-# summary.json. GPU_CHECK_SKIP_BUILD=1 reuses the module already in jaxcomm/ (a rerun);
-# GPU_CHECK_BUILD_S caps the build (default 300 s).
+# summary.json. GPU_CHECK_SKIP_BUILD=1 reuses the module already in jaxcomm/ (a rerun on
+# a machine still warm); GPU_CHECK_BUILD_S caps the build (default 300 s);
+# GPU_CHECK_STAGES lists the stages to run (default build,loopback,jit,mp,tests), e.g.
+# GPU_CHECK_SKIP_BUILD=1 GPU_CHECK_STAGES=tests for a second call that only tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -75,6 +78,9 @@ skip() {
   record "$1" -1 0 "skipped: $2"
 }
 
+SELECTED=",${GPU_CHECK_STAGES:-build,loopback,jit,mp,tests},"
+selected() { [[ "$SELECTED" == *",$1,"* ]]; }
+
 # -------------------------------------------------------------------------- versions
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -100,15 +106,15 @@ PYEOF
 cat "$OUT_DIR/versions.txt"
 record versions 0 0 ""
 
-GPU=0
+GPU=${GPU_CHECK_ASSUME_GPU:-0}  # 1: run every stage without a GPU (to dry-run the plumbing)
 if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1; then GPU=1; fi
 
 # ----------------------------------------------------------------------------- build
 EXT=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 MODULE="jaxcomm/_jaxcomm$EXT"
 : > "$OUT_DIR/build.log"
-if [ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ]; then
-  skip build "GPU_CHECK_SKIP_BUILD=1 (module already in jaxcomm/)"
+if [ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ] || ! selected build; then
+  skip build "GPU_CHECK_SKIP_BUILD=1 or not in GPU_CHECK_STAGES (module already in jaxcomm/)"
 elif [ "$GPU" = 0 ] && [ "${GPU_CHECK_BUILD_WITHOUT_GPU:-0}" != 1 ]; then
   skip build "no GPU (only the GPU stages need it; GPU_CHECK_BUILD_WITHOUT_GPU=1 builds anyway)"
 elif ! command -v nvcc > /dev/null 2>&1; then
@@ -151,25 +157,29 @@ WHY=""
 
 # --------------------------------------------------------------------------- figures
 export JAX_PLATFORMS=cuda,cpu
-if [ -n "$WHY" ]; then
-  skip loopback "$WHY"
-  skip jit "$WHY"
-  skip mp "$WHY"
-else
-  stage loopback 90 "$OUT_DIR/figures.log" "$PY" -m jaxcomm._src.cuda_loopback \
-    --ranks 8 --tokens 4096 --hidden 7168 --topk 8 --experts 256 --dtype bfloat16 \
-    --layouts packed,padded --iters 10 --json "$WORK/loopback.json"
-  stage jit 150 "$OUT_DIR/figures.log" "$PY" tests/gpu/figures.py jit --json "$WORK/jit.json" --budget-s 120
-  stage mp 120 "$OUT_DIR/figures.log" "$PY" tests/gpu/figures.py mp --json "$WORK/mp.json" --budget-s 100
-fi
+# figure NAME CAP CMD...: a figure stage, unless there is no GPU or it is not selected.
+figure() {
+  local name=$1
+  if [ -n "$WHY" ]; then skip "$name" "$WHY"
+  elif ! selected "$name"; then skip "$name" "not in GPU_CHECK_STAGES"
+  else stage "$name" "$2" "$OUT_DIR/figures.log" "${@:3}"
+  fi
+}
+figure loopback 60 "$PY" -m jaxcomm._src.cuda_loopback --ranks 8 --tokens 4096 --hidden 7168 \
+  --topk 8 --experts 256 --dtype bfloat16 --layouts packed,padded --iters 10 --json "$WORK/loopback.json"
+figure jit 100 "$PY" tests/gpu/figures.py jit --json "$WORK/jit.json" --budget-s 80
+figure mp 90 "$PY" tests/gpu/figures.py mp --json "$WORK/mp.json" --budget-s 75
 
 # ----------------------------------------------------------------------------- tests
+: > "$OUT_DIR/tests.log"
 if [ -n "$WHY" ]; then
   skip tests "$WHY"
-  : > "$OUT_DIR/tests.log"
+elif ! selected tests; then
+  skip tests "not in GPU_CHECK_STAGES"
 else
-  stage tests 400 "$OUT_DIR/tests.log" "$PY" -m pytest -q -ra -p no:cacheprovider tests/gpu \
-    --timeout=240 --junitxml="$OUT_DIR/tests.xml" -o junit_family=xunit1
+  stage tests 400 "$OUT_DIR/tests.log" "$PY" -m pytest -q -ra -p no:cacheprovider \
+    tests/gpu/test_collectives_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_multiprocess_gpu.py \
+    tests/gpu/test_cuda_host.py --timeout=240 --junitxml="$OUT_DIR/tests.xml" -o junit_family=xunit1
 fi
 
 # --------------------------------------------------------------------------- summary
