@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = mp_figures(a.processes, a.budget_s)
     with open(a.json, "w") as f:
         json.dump(rows, f, indent=1)
-    return 0
+    # A job that failed, or rows without their figure, fail the stage (summary.json).
+    return 1 if any(r.get("returncode", 0) != 0 or "missing" in r for r in rows) else 0
 
 
 if __name__ == "__main__":
