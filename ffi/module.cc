@@ -22,11 +22,13 @@
 
 namespace nb = nanobind;
 
-#ifdef JAXCOMM_WITH_CUDA
 namespace jaxcomm::cuda {
+// The CUDA backend's host-side logic, in every build (ffi/cuda/logic_bindings.cc).
+void RegisterKernelLogic(nb::module_& m);
+#ifdef JAXCOMM_WITH_CUDA
 void RegisterCuda(nb::module_& m);  // ffi/cuda/bindings.cc
-}
 #endif
+}
 
 namespace {
 
@@ -180,6 +182,7 @@ NB_MODULE(_jaxcomm, m) {
 #ifdef JAXCOMM_WITH_CUDA
   jaxcomm::cuda::RegisterCuda(m);
 #endif
+  jaxcomm::cuda::RegisterKernelLogic(m);
 
   m.def("round_counts", [] {
     auto& r = jaxcomm::Registry::Get();

@@ -134,10 +134,14 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
         peers = groups.peer_processes(axis_context, replica_groups)
         if peers:
             transport.ensure_linked(peers)
-    if "cuda" in platforms and jax.process_count() > 1:
+    partition_devices = groups.partition_devices(axis_context, platforms[0])
+    if "cuda" in platforms:
+        # The groups' routes across processes, and every partition's local ordinal as all
+        # processes name it (ffi/cuda/routes.h).
         from jaxcomm._src import cuda_runtime
-        cuda_runtime.exchange_unique_ids(replica_groups, groups.partition_devices(axis_context, "cuda"),
-                                         params["timeout_ms"])
+        cuda_devices = cuda_runtime.prepare_lowering(op, replica_groups, axis_context, params["timeout_ms"])
+        if platforms[0] == "cuda":
+            partition_devices = cuda_devices
     extra = None
     if batch_dims is not None and groups.is_partially_manual(axis_context):
         extra = partitioning.batch_partitioning_attributes(ctx, batch_dims)
@@ -150,7 +154,7 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
         timeout_ms=int(params["timeout_ms"]),
         groups=np.asarray(replica_groups, dtype=np.int64).reshape(-1),
         group_size=len(replica_groups[0]),
-        partition_devices=groups.partition_devices(axis_context, platforms[0]),
+        partition_devices=partition_devices,
         **attrs,
     )
 
