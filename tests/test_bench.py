@@ -13,10 +13,13 @@ import sys
 
 import pytest
 
+import jaxcomm
 from jaxcomm.bench import method, multiprocess, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+# The jaxcomm this test imported (installed, or a tree with its extension built in place):
+# a clean clone's source tree has no extension and must not shadow the installed package.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
 
 
 # ----------------------------------------------------------------------------- method

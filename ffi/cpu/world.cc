@@ -121,7 +121,8 @@ World::~World() {
   if (progress_.joinable()) progress_.join();
 }
 
-Endpoint World::Open(int64_t process, bool shared_memory, const std::string& host, std::string* error) {
+Endpoint World::Open(int64_t process, bool shared_memory, const std::string& host, const TcpJob& tcp,
+                     std::string* error) {
   std::lock_guard<std::mutex> lock(mu_);
   if (process_ >= 0 && process_ != process) {
     *error = "jaxcomm's endpoint was opened as process " + std::to_string(process_) + ", not " +
@@ -137,7 +138,9 @@ Endpoint World::Open(int64_t process, bool shared_memory, const std::string& hos
       // single-copy reads.) Failure only leaves the streamed rounds on their ring.
       if (Registry::Get().single_copy()) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
     }
-    listener_ = TcpListener::Create(error);
+    tcp_ = tcp;
+    tcp_.me = process;
+    listener_ = TcpListener::Create(tcp_, error);
     if (!listener_) return {};
     process_ = process;
     host_ = host;
@@ -191,15 +194,15 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
                      magic == theirs.magic;
     }
   } else if (process_ < process || rejoining) {
-    int fd = TcpLink::Connect(host, peer.port, process_, deadline, &error);
+    int fd = TcpLink::Connect(host, peer.port, tcp_, deadline, &error);
     if (fd < 0) return "connecting to " + link->Describe() + ": " + error;
-    link->tcp = std::make_unique<TcpLink>(fd, [this] { Wake(); });
+    link->tcp = std::make_unique<TcpLink>(fd, tcp_, [this] { Wake(); });
   } else {
     // The peer connects to us (this thread or the progress thread takes the connection).
     while (!Peer(process)) {
       if (Clock::now() >= deadline) return "waiting for " + link->Describe() + " to connect: timed out";
-      int fd = listener_->Accept(std::min(deadline, Clock::now() + std::chrono::milliseconds(50)), &error);
-      if (fd >= 0) Adopt(fd, deadline);
+      const TcpHello hello = listener_->Accept(std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+      if (hello.fd >= 0) Adopt(hello);
     }
     std::lock_guard<std::mutex> lock(mu_);
     identify(*peers_[process]);
@@ -213,17 +216,13 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
   return "";
 }
 
-void World::Adopt(int fd, Clock::time_point deadline) {
-  std::string error;
-  const int64_t from = TcpLink::ReadHello(fd, deadline, &error);
-  if (from < 0) {
-    close(fd);
-    return;
-  }
+void World::Adopt(const TcpHello& hello) {
+  // The listener checked the job's secret and the process index.
+  const int64_t from = hello.process;
   auto link = std::make_shared<PeerLink>();
   link->process = from;
   link->host = "(not yet linked)";
-  link->tcp = std::make_unique<TcpLink>(fd, [this] { Wake(); });
+  link->tcp = std::make_unique<TcpLink>(hello.fd, tcp_, [this] { Wake(); });
   std::lock_guard<std::mutex> lock(mu_);
   auto it = peers_.find(from);
   if (it == peers_.end()) {
@@ -237,9 +236,8 @@ void World::Adopt(int fd, Clock::time_point deadline) {
 
 void World::AcceptLate() {
   if (!listener_) return;
-  std::string error;
-  const int fd = listener_->Accept(Clock::now(), &error);  // only what is already waiting
-  if (fd >= 0) Adopt(fd, Clock::now() + std::chrono::seconds(1));
+  const TcpHello hello = listener_->Accept(Clock::now());  // only what is already waiting
+  if (hello.fd >= 0) Adopt(hello);
 }
 
 std::shared_ptr<World::PeerLink> World::Peer(int64_t process) const {
@@ -538,10 +536,10 @@ bool World::Advance(Pending& p) {
       }
       data += Parity(s.seq) * bytes;
     } else {
-      const TcpLink::Frame* f = link.tcp->Find(plan.key, s.seq);
+      const TcpLink::Frame* f = link.tcp->Find(plan.key, s.seq, plan.fingerprint, plan.peer_bytes[i]);
       if (!f) continue;
       fingerprint = f->fingerprint;
-      bytes = f->bytes.size();
+      bytes = f->wire_bytes;
       data = f->bytes.empty() ? "" : f->bytes.data();  // non-null: it arrived
     }
     if (fingerprint != plan.fingerprint || bytes != plan.peer_bytes[i]) {
