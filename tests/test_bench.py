@@ -176,6 +176,9 @@ ENTRY_POINTS = {
     "moe": (["moe"], ["--tokens", "--hidden", "--topk", "--experts", "--devices", "--iters"]),
     "docs": (["docs"], ["--out", "--quick", "--only", "--list"]),
     "instructions": (["instructions"], ["--op", "--size", "--length", "--calls"]),
+    "dropin": (["dropin"], ["--devices", "--width", "--layers", "--batch", "--steps", "--reps"]),
+    "faults": (["faults"], ["--repeats", "--deadline", "--transport", "--overhead-rounds",
+                            "--skip-detection", "--skip-overhead"]),
 }
 
 
@@ -192,11 +195,22 @@ def test_every_entry_point_has_a_help(entry, capsys):
         assert option in out, (entry, option)
 
 
+@pytest.mark.parametrize("module", ["collectives", "multiprocess", "mpi4jax_compare", "moe",
+                                    "dropin", "faults", "docs", "instructions"])
+def test_every_benchmark_module_runs_with_help(module):
+    # python -m jaxcomm.bench.<module> --help, as a user would type it.
+    proc = subprocess.run([sys.executable, "-m", f"jaxcomm.bench.{module}", "--help"],
+                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
+                          capture_output=True, text=True, timeout=60, cwd=HERE)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m jaxcomm.bench") and "--help" in proc.stdout, proc.stdout
+
+
 def test_help_names_every_sub_benchmark():
     proc = _run("--help", timeout=60)
     assert proc.returncode == 0, proc.stderr
     from jaxcomm.bench import options
-    assert set(options.SUBCOMMANDS) >= {"moe", "docs", "instructions"}
+    assert set(options.SUBCOMMANDS) >= {"moe", "dropin", "faults", "docs", "instructions"}
     for name in options.SUBCOMMANDS:
         assert f"\n  {name} " in proc.stdout, name
         assert name in ENTRY_POINTS, name  # and its --help is tested above

@@ -10,6 +10,12 @@ Subcommands:
 * ``instructions`` -- instructions per collective across two processes, counted by
   callgrind (:mod:`jaxcomm.bench.instructions`).
 * ``moe`` -- MoE dispatch/combine (:mod:`jaxcomm.bench.moe`, where installed).
+* ``dropin`` -- a data-parallel step's ``jax.lax.pmean`` with and without
+  ``jaxcomm.use_for_lax()`` (:mod:`jaxcomm.bench.dropin`).
+* ``faults`` -- fault detection across 4 processes and the flight recorder's overhead
+  (:mod:`jaxcomm.bench.faults`).
+
+The list the command line knows is :data:`jaxcomm.bench.options.SUBCOMMANDS`.
 
 From Python (after jax is initialised, e.g. with 8 emulated CPU devices)::
 

@@ -6,7 +6,11 @@
     python -m jaxcomm.bench collectives [options]      the same two, named explicitly
     python -m jaxcomm.bench docs [--quick]             every table of docs/benchmarks.md
     python -m jaxcomm.bench instructions [options]     instructions per collective (callgrind)
-    python -m jaxcomm.bench moe [moe options]          MoE dispatch/combine
+    python -m jaxcomm.bench moe [options]              MoE dispatch/combine
+    python -m jaxcomm.bench dropin [options]           jax.lax.pmean with use_for_lax()
+    python -m jaxcomm.bench faults [options]           fault detection, recorder overhead
+
+Each has a ``--help``; ``python -m jaxcomm.bench --help`` lists them (jaxcomm.bench.options).
 
 Subcommands parse their own arguments before anything creates a JAX backend, so they can
 still set ``XLA_FLAGS`` (the emulated device count).

@@ -449,3 +449,7 @@ def _run_child(args: argparse.Namespace, hugetlb: bool) -> list[dict[str, Any]] 
         return records
     finally:
         os.unlink(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

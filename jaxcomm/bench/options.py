@@ -32,6 +32,10 @@ DEFAULT_TIMEOUT_S = 30.0
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "moe": ("jaxcomm.bench.moe",
             "MoE dispatch/combine and a layer's training step, vs a padded all_to_all"),
+    "dropin": ("jaxcomm.bench.dropin",
+               "a data-parallel step's jax.lax.pmean with and without jaxcomm.use_for_lax()"),
+    "faults": ("jaxcomm.bench.faults",
+               "how fast 4 processes learn of a fault; the flight recorder's overhead"),
     "docs": ("jaxcomm.bench.docs", "every table of docs/benchmarks.md, measured in one run"),
     "instructions": ("jaxcomm.bench.instructions",
                      "instructions per collective across two processes (callgrind)"),
