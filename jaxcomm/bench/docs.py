@@ -43,7 +43,7 @@ class Table:
     section: str
     args: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
-    minutes: float = 0.0  # how long it took on the 2-core development VM (see --list)
+    minutes: float = 0.0  # an estimate of its duration on the 2-core development VM (--list)
 
 
 #: Every table of docs/benchmarks.md, in the docs' order.
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             env = " ".join(f"{k}={v}" for k, v in t.env)
             print(f"{t.name:18} ~{t.minutes:3.0f} min  {(env + ' ') if env else ''}python -m "
                   f"jaxcomm.bench {' '.join(t.args)}   ({t.section})")
-        print(f"total ~{sum(t.minutes for t in tables):.0f} min on the 2-core development VM "
+        print(f"total ~{sum(t.minutes for t in tables):.0f} min (estimated) on the 2-core development VM "
               "(--quick: about a quarter)")
         return 0
     os.makedirs(args.out, exist_ok=True)
