@@ -3,13 +3,19 @@
     python -m jaxcomm.bench.instructions [--op all_reduce] [--size 4B] [--length 200]
 
 Wall-clock figures of a microsecond-scale collective move by 2-5x with the machine's
-load; the instructions the CPU executes for it do not. This runs two processes of one
-job on this machine: process 0 under ``valgrind --tool=callgrind``, process 1 natively
-(with a spin budget long enough that it waits for the slow process 0 in the inline
-exchange instead of handing its rounds to the progress thread). Process 1 is therefore
-always there first, process 0 never waits, and what callgrind counts in process 0 is the
-software's own cost: every thread of it, from the custom call's entry in XLA to its
+load; the instructions the CPU executes for it move much less. This runs two processes of
+one job on this machine: process 0 under ``valgrind --tool=callgrind``, process 1
+natively, with a spin budget long enough that it waits for the slow process 0 in the
+inline exchange instead of handing its rounds to the progress thread. What callgrind
+counts in process 0 is every thread of it, from the custom call's entry in XLA to its
 completion, including the flight recorder and any progress-thread activity.
+
+Process 1 is meant to be there first, but a loaded machine deschedules it: process 0 then
+spins (counted) and, past its own spin budget, hands the round to the completion pool.
+Process 0 says how many of its rounds completed inline; compare runs with similar
+counts. On 2026-12-01 at load averages near 20, one run had 540 of 600 rounds inline; in
+two earlier ones (before the count was printed) most instructions were under the
+completion pool's worker.
 
 Process 0 runs, after compiling and a warmup call of each, ``--calls`` calls of two
 programs of ``--length`` loop steps each: the plain loop (an elementwise op in place of
@@ -51,6 +57,7 @@ def _worker(args: argparse.Namespace) -> int:
         return 2
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxcomm import _jaxcomm
     from jaxcomm.bench import collectives as col, common
 
     rank = jax.process_index()
@@ -69,13 +76,19 @@ def _worker(args: argparse.Namespace) -> int:
         jax.block_until_ready(fn(x, steps))
     phases = [("plain", plain)] if rank == 0 else []
     phases.append(("jaxcomm", ours))
-    for _, fn in phases:
+    for name, fn in phases:
         if rank == 0:
             os.getppid()  # marker: the counts so far are dumped, the phase starts from zero
+        before = _jaxcomm.inline_rounds()
         for _ in range(args.calls):
             jax.block_until_ready(fn(x, steps))
+        inline = _jaxcomm.inline_rounds() - before
     if rank == 0:
         os.getppid()
+        # Which path the counts are of: the inline exchange, or rounds completed by the
+        # completion pool (a round whose peer was not there within the spin budget).
+        print(f"# process 0: {inline} of {args.calls * args.length} jaxcomm rounds completed "
+              "inline on the device thread", flush=True)
     return 0
 
 
