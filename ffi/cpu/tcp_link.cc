@@ -388,6 +388,7 @@ void TcpLink::Fail(const std::string& why) {
     std::lock_guard<std::mutex> lock(mu_);
     if (failure_.empty()) failure_ = why;
   }
+  failed_.store(true, std::memory_order_relaxed);
   // Nothing more is read from a failed link: the peer sees it closed.
   shutdown(fd_, SHUT_RDWR);
   on_frame_();

@@ -161,6 +161,8 @@ class TcpLink {
   std::pair<int64_t, std::vector<char>> Newest(uint64_t key);
   // Why the connection is unusable ("" while it works).
   std::string failure() const;
+  // Whether it is (a relaxed load: waiting exchanges look at it often).
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
 
  private:
   struct Expected {
@@ -197,6 +199,7 @@ class TcpLink {
   std::vector<std::vector<char>> spare_;
   size_t spare_bytes_ = 0;
   std::string failure_;
+  std::atomic<bool> failed_{false};  // failure_ is set
   std::atomic<bool> stop_{false};
   std::thread receiver_;
 };

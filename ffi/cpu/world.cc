@@ -593,7 +593,13 @@ bool World::Failure(Pending& p, std::string* error) {
   const auto now = Clock::now();
   const ExchangeSpec& s = p.spec;
   const ExchangePlan& plan = *s.plan;
-  if (now < p.next_check && now < s.deadline) return false;
+  // A TCP link that failed (its receiver saw the peer's connection close) is looked at
+  // at once: only the checks that cost system calls wait for their period.
+  bool link_failed = false;
+  for (size_t i = 0; i < p.links.size(); ++i) {
+    link_failed |= !p.left_out[i] && p.links[i]->tcp && p.links[i]->tcp->failed();
+  }
+  if (now < p.next_check && now < s.deadline && !link_failed) return false;
   p.next_check = now + kLivenessPeriod;
   // Before the peers' health: a peer that found the mismatch first may have exited.
   if (p.grace.count() > 0 && now - p.start >= p.grace && Mismatch(p, error)) return true;
