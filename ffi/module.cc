@@ -153,6 +153,13 @@ NB_MODULE(_jaxcomm, m) {
     jaxcomm::Registry::Get().set_spin(std::chrono::microseconds(us < 0 ? 0 : us));
   }, "How long a waiting rank spins (yielding) before it sleeps, in microseconds.");
 
+  m.def("set_mismatch_grace_ms", [](int64_t ms) {
+    jaxcomm::Registry::Get().set_mismatch_grace(std::chrono::milliseconds(ms));
+  }, nb::arg("ms"), "How long a rank waits in a collective before jaxcomm looks for peers waiting in "
+                    "another one (JAXCOMM_MISMATCH_GRACE_S), in milliseconds; 0: never.");
+  m.def("mismatch_grace_ms", [] { return jaxcomm::Registry::Get().mismatch_grace().count(); },
+        "The mismatch grace period in force, in milliseconds (0: no check).");
+
   m.def("leave_core", [](int cpu) { return jaxcomm::cpu::LeaveCore(cpu); }, nb::arg("cpu"),
         "Moves the calling thread off core `cpu`, its affinity kept (what waiting threads do).");
   m.def("core_moves", [] { return jaxcomm::Registry::Get().core_moves.load(); },

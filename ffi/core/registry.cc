@@ -54,6 +54,22 @@ Registry& Registry::Get() {
   return *registry;
 }
 
+void Registry::AddTable(std::weak_ptr<RoundTable> table) {
+  std::lock_guard<std::mutex> lock(tables_mu_);
+  tables_.erase(std::remove_if(tables_.begin(), tables_.end(), [](const auto& t) { return t.expired(); }),
+                tables_.end());
+  tables_.push_back(std::move(table));
+}
+
+std::vector<std::shared_ptr<RoundTable>> Registry::Tables() {
+  std::lock_guard<std::mutex> lock(tables_mu_);
+  std::vector<std::shared_ptr<RoundTable>> out;
+  for (const auto& weak : tables_) {
+    if (auto t = weak.lock()) out.push_back(std::move(t));
+  }
+  return out;
+}
+
 uint64_t Registry::NextOccurrence(uint64_t attribute_hash) {
   std::lock_guard<std::mutex> lock(occurrences_mu_);
   return occurrences_[attribute_hash]++;

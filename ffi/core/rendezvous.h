@@ -29,6 +29,7 @@
 #include "core/call_context.h"
 #include "core/call_result.h"
 #include "core/cross_process.h"
+#include "core/mismatch.h"
 #include "core/small_function.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -201,6 +202,11 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   // the error).
   CallResult Arrive(const CollectiveCall& call, WorkFn work);
 
+  // The mismatch check (core/mismatch.h): appends this table's rounds that wait for
+  // local ranks; fails one of them (still waiting, the same round) with `error`.
+  void Waiting(std::vector<LocalWait>& out);
+  void FailWaiting(const LocalWait& wait, const std::string& error);
+
  private:
   using Key = std::pair<int64_t, int64_t>;  // (run id, group index)
   // A round of a group with one rank in this process, whose other processes all share
@@ -210,8 +216,14 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   CallResult ArriveInline(InlineExchange& exchange, const CollectiveCall& call, WorkFn& work);
   // A new round of group `g` for `call`, numbered `execution`.
   std::shared_ptr<Round> NewRound(const CollectiveCall& call, int64_t g, int64_t execution);
-  void Tombstone(const Key& key, int64_t execution);
+  void Tombstone(const Key& key, int64_t execution, bool mismatch = false);
+  // The watchdog's entry for a round waiting for local ranks (`expected`): at its grace
+  // period, looks for a mismatch (FailMismatched), then waits for its deadline (Expire).
+  void Watch(const Key& key, const std::shared_ptr<Round>& round, Clock::time_point when);
+  void Overdue(const Key& key, const std::weak_ptr<Round>& expected);
   void Expire(const Key& key, const std::weak_ptr<Round>& expected);
+  // Fails the rounds of this process in a cycle of waits with `round`; false if none.
+  bool FailMismatched(const std::shared_ptr<Round>& round);
   // Exchanges the inputs of a round whose local ranks all arrived with the group's other
   // processes, then runs its work (core/cross_process.h).
   void StartCrossProcess(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work, int me);
@@ -264,9 +276,13 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   std::vector<std::atomic<int64_t>> executions_;  // per group: rounds numbered so far
   // Per group: its layout's inline_exchange once the first round made it (set once).
   std::vector<std::atomic<InlineExchange*>> inline_;
-  // Calls that failed (timed out): a rank that arrives late fails at once instead of
-  // waiting a whole timeout for peers that already gave up. Bounded.
-  std::map<Key, int64_t> failed_;  // -> execution number
+  // Calls that failed (timed out, or a mismatch): a rank that arrives late fails at
+  // once instead of waiting a whole timeout for peers that already gave up. Bounded.
+  struct Failed {
+    int64_t execution = 0;
+    bool mismatch = false;
+  };
+  std::map<Key, Failed> failed_;
   std::deque<Key> failed_order_;
 };
 

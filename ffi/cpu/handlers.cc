@@ -329,9 +329,10 @@ uint64_t InstructionKey(const ffi::Dictionary& attrs) {
 ffi::ErrorOr<std::unique_ptr<InstructionState>> Instantiate(ffi::Dictionary attrs) {
   auto parsed = ParseGroupAttrs(attrs, "jaxcomm");
   if (!parsed.has_value()) return ffi::Unexpected(parsed.error());
-  return std::make_unique<InstructionState>(std::make_shared<RoundTable>(
-      std::move(parsed->groups), parsed->partition_devices, Registry::Get().process_index(),
-      InstructionKey(attrs)));
+  auto table = std::make_shared<RoundTable>(std::move(parsed->groups), parsed->partition_devices,
+                                            Registry::Get().process_index(), InstructionKey(attrs));
+  Registry::Get().AddTable(table);  // the mismatch check looks at every table's rounds
+  return std::make_unique<InstructionState>(std::move(table));
 }
 
 }  // namespace

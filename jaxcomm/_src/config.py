@@ -19,6 +19,12 @@ JAXCOMM_INLINE             1          a cross-process call whose group has one r
                                       all on one host, runs on its device thread (no hand-off)
                                       from its second round; ``0``: never; read at start (C++
                                       runtime)
+JAXCOMM_MISMATCH_GRACE_S   3          ranks of a group that wait in different collectives (another
+                                      op or call site, programs dispatched in different orders),
+                                      each waiting for the other, fail after this many seconds
+                                      (at most a tenth of the call's timeout) with a MISMATCH
+                                      error naming both sides; ``0``: only at the deadline; read
+                                      when jaxcomm's handlers register (first traced op)
 JAXCOMM_TRANSPORT          auto       between processes: ``auto``: shared memory on one host, TCP
                                       across hosts; ``tcp``: TCP everywhere
 JAXCOMM_TCP_ADDRESS        unset      the IPv4 address of this host's interface that jaxcomm's TCP
@@ -121,3 +127,15 @@ def single_copy() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"JAXCOMM_SINGLE_COPY must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def mismatch_grace_s() -> float:
+    """JAXCOMM_MISMATCH_GRACE_S, validated: seconds >= 0 (0 turns the check off)."""
+    raw = os.environ.get("JAXCOMM_MISMATCH_GRACE_S", "3").strip() or "3"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"JAXCOMM_MISMATCH_GRACE_S must be a number of seconds, got {raw!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"JAXCOMM_MISMATCH_GRACE_S must be a finite number >= 0, got {raw!r}")
+    return value

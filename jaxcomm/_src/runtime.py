@@ -37,6 +37,7 @@ def ensure_registered() -> None:
     """Registers every handler and the rendezvous state type with XLA:CPU."""
     config.nontemporal_bytes()  # a malformed value fails here, not silently in C++
     config.single_copy()
+    _jaxcomm.set_mismatch_grace_ms(int(round(config.mismatch_grace_s() * 1000)))
     jax.devices("cpu")  # the FFI type registry lives in the CPU client
     jax.ffi.register_ffi_type("jaxcomm_instruction_state", _jaxcomm.state_type(), platform="cpu")
     for op, stages in _jaxcomm.cpu_targets().items():

@@ -579,8 +579,12 @@ def _summarize(result: LaunchResult, out: _Output, procs: list[subprocess.Popen]
         for p in result.cause:
             code = result.returncodes[p] if p < len(result.returncodes) else None
             what.append(f"process {p}" + (f" ({_describe(code)})" if code is not None else ""))
-        out.note(f"the failure starts at {', '.join(what)}: the other processes' errors "
-                 f"lead back to it")
+        if any(_causes.is_mismatch(text) for text in result.errors.values()):
+            out.note(f"the processes ran different collectives: {', '.join(what)} waited in "
+                     f"one while their peers waited in another (MISMATCH)")
+        else:
+            out.note(f"the failure starts at {', '.join(what)}: the other processes' errors "
+                     f"lead back to it")
     for r in order:
         out.note(f"rank {r}: {result.errors[r]}")
     if trace_dir:
