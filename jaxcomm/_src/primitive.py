@@ -19,7 +19,8 @@ import jax
 from jax._src import core
 from jax._src.interpreters import batching, mlir
 
-from jaxcomm._src import compat, groups, partitioning, runtime, transport
+from jaxcomm._src import backends, compat, groups, partitioning, runtime
+from jaxcomm._src.ops import table
 
 # Params every collective primitive carries, besides the op's own. ``axis_index_groups``
 # (None, or groups.IndexGroups) may be absent where a primitive's params are built by hand.
@@ -99,12 +100,12 @@ def define(spec: CollectiveSpec) -> core.Primitive:
 
 
 def register_lowerings(prim: core.Primitive, lowering: Callable[..., Any]) -> None:
-    """Lowers ``prim`` to jaxcomm's custom call on every platform jaxcomm has handlers for.
+    """Lowers ``prim`` to jaxcomm's custom call on every platform a backend serves.
 
-    The CUDA lowering is registered unconditionally: where the CUDA handlers are absent,
+    Registered whether or not the backend is available here: where it is not,
     ``ops.common.use_xla`` routes the op to jax.lax before the primitive is ever bound.
     """
-    for platform in ("cpu", "cuda"):
+    for platform in backends.lowering_platforms():
         mlir.register_lowering(prim, lowering, platform=platform)
 
 
@@ -125,27 +126,21 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
     In a shard_map that is manual over only some mesh axes, XLA partitions the call over
     the other (auto) axes along its first ``batch_dims`` dimensions (see DESIGN.md).
     """
-    platforms = tuple(ctx.module_context.platforms)
-    runtime.ensure_registered_for(platforms)
+    entry = table.check_attrs(op, len(operands), attrs)
+    serving = [backends.for_platform(p) for p in ctx.module_context.platforms]
+    for backend in serving:
+        backend.register()
     axis_context = ctx.module_context.axis_context
     axes = params["axes"]
     replica_groups = groups.replica_groups(axis_context, axes, params.get("axis_index_groups"))
-    if "cpu" in platforms:
-        peers = groups.peer_processes(axis_context, replica_groups)
-        if peers:
-            transport.ensure_linked(peers)
-    partition_devices = groups.partition_devices(axis_context, platforms[0])
-    if "cuda" in platforms:
-        # The groups' routes across processes, and every partition's local ordinal as all
-        # processes name it (ffi/cuda/routes.h).
-        from jaxcomm._src import cuda_runtime
-        cuda_devices = cuda_runtime.prepare_lowering(op, replica_groups, axis_context, params["timeout_ms"])
-        if platforms[0] == "cuda":
-            partition_devices = cuda_devices
+    # Each backend readies the groups (links, ids) and numbers the partitions' devices
+    # as its handlers do; the call carries the first platform's numbering.
+    partition_devices = [b.prepare_lowering(op, replica_groups, axis_context, params["timeout_ms"])
+                         for b in serving][0]
     extra = None
     if batch_dims is not None and groups.is_partially_manual(axis_context):
         extra = partitioning.batch_partitioning_attributes(ctx, batch_dims)
-    lower = jax.ffi.ffi_lowering(runtime.target_name(op), operand_output_aliases=aliases,
+    lower = jax.ffi.ffi_lowering(runtime.target_name(entry.name), operand_output_aliases=aliases,
                                  extra_attributes=extra)
     return lower(
         ctx, *operands,

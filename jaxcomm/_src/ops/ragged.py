@@ -20,9 +20,11 @@ from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
 
 from jaxcomm._src import compat, groups, primitive
-from jaxcomm._src.ops import common
+from jaxcomm._src.ops import common, table
 
-FORWARD, TRANSPOSE_OPERAND, ZERO_RECEIVED = 0, 1, 2
+FORWARD = table.ragged_mode("forward")
+TRANSPOSE_OPERAND = table.ragged_mode("transpose_operand")
+ZERO_RECEIVED = table.ragged_mode("zero_received")
 
 ragged_all_to_all_p = core.Primitive("jaxcomm_ragged_all_to_all")
 ragged_all_to_all_p.def_impl(primitive._outside_shard_map("ragged_all_to_all"))
