@@ -23,7 +23,8 @@ class Backend(abc.ABC):
     """One backend of jaxcomm's ops.
 
     Attributes:
-      platform: the lowering platform it registers handlers for (``"cpu"``, ``"cuda"``).
+      platform: the lowering platform it registers handlers for (``"cpu"``, ``"cuda"``),
+        also its name in the op table's ``backends``.
       jax_backend: ``jax.default_backend()`` on a process it serves (``"cpu"``, ``"gpu"``).
     """
 
@@ -56,9 +57,10 @@ def _all() -> tuple[Backend, ...]:
     return (cpu.BACKEND, cuda.BACKEND)
 
 
-def lowering_platforms() -> tuple[str, ...]:
-    """Every platform some backend registers lowerings for."""
-    return tuple(b.platform for b in _all())
+def lowering_platforms(served_by: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The platforms of the backends named in ``served_by`` (an op table entry's
+    ``backends``: ``"cpu"``, ``"cuda"``), default every backend's."""
+    return tuple(b.platform for b in _all() if served_by is None or b.platform in served_by)
 
 
 def for_platform(platform: str) -> Backend:
