@@ -97,19 +97,19 @@ JAXCOMM_CODE_FUNCTIONS_(JAXCOMM_MOE_MODES, MoeMode)
 #undef JAXCOMM_IS_CODE_
 
 // "" when `code` is valid, else the error naming it and the valid ones ("unknown
-// reduction code 7 (valid: sum 0, ...)"): what every backend's parsing says of it.
-inline std::string UnknownCode(const char* what, int64_t code, bool valid, const std::string& codes) {
-  if (valid) return "";
+// reduction code 7 (valid: sum 0, ...)"): what every backend's parsing says of it. Called
+// on every execution: nothing is built unless the code is unknown.
+inline std::string UnknownCode(const char* what, int64_t code, const std::string& codes) {
   return "unknown " + std::string(what) + " " + std::to_string(code) + " (valid: " + codes + ")";
 }
 inline std::string CheckReduceOp(int64_t code) {
-  return UnknownCode("reduction code", code, IsReduceOp(code), ReduceOpCodes());
+  return IsReduceOp(code) ? std::string() : UnknownCode("reduction code", code, ReduceOpCodes());
 }
 inline std::string CheckRaggedMode(int64_t code) {
-  return UnknownCode("ragged_all_to_all mode", code, IsRaggedMode(code), RaggedModeCodes());
+  return IsRaggedMode(code) ? std::string() : UnknownCode("ragged_all_to_all mode", code, RaggedModeCodes());
 }
 inline std::string CheckMoeMode(int64_t code) {
-  return UnknownCode("MoE transport mode", code, IsMoeMode(code), MoeModeCodes());
+  return IsMoeMode(code) ? std::string() : UnknownCode("MoE transport mode", code, MoeModeCodes());
 }
 
 // The name of a reduction, for messages.
