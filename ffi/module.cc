@@ -13,14 +13,14 @@
 
 #include "core/registry.h"
 #include "core/rendezvous.h"
-#include "cpu/ft.h"
-#include "cpu/handlers.h"
-#include "cpu/moe_kernels.h"
-#include "cpu/ragged.h"
 #include "cpu/world.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
+
+namespace jaxcomm {
+void RegisterOpTable(nb::module_& m);  // ffi/op_table_bindings.cc
+}
 
 namespace jaxcomm::cuda {
 // The CUDA backend's host-side logic, in every build (ffi/cuda/logic_bindings.cc).
@@ -31,11 +31,6 @@ void RegisterCuda(nb::module_& m);  // ffi/cuda/bindings.cc
 }
 
 namespace {
-
-template <typename T>
-nb::capsule Capsule(T* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
 
 // The host transports, installed in the registry when the module loads.
 jaxcomm::cpu::World& World() {
@@ -56,25 +51,7 @@ const XLA_FFI_TypeInfo kInstructionStateInfo =
 NB_MODULE(_jaxcomm, m) {
   m.doc() = "jaxcomm native runtime: XLA FFI handlers for the host backend";
 
-  m.def("cpu_targets", [] {
-    nb::dict targets;
-    auto stages = [](XLA_FFI_Handler* execute) {
-      nb::dict d;
-      d["instantiate"] = Capsule(jaxcomm::cpu::kInstantiate);
-      d["execute"] = Capsule(execute);
-      return d;
-    };
-    targets["all_reduce"] = stages(jaxcomm::cpu::kAllReduce);
-    targets["all_gather"] = stages(jaxcomm::cpu::kAllGather);
-    targets["reduce_scatter"] = stages(jaxcomm::cpu::kReduceScatter);
-    targets["all_to_all"] = stages(jaxcomm::cpu::kAllToAll);
-    targets["ppermute"] = stages(jaxcomm::cpu::kPermute);
-    targets["broadcast"] = stages(jaxcomm::cpu::kBroadcast);
-    targets["ragged_all_to_all"] = stages(jaxcomm::cpu::kRaggedAllToAll);
-    targets["moe_transport"] = stages(jaxcomm::cpu::kMoeTransport);
-    targets["ft_all_reduce"] = stages(jaxcomm::cpu::kFtAllReduce);
-    return targets;
-  }, "Maps op name -> {stage: handler capsule} for platform 'cpu'.");
+  jaxcomm::RegisterOpTable(m);  // op_table(), cpu_targets() (ffi/op_table_bindings.cc)
 
   m.def("state_type", [] {
     nb::dict d;
@@ -270,6 +247,9 @@ NB_MODULE(_jaxcomm, m) {
 
   m.def("trace_ring_file", [] { return jaxcomm::Registry::Get().recorder().RingFile(); },
         "The flight recorder's file-backed rings (JAXCOMM_TRACE_DIR), '' before the first call.");
+
+  m.def("config_errors", [] { return jaxcomm::Registry::Get().settings().errors; },
+        "The malformed JAXCOMM_* variables the runtime read at start, one message each.");
 
   m.def("fault_error", [] { return jaxcomm::Registry::Get().faults().error(); },
         "Why JAXCOMM_FAULT was rejected ('' when it parsed or is unset).");

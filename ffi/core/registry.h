@@ -12,6 +12,7 @@
 
 #include "core/completion_pool.h"
 #include "core/cross_process.h"
+#include "core/env.h"
 #include "core/fault_injection.h"
 #include "core/flight_recorder.h"
 #include "core/watchdog.h"
@@ -40,6 +41,10 @@ class Registry {
   // stores (cpu/result_stores.h); 0: never. JAXCOMM_NONTEMPORAL_BYTES.
   int64_t nontemporal_bytes() const { return nontemporal_bytes_.load(std::memory_order_relaxed); }
   void set_nontemporal_bytes(int64_t bytes) { nontemporal_bytes_.store(bytes < 0 ? 0 : bytes, std::memory_order_relaxed); }
+
+  // What the runtime read from the environment when it started (core/env.h), and the
+  // malformed variables among it (Python raises the first before any op runs).
+  const Settings& settings() const { return settings_; }
 
   // Whether streamed rounds may read the peers' operands directly (process_vm_readv)
   // where the kernel allows it; JAXCOMM_SINGLE_COPY. Links made while it is off are
@@ -99,6 +104,7 @@ class Registry {
 
  private:
   Registry();
+  const Settings settings_;
   std::atomic<int64_t> spin_us_;
   std::atomic<int64_t> nontemporal_bytes_;
   std::atomic<bool> single_copy_;

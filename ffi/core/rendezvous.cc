@@ -339,14 +339,8 @@ std::shared_ptr<Round> RoundTable::NewRound(const CollectiveCall& call, int64_t 
 namespace {
 
 // Whether the inline path is on (JAXCOMM_INLINE, default 1; 0 turns it off, e.g. to
-// measure what it saves). Read once.
-bool InlineEnabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAXCOMM_INLINE");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return on;
-}
+// measure what it saves). Read once, at start.
+bool InlineEnabled() { return Registry::Get().settings().inline_rounds; }
 
 // Whether the rounds of a group may run inline (RoundTable::ArriveInline): one rank in
 // this process, operands small enough that the work is never split, and a plain

@@ -44,6 +44,7 @@ CallResult AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
   const Peer mine = Buffers(x, *y);
   const size_t n = x.element_count();
   if (n == 0) return Done();
+  if (std::string why = CheckReduceOp(reduce_op); !why.empty()) return Reject(c, why);
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
   if (!ReduceSupported(dtype, op)) {
@@ -137,6 +138,7 @@ CallResult ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal, 
   Common c{st, run, ordinal, "reduce_scatter", call_site, axis, timeout_ms};
   const Peer mine = Buffers(x, *y);
   if (x.element_count() == 0) return Done();
+  if (std::string why = CheckReduceOp(reduce_op); !why.empty()) return Reject(c, why);
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
   if (!ReduceSupported(dtype, op)) {
@@ -339,22 +341,18 @@ ffi::ErrorOr<std::unique_ptr<InstructionState>> Instantiate(ffi::Dictionary attr
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_Instantiate, Instantiate,
                               ffi::Ffi::BindInstantiate().Attrs<ffi::Dictionary>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_AllReduce, AllReduce,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<int64_t>("reduce_op"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_AllGather, AllGather,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<int64_t>("axis_index"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_ReduceScatter, ReduceScatter,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); })
-                                  .Attr<int64_t>("reduce_op")
-                                  .Attr<int64_t>("scatter_dimension"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_AllToAll, AllToAll,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); })
-                                  .Attr<int64_t>("split_axis")
-                                  .Attr<int64_t>("concat_axis"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_Permute, Permute,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<ffi::Span<const int64_t>>("sources"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_Broadcast, Broadcast,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<int64_t>("root"));
+// The six single-operand collectives, bound with their attributes from core/op_table.h.
+#define JAXCOMM_UNARY_HANDLER(name, Handler)                                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_##Handler, Handler,                               \
+                                BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }) \
+                                    JAXCOMM_BIND_ATTRS(name));
+JAXCOMM_UNARY_HANDLER(all_reduce, AllReduce)
+JAXCOMM_UNARY_HANDLER(all_gather, AllGather)
+JAXCOMM_UNARY_HANDLER(reduce_scatter, ReduceScatter)
+JAXCOMM_UNARY_HANDLER(all_to_all, AllToAll)
+JAXCOMM_UNARY_HANDLER(ppermute, Permute)
+JAXCOMM_UNARY_HANDLER(broadcast, Broadcast)
+#undef JAXCOMM_UNARY_HANDLER
 
 XLA_FFI_Handler* const kInstantiate = jaxcomm_cpu_Instantiate;
 XLA_FFI_Handler* const kAllReduce = jaxcomm_cpu_AllReduce;

@@ -152,7 +152,7 @@ ffi::Future MoeTransport(InstructionState* st, ffi::RunId run, int32_t ordinal,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_MoeTransport, MoeTransport,
                               BindCommon(ffi::Ffi::Bind(),
                                          [](auto b) { return BindBuffers<5>(std::move(b)); })
-                                  .Attr<int64_t>("mode"));
+                                  JAXCOMM_BIND_ATTRS(moe_transport));
 
 XLA_FFI_Handler* const kMoeTransport = jaxcomm_cpu_MoeTransport;
 

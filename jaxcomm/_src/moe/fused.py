@@ -24,9 +24,12 @@ from jax._src.interpreters import ad, batching, mlir
 
 from jaxcomm._src import callsite, compat, config, primitive
 from jaxcomm._src.moe import globalview
-from jaxcomm._src.ops import common
+from jaxcomm._src.ops import common, table
 
-GATHER_COPY, GATHER_SCALED, REDUCE, DOT = 0, 1, 2, 3
+GATHER_COPY = table.moe_mode("gather_copy")
+GATHER_SCALED = table.moe_mode("gather_scaled")
+REDUCE = table.moe_mode("reduce")
+DOT = table.moe_mode("dot")
 
 moe_transport_p = core.Primitive("jaxcomm_moe_transport")
 moe_transport_p.def_impl(primitive._outside_shard_map("moe_transport"))

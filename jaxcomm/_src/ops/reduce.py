@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from jax._src.interpreters import ad
 
 from jaxcomm._src import compat, groups, primitive
-from jaxcomm._src.ops import common, gather
+from jaxcomm._src.ops import common, gather, table
 from jaxcomm._src.ops.gather import all_gather_p
 
-REDUCE_OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
+REDUCE_OPS = table.REDUCE_OPS  # {"sum": 0, "prod": 1, "min": 2, "max": 3}
 # The dtypes ffi/cpu/kernels.cc reduces (bool sums are taken as int32, as psum does).
 REDUCIBLE_DTYPES = frozenset(np.dtype(d) for d in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -45,7 +45,7 @@ all_reduce_p = primitive.define(primitive.CollectiveSpec(
     name="all_reduce",
     out_shape=lambda shape, size, **_: shape,
     invariant_result=True,
-    ffi_attrs=lambda op, **_: {"reduce_op": REDUCE_OPS[op]},
+    ffi_attrs=lambda op, **_: {"reduce_op": table.reduce_code(op)},
     aliases=True,
 ))
 
@@ -228,7 +228,7 @@ reduce_scatter_p = primitive.define(primitive.CollectiveSpec(
     name="reduce_scatter",
     out_shape=_reduce_scatter_shape,
     invariant_result=False,
-    ffi_attrs=lambda op, scatter_dimension, **_: {"reduce_op": REDUCE_OPS[op],
+    ffi_attrs=lambda op, scatter_dimension, **_: {"reduce_op": table.reduce_code(op),
                                                    "scatter_dimension": scatter_dimension},
     shift_axes=lambda p: {**p, "scatter_dimension": p["scatter_dimension"] + 1},
     batch_dims=lambda ndim, scatter_dimension, **_: scatter_dimension,
