@@ -185,7 +185,7 @@ NB_MODULE(_jaxcomm, m) {
       json = jaxcomm::Registry::Get().recorder().DumpJson(reason);
     }
     return json;
-  }, nb::arg("reason"), "This process's flight recorder as a JSON document (see README).");
+  }, nb::arg("reason"), "This process's flight recorder as a JSON document (see docs/tracing.md).");
 
   m.def("trace_dump", [](const std::string& path, const std::string& reason) {
     std::string error;

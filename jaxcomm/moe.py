@@ -56,14 +56,25 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, *, num_experts: int, axis_name
       handle: :class:`Handle` for :func:`combine`; ``handle.dropped`` counts this rank's
         assignments dropped for capacity.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        @jax.jit
-        @partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-        def layer(x, ids, w):            # x: f32[T, H], ids: i32[T, K], w: f32[T, K]
-            ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=64, axis_name="ep")
-            ey = jax.lax.ragged_dot(ex, expert_weights, sizes)
-            return jaxcomm.moe.combine(ey, h, w)
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("ep",))
+        >>> T, H, K, E = 4, 2, 2, 16             # per rank: 4 tokens, top-2 of 16 experts
+        >>> put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
+        >>> x = put(jnp.ones((8 * T, H)))                           # f32[T, H] per rank
+        >>> ids = put(jnp.arange(8 * T * K).reshape(8 * T, K) % E)  # i32[T, K] per rank
+        >>> w = put(jnp.full((8 * T, K), 0.5))                      # f32[T, K] per rank
+        >>> def layer(x, ids, w):
+        ...     ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
+        ...     ey = 2 * ex                     # the experts; e.g. jax.lax.ragged_dot(ex, W, sizes)
+        ...     return jaxcomm.moe.combine(ey, h, w), sizes
+        >>> y, sizes = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=P("ep"),
+        ...                                  out_specs=P("ep")))(x, ids, w)
+        >>> np.asarray(y)[0], int(sizes.sum())  # 2 * (0.5 + 0.5) * x[0]; every assignment kept
+        (array([2., 2.], dtype=float32), 64)
     """
     return api.run_dispatch("dispatch", x, expert_ids, num_experts, axis_name, capacity, False)
 
@@ -103,11 +114,26 @@ def dispatch_padded(x: jax.Array, expert_ids: jax.Array, *, num_experts: int,
       counts: [E_local] int32 rows used per expert.
       handle: for :func:`combine_padded`.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        ex, counts, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=8, axis_name="ep")
-        ey = jnp.einsum("erh,ehf->erf", ex, w_local)
-        y = jaxcomm.moe.combine_padded(ey, h, weights)
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("ep",))
+        >>> T, H, K, E = 4, 2, 2, 16             # per rank: 4 tokens, top-2 of 16 experts
+        >>> put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
+        >>> x = put(jnp.ones((8 * T, H)))                           # f32[T, H] per rank
+        >>> ids = put(jnp.arange(8 * T * K).reshape(8 * T, K) % E)  # i32[T, K] per rank
+        >>> w = put(jnp.full((8 * T, K), 0.5))                      # f32[T, K] per rank
+        >>> w_local = put(jnp.ones((E, H, H)))  # f32[E_local, H, H] per rank: its experts
+        >>> def layer(x, ids, w, w_local):
+        ...     ex, counts, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=E, axis_name="ep")
+        ...     ey = jnp.einsum("esh,ehf->esf", ex, w_local)   # ex: [E_local, S, H]
+        ...     return jaxcomm.moe.combine_padded(ey, h, w)
+        >>> y = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+        ...     x, ids, w, w_local)
+        >>> np.asarray(y)[0]                    # (0.5 + 0.5) * x[0] @ ones((H, H))
+        array([2., 2.], dtype=float32)
     """
     return api.run_dispatch("dispatch_padded", x, expert_ids, num_experts, axis_name, capacity, True)
 

@@ -328,11 +328,12 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
         process could then only see its own devices); or an MPI job JAX cannot join.
       ValueError: the launcher's variables are inconsistent.
 
-    Example::
+    Example (first thing in a script; under ``python -m jaxcomm.launch -n 2`` it returns True)::
 
-        import jax, jaxcomm
-        jaxcomm.init()                      # first, before any JAX computation
-        mesh = jax.make_mesh((jax.device_count(),), ("x",))   # spans all processes
+        >>> import jax, jaxcomm
+        >>> jaxcomm.init()                      # run alone: nothing to join
+        False
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))   # spans all processes
     """
     import jax
 

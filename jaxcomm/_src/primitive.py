@@ -147,7 +147,8 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
     finds its rank from its device ordinal. See ffi/cpu/launch.h for the C++ side.
 
     In a shard_map that is manual over only some mesh axes, XLA partitions the call over
-    the other (auto) axes along its first ``batch_dims`` dimensions (see DESIGN.md).
+    the other (auto) axes along its first ``batch_dims`` dimensions (see docs/design.md,
+    "Partially manual shard_map").
     """
     entry = table.check_attrs(op, len(operands), attrs)
     serving = [backends.for_platform(p) for p in ctx.module_context.platforms]

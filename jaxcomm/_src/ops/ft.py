@@ -61,12 +61,18 @@ def all_reduce(x: jax.Array, axis_name: Any, *, timeout_s: float | None = None
     ``JAXCOMM_BACKEND=xla``, and on GPU, it is ``jax.lax.psum`` with an all-True mask
     (no tolerance: the host backend's cross-process exchange provides it).
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        def step(params, batch):
-            grads = jax.grad(loss)(params, batch)
-            total, alive = jaxcomm.ft.all_reduce(grads, "dp")
-            return params - lr * total / alive.sum()
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+        >>> f = jax.shard_map(lambda v: jaxcomm.ft.all_reduce(v, "x"), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=(P(), P()))
+        >>> total, contributed = jax.jit(f)(x)    # in a job, a dead process is left out
+        >>> total, contributed.sum()
+        (Array([28.], dtype=float32), Array(8, dtype=int32))
     """
     x, params = common.prepare("ft.all_reduce", x, axis_name, timeout_s)
     if not jnp.issubdtype(x.dtype, jnp.number):

@@ -220,14 +220,21 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
     and slice when an offset or size would read or write outside a buffer, or recv_sizes
     disagree with send_sizes; nothing is written then.
 
-    Example (the jax.lax docstring's, axis of size 2)::
+    Example (jax.lax's, on an axis of 2 ranks)::
 
-        # rank 0: operand [1, 2, 2], input_offsets [0, 1], send_sizes [1, 2],
-        #         output_offsets [0, 0], recv_sizes [1, 1]
-        # rank 1: operand [3, 4, 0], input_offsets [0, 1], send_sizes [1, 1],
-        #         output_offsets [1, 2], recv_sizes [2, 1]
-        y = jaxcomm.ragged_all_to_all(operand, jnp.zeros(4), io, ss, oo, rs, axis_name="x")
-        # rank 0: [1, 3, 0, 0]; rank 1: [2, 2, 4, 0]
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+        >>> put = lambda a: jax.device_put(jnp.array(a), NamedSharding(mesh, P("x")))
+        >>> operand = put([1., 2., 2., 3., 4., 0.])  # rank 0: [1, 2, 2], rank 1: [3, 4, 0]
+        >>> input_offsets, send_sizes = put([0, 1, 0, 1]), put([1, 2, 1, 1])
+        >>> output_offsets, recv_sizes = put([0, 0, 1, 2]), put([1, 1, 2, 1])
+        >>> f = jax.shard_map(
+        ...     lambda *a: jaxcomm.ragged_all_to_all(a[0], jnp.zeros(4), *a[1:], axis_name="x"),
+        ...     mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> jax.jit(f)(operand, input_offsets, send_sizes, output_offsets, recv_sizes)
+        Array([1., 3., 0., 0., 2., 2., 4., 0.], dtype=float32)
     """
     operand, output = jnp.asarray(operand), jnp.asarray(output)
     idx = [jnp.asarray(a) for a in (input_offsets, send_sizes, output_offsets, recv_sizes)]
