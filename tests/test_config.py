@@ -14,7 +14,11 @@ import pytest
 
 from jaxcomm._src import config
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")  # the sources the C++ readers are checked in
+# Children start in tests/: from the repository root, `python -c` would import a clean
+# clone's jaxcomm/ (no extension built there) instead of the installed package.
+CHILD_CWD = HERE
 
 
 def _sources(top: str, suffixes: tuple[str, ...]) -> dict[str, str]:
@@ -95,7 +99,7 @@ def test_cpp_and_python_reject_a_malformed_value_alike(name, raw):
             "print(sys.modules['jaxcomm._jaxcomm'].config_errors())\n"
             "print('raised:', error)\n")
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, name: raw},
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=CHILD_CWD)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"[{str(python_error.value)!r}]\nraised: {python_error.value}\n", proc.stdout
 
@@ -107,7 +111,7 @@ def test_a_malformed_value_fails_the_first_trace():
             "jax.jit(f)(jnp.ones(4))\n")
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "JAXCOMM_SPIN_US": "abc",
                                                             "JAX_PLATFORMS": "cpu"},
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=CHILD_CWD)
     assert proc.returncode != 0
     assert "ValueError: JAXCOMM_SPIN_US must be a whole number of microseconds, got 'abc'" in proc.stderr, proc.stderr
 
@@ -140,5 +144,5 @@ def test_defaults_and_overrides():
 
 def test_markdown_command():
     proc = subprocess.run([sys.executable, "-m", "jaxcomm._src.config", "--markdown"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=CHILD_CWD)
     assert proc.returncode == 0 and proc.stdout == config.markdown()
