@@ -6,9 +6,11 @@ MISMATCH error naming both sides (ffi/core/mismatch.h), instead of at the deadli
   rank fails, each error naming every side, and the process goes on.
 * Across processes, over shared memory and over TCP (one job per transport, both at
   once): a different op at the same step, then two jitted programs dispatched in
-  opposite orders; every process fails with a MISMATCH error naming both call sites and
-  the processes on each side, and the flight recorder's verdict is MISMATCH with both
-  call sites. Then a process that is merely late (asleep in Python, in no collective)
+  opposite orders, then two programs that call one helper collective (one call site) in
+  opposite orders; every process fails with a MISMATCH error naming both call sites (and
+  programs) and the processes on each side, and the flight recorder's verdict is MISMATCH
+  with both call sites. Programs compiled in opposite orders still pair (after the one
+  above, each process has compiled only one of its two programs). Then a process that is merely late (asleep in Python, in no collective)
   is not a mismatch: its peers wait for it past the grace period and the call completes.
 
 Every collective has a 120 s deadline and the grace period is 1 s: that an error
@@ -204,6 +206,22 @@ report("OP", [lambda: (op_a if RANK == 0 else op_b)(x)])
 # Two programs dispatched in opposite orders.
 order = [lambda: first(x), lambda: second(x)]
 report("ORDER", order if RANK == 0 else order[::-1])
+# Two programs that call one helper collective (one call site), in opposite orders:
+# their calls must not pair with each other.
+def helper(v):
+    return jaxcomm.all_reduce(v, "x", timeout_s=T)  # HELPER
+one = smap(lambda v: helper(v))
+ten = smap(lambda v: helper(v * 10))
+same_site = [lambda: one(x), lambda: ten(x)]
+report("SAME-SITE", same_site if RANK == 0 else same_site[::-1])
+# Compiled in opposite orders, run in one order: they pair, each with itself (v * 3 has the
+# structure of ten, compiled by process 1 only).
+def total_of(r):
+    return float(np.asarray(r.addressable_shards[0].data)[0, 0])
+progs = [smap(lambda v: helper(v + 1)), smap(lambda v: helper(v * 3))]
+compiled = [p.lower(x).compile() for p in (progs if RANK == 0 else progs[::-1])]
+compiled = compiled if RANK == 0 else compiled[::-1]
+print("COMPILE-ORDER", json.dumps([total_of(c(x)) for c in compiled]), flush=True)
 # A process in no collective, late by twice the grace period: no mismatch.
 if RANK == 1:
     time.sleep(2 * {GRACE_S})
@@ -270,7 +288,20 @@ def test_processes_in_different_collectives_fail_within_the_grace_period(jobs, t
             # in, fails too: it does not complete with the peer's contribution.
             assert all("MISMATCH: " in o for o in got["outcomes"]), got
         blamed = {(b.process, b.call_site) for b in causes.blames(_tagged(res, 0, tag)["outcomes"][0])}
-        assert blamed == {(0, f"{_site(mine)} (<lambda>)"), (1, f"{_site(theirs)} (<lambda>)")}, blamed
+        assert {(p, site.split(" in jit_")[0]) for p, site in blamed} == {
+            (0, f"{_site(mine)} (<lambda>)"), (1, f"{_site(theirs)} (<lambda>)")}, blamed
+    # One helper's call site in two programs: each side names its program, and they differ.
+    helper = f"{_site('# HELPER')} (helper) in "
+    for rank in range(2):
+        got = _tagged(res, rank, "SAME-SITE")
+        assert got["elapsed"] < DEADLINE_S and all("MISMATCH: " in o for o in got["outcomes"]), got
+        programs = re.findall("waits in all_reduce at " + re.escape(helper) + r"(jit_\S+#[0-9a-f]{8})",
+                              got["outcomes"][0])
+        assert len(programs) == 2 and programs[0] != programs[1], got["outcomes"][0]
+    # Compiled in opposite orders, the programs still pair with themselves: sums of
+    # x + 1 and of 3 x over every rank (x = process index + 1 on each of its ranks).
+    for rank in range(2):
+        assert _tagged(res, rank, "COMPILE-ORDER") == [5.0 * local, 9.0 * local], res.format()
     # A late process is no mismatch: the call completed, exactly.
     assert [_tagged(res, r, "LATE")["sum"] for r in range(2)] == [3.0 * local] * 2, res.format()
 
@@ -280,8 +311,8 @@ def test_processes_in_different_collectives_fail_within_the_grace_period(jobs, t
     report = analyzer.analyze(trace)
     assert report.kind == "mismatch", report.text()
     faults = [f for f in report.findings if f.kind != "straggler"]
-    assert [f.kind for f in faults] == ["mismatch", "mismatch"], report.text()
-    for f, (a, b) in zip(faults, [("OP-A", "OP-B"), ("ORDER-F", "ORDER-G")]):
+    assert [f.kind for f in faults] == ["mismatch", "mismatch", "mismatch"], report.text()
+    for f, (a, b) in zip(faults, [("OP-A", "OP-B"), ("ORDER-F", "ORDER-G"), ("HELPER", "HELPER")]):
         ranks = lambda r: ", ".join(str(r * local + k) for k in range(local))
         assert f"ranks [{ranks(0)}] (process 0) wait in " in f.summary, f.summary
         assert f"ranks [{ranks(1)}] (process 1) wait in " in f.summary, f.summary

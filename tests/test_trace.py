@@ -464,7 +464,7 @@ os._exit(0)  # skip jax.distributed's shutdown barrier: nothing is left to agree
 """
 
 
-def _two_processes(tmp_path, fault, wait, mode="", transport="auto"):
+def _two_processes(tmp_path, fault, wait, mode="", transport="auto", match_programs="1"):
     """Runs _MP_CHILD in 2 processes of 2 devices each; returns [(rc, stdout, stderr)]."""
     out = tmp_path / "dumps"
     with socket.socket() as s:
@@ -473,7 +473,7 @@ def _two_processes(tmp_path, fault, wait, mode="", transport="auto"):
     procs = []
     for i in range(2):
         env = _env(MP_COORD=f"127.0.0.1:{port}", MP_ID=str(i), MP_WAIT="1" if wait else "0",
-                   MP_MODE=mode, JAXCOMM_TRANSPORT=transport,
+                   MP_MODE=mode, JAXCOMM_TRANSPORT=transport, JAXCOMM_MATCH_PROGRAMS=match_programs,
                    XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXCOMM_FAULT=fault)
         procs.append(subprocess.Popen([sys.executable, "-c", _MP_CHILD, str(out)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -524,17 +524,26 @@ def test_two_processes_exit_names_the_dead_process(tmp_path, transport):
     assert {e["algorithm"] for e in entries} == {"shm" if transport == "auto" else "tcp"}
 
 
-def test_two_processes_running_different_ops_are_a_mismatch(tmp_path):
-    results, out = _two_processes(tmp_path, "", wait=True, mode="mismatch")
+@pytest.mark.parametrize("match_programs", ["1", "0"])
+def test_two_processes_running_different_ops_are_a_mismatch(tmp_path, match_programs):
+    results, out = _two_processes(tmp_path, "", wait=True, mode="mismatch", match_programs=match_programs)
+    # The processes traced different programs at one call site. By default their calls
+    # are told apart by program (jaxcomm/_src/program.py): each side waits in its own
+    # until the grace period shows the mismatch. Without the program in the key they
+    # meet in one call, whose op differs: that fails at once.
+    expected = "MISMATCH: " if match_programs == "1" else "runs a different collective"
     for rc, stdout, stderr in results:
-        assert "RAN-ERROR" in stdout and "runs a different collective" in stdout, (
-            stdout + stderr[-2000:])
+        assert "RAN-ERROR" in stdout and expected in stdout, stdout + stderr[-2000:]
     report = analyzer.analyze(out)
     assert report.kind == "mismatch", report.text()
     top = report.findings[0]
     assert top.execution == 1 and (top.waiting, top.culprits) == ([0, 1], [2, 3])
-    assert "ranks [0, 1] run all_reduce" in top.summary, top.summary
-    assert "ranks [2, 3] run all_gather" in top.summary, top.summary
+    if match_programs == "1":
+        assert "ranks [0, 1] (process 0) wait in all_reduce at <string>:11 (<lambda>) in jit__lambda#" in top.summary, top.summary
+        assert "ranks [2, 3] (process 1) wait in all_gather at <string>:11 (<lambda>) in jit__lambda#" in top.summary, top.summary
+    else:
+        assert "ranks [0, 1] run all_reduce" in top.summary, top.summary
+        assert "ranks [2, 3] run all_gather" in top.summary, top.summary
 
 
 # ------------------------------------------------- records that outlive their process

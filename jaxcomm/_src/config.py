@@ -167,6 +167,12 @@ _VARIABLES = (
              "this many seconds (at most a tenth of the call's timeout) with a MISMATCH error "
              "naming both sides; ``0``: only at the deadline.", AT_REGISTRATION, "cpu",
              _grace_seconds),
+    Variable("JAXCOMM_MATCH_PROGRAMS", "flag", "1",
+             "Calls pair across processes only within one program: each call's site names its "
+             "jitted program (module name and a digest of its structure), so processes that run "
+             "different programs at a collective fail with MISMATCH instead of pairing; ``0``: "
+             "calls pair by call site, axis and order alone, as MPI pairs them (for jobs whose "
+             "processes deliberately trace different programs).", EACH_TRACE, "all", _flag),
     Variable("JAXCOMM_TRANSPORT", "choice", "auto",
              "Between processes: ``auto``: shared memory on one host, TCP across hosts; ``tcp``: "
              "TCP everywhere.", AT_LINK, "cpu", _choice("auto", "tcp")),
@@ -349,6 +355,11 @@ def single_copy() -> bool:
 def mismatch_grace_s() -> float:
     """JAXCOMM_MISMATCH_GRACE_S: seconds >= 0 (0 turns the mismatch check off)."""
     return get("JAXCOMM_MISMATCH_GRACE_S")
+
+
+def match_programs() -> bool:
+    """JAXCOMM_MATCH_PROGRAMS (0 or 1), validated."""
+    return get("JAXCOMM_MATCH_PROGRAMS")
 
 
 def host_id() -> str:

@@ -19,7 +19,7 @@ import jax
 from jax._src import core
 from jax._src.interpreters import batching, mlir
 
-from jaxcomm._src import backends, compat, groups, partitioning, runtime
+from jaxcomm._src import backends, compat, groups, partitioning, program, runtime
 from jaxcomm._src.ops import table
 
 # Params every collective primitive carries, besides the op's own. ``axis_index_groups``
@@ -168,7 +168,7 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
                                  extra_attributes=extra)
     return lower(
         ctx, *operands,
-        call_site=params["call_site"],
+        call_site=program.call_site_attribute(ctx.module_context, params["call_site"]),
         axis=groups.describe(axes),
         timeout_ms=int(params["timeout_ms"]),
         groups=np.asarray(replica_groups, dtype=np.int64).reshape(-1),
