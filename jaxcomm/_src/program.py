@@ -57,10 +57,13 @@ def _plain(value: Any) -> str | None:
     return None
 
 
-def _operand(v: Any) -> str:
+def _operand(v: Any, texts: dict[Any, str]) -> str:
     if isinstance(v, core.Literal):  # a scalar: its value is part of the program
         return f"{v.aval}={np.asarray(v.val).item()!r}"
-    return str(v.aval)
+    text = texts.get(v.aval)
+    if text is None:  # most operands share a few types: print each once
+        text = texts[v.aval] = str(v.aval)
+    return text
 
 
 def _jaxprs_in(value: Any) -> list[core.Jaxpr]:
@@ -73,25 +76,25 @@ def _jaxprs_in(value: Any) -> list[core.Jaxpr]:
     return []
 
 
-def _digest_jaxpr(jaxpr: core.Jaxpr, h: Any, seen: dict[int, str]) -> None:
+def _digest_jaxpr(jaxpr: core.Jaxpr, h: Any, seen: dict[int, str], texts: dict[Any, str]) -> None:
     key = id(jaxpr)
     if key in seen:  # a sub-jaxpr shared by many equations: once, then by reference
         h.update(seen[key].encode())
         return
     sub = hashlib.blake2b(digest_size=8)
-    sub.update(" ".join(str(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars)).encode())
+    sub.update(" ".join(_operand(v, texts) for v in (*jaxpr.constvars, *jaxpr.invars)).encode())
     for eqn in jaxpr.eqns:
         sub.update(f"|{eqn.primitive.name}(".encode())
-        sub.update(" ".join(_operand(v) for v in eqn.invars).encode())
+        sub.update(" ".join(_operand(v, texts) for v in eqn.invars).encode())
         sub.update(b")->")
-        sub.update(" ".join(str(v.aval) for v in eqn.outvars).encode())
+        sub.update(" ".join(_operand(v, texts) for v in eqn.outvars).encode())
         for name in sorted(eqn.params):
             value = eqn.params[name]
             inner = _jaxprs_in(value)
             if inner:
                 sub.update(f";{name}=".encode())
                 for j in inner:
-                    _digest_jaxpr(j, sub, seen)
+                    _digest_jaxpr(j, sub, seen, texts)
             else:
                 text = _plain(value)
                 sub.update(f";{name}={'?' if text is None else text}".encode())
@@ -123,7 +126,7 @@ def program_of(module_context: mlir.ModuleContext) -> str:
     digest = _DIGESTS.get(jaxpr)
     if digest is None:
         h = hashlib.blake2b(digest_size=4)
-        _digest_jaxpr(jaxpr.jaxpr, h, {})
+        _digest_jaxpr(jaxpr.jaxpr, h, {}, {})
         digest = _DIGESTS[jaxpr] = h.hexdigest()
     return f"{name}#{digest}"
 
