@@ -14,7 +14,9 @@
 #include "core/rendezvous.h"
 #include "cpu/ft.h"
 #include "cpu/handlers.h"
+#include "cpu/moe_dispatch.h"
 #include "cpu/moe_kernels.h"
+#include "cpu/moe_split.h"
 #include "cpu/ragged.h"
 #include "cpu/world.h"
 #include "xla/ffi/api/ffi.h"
@@ -69,6 +71,9 @@ NB_MODULE(_jaxcomm, m) {
     targets["broadcast"] = stages(jaxcomm::cpu::kBroadcast);
     targets["ragged_all_to_all"] = stages(jaxcomm::cpu::kRaggedAllToAll);
     targets["moe_transport"] = stages(jaxcomm::cpu::kMoeTransport);
+    targets["moe_transport_send"] = stages(jaxcomm::cpu::kMoeTransportSend);
+    targets["moe_dispatch"] = stages(jaxcomm::cpu::kMoeDispatch);
+    targets["moe_recv"] = stages(jaxcomm::cpu::kMoeRecv);
     targets["ft_all_reduce"] = stages(jaxcomm::cpu::kFtAllReduce);
     return targets;
   }, "Maps op name -> {stage: handler capsule} for platform 'cpu'.");
