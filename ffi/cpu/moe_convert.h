@@ -67,6 +67,10 @@ inline uint16_t F32ToF16(float f) {
 
 // float8_e4m3fn: bias 7, no infinities, 0x7F/0xFF NaN, largest finite 448 (0x7E).
 constexpr float kE4M3Max = 448.0f;
+// The scale is amax times this (float32 1/448): a product, which XLA's jax.numpy version
+// (jaxcomm/_src/moe/fp8.py) computes bit for bit, where XLA rewrites a division by a
+// constant into a multiplication by its reciprocal.
+constexpr float kE4M3InvMax = 1.0f / 448.0f;
 
 // Returns the code in the low 8 bits of a 32-bit word: narrowed at the store, which lets
 // GCC vectorise the row loops (a uint8_t result here kept them scalar).
@@ -188,8 +192,8 @@ constexpr float kFp8MinAmax = 1e-4f;
 inline int64_t Fp8Blocks(int64_t H) { return (H + kFp8Block - 1) / kFp8Block; }
 
 // Quantizes one token row x[H] (In's type): per block, amax = max(|x|, kFp8MinAmax),
-// q = e4m3(x * (448 / amax)), scale = amax / 448, all in float32 in this order (the
-// NumPy reference in tests/ repeats it bit for bit).
+// q = e4m3(x * (448 / amax)), scale = amax * float32(1/448), all in float32 in this order
+// (the NumPy reference in tests/ repeats it bit for bit).
 template <typename In>
 float BlockAmax(const void* xv, int64_t n) {
   const auto* __restrict x = static_cast<const typename In::Storage*>(xv);
@@ -211,7 +215,7 @@ void QuantizeRowE4M3(const void* xv, int64_t H, uint8_t* q, float* scales) {
     const int64_t n = H - h0 < kFp8Block ? H - h0 : kFp8Block;
     const float amax = BlockAmax<In>(x + h0, n);
     ConvertRow<In, E4M3T>(q + h0, x + h0, kE4M3Max / amax, n);
-    scales[b] = amax / kE4M3Max;
+    scales[b] = amax * kE4M3InvMax;
   }
 }
 

@@ -231,7 +231,7 @@ def _global_dispatch_planned(spec: DispatchSpec, x: jax.Array, expert_ids: jax.A
 
     def plan(ids):
         if spec.check_ids:
-            impl.check_ids_callback(ids, lay.E)
+            ids = impl.checked_ids(ids, lay.E, axis_name)
         h, sizes = impl.plan(ids, lay, axis_name, fused=True)
         # Scalars gain a leading dimension so that every handle leaf is sharded on dim 0.
         return [h["dest"], h["pos"], *(h[k][None] for k in _SCALARS), sizes]

@@ -320,17 +320,31 @@ def _fp8_rows(x: jax.Array, fp8: str, move) -> Any:
     return rows(x)
 
 
-def check_ids_callback(expert_ids: jax.Array, E: int) -> None:
-    """check_ids on the transports other than the host dispatch (whose kernel checks): a
-    host callback that raises on an id outside [-1, E)."""
-    def check(ids):
-        import numpy as np
-        bad = np.argwhere((ids < -1) | (ids >= E))
-        if bad.size:
-            t, k = (int(i) for i in bad[0])
-            raise ValueError(f"jaxcomm.moe: expert id {int(ids[t, k])} of token {t}, slot {k} is outside "
-                             f"[-1, {E}) (check_ids=True)")
-    jax.debug.callback(check, expert_ids)
+def checked_ids(expert_ids: jax.Array, E: int, axis_name: Any) -> jax.Array:
+    """check_ids on the transports other than the host dispatch (whose kernel checks):
+    ``expert_ids`` back from a host callback that raises on an id outside [-1, E).
+
+    Every rank must fail, or the others would wait forever in the next collective: the
+    ranks all-gather their first invalid id and every rank's callback raises the same
+    message; the routing continues from the callback's result, so no later collective
+    starts before it.
+    """
+    K = expert_ids.shape[1]
+    bad = ((expert_ids < 0) | (expert_ids >= E)) & (expert_ids != -1)
+    first = jnp.argmax(bad.reshape(-1)).astype(jnp.int32)
+    info = jnp.iinfo(jnp.int32)
+    value = jnp.clip(expert_ids.reshape(-1)[first], info.min, info.max).astype(jnp.int32)
+    mine = jnp.stack([jnp.any(bad).astype(jnp.int32), first // K, first % K, value])
+    found = all_gather(mine, axis_name)  # [R, 4]
+
+    def check(found, ids):
+        for r, (has, t, k, v) in enumerate(found.tolist()):
+            if has:
+                raise ValueError(f"jaxcomm.moe: expert id {v} of token {t}, slot {k} on rank {r} is "
+                                 f"outside [-1, {E}) (check_ids=True)")
+        return ids
+
+    return jax.pure_callback(check, jax.ShapeDtypeStruct(expert_ids.shape, expert_ids.dtype), found, expert_ids)
 
 
 def dispatch(x: jax.Array, expert_ids: jax.Array, lay: Layout, axis_name: Any, *,
@@ -342,7 +356,7 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, lay: Layout, axis_name: Any, *
         expert_x, sizes, handle = host_outputs(x, outs, lay, axis_name, fp8=fp8)
     else:
         if check_ids:
-            check_ids_callback(expert_ids, lay.E)
+            expert_ids = checked_ids(expert_ids, lay.E, axis_name)
         is_fused = use_fused(x.dtype, lay.R)
         handle, sizes = plan(expert_ids, lay, axis_name, fused=is_fused)
         rows = _fused_dispatch_rows if is_fused else _expand

@@ -3,7 +3,7 @@
 
 DeepEP's format: per token, one float32 scale per block of 128 channels (the last block may
 be shorter); with amax = max(max |x| over the block, 1e-4), the values are
-``float8_e4m3fn(x * (448 / amax))`` and the scale ``amax / 448``, so ``value * scale``
+``float8_e4m3fn(x * (448 / amax))`` and the scale ``amax * float32(1 / 448)``, so ``value * scale``
 approximates x within FP8's rounding (3 mantissa bits: a relative error up to 2^-4).
 """
 
@@ -40,7 +40,7 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1), MIN_AMAX)
     q = jnp.clip(xb * (jnp.float32(E4M3_MAX) / amax)[..., None], -E4M3_MAX, E4M3_MAX)
     q = q.reshape(T, -1)[:, :H].astype(jnp.float8_e4m3fn)
-    return q, amax / jnp.float32(E4M3_MAX)
+    return q, amax * jnp.float32(1.0 / E4M3_MAX)
 
 
 def dequantize(q: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
