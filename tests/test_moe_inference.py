@@ -492,3 +492,48 @@ def test_bad_input_trace_time_errors():
     with pytest.raises(ValueError, match="layout must be"):
         call(lambda x, ids: jaxcomm.moe.dispatch_send(x, ids, num_experts=16, axis_name="ep",
                                                       layout="ragged"))
+
+
+# ---------------------------------------------------------------- across processes
+
+SPLIT_ACROSS_PROCESSES = """
+R = NPROC * LOCAL
+T, K, E, H = 4, 2, 4 * R, 160
+mesh = Mesh(np.asarray(jax.devices()), ("ep",))
+sh = NamedSharding(mesh, P("ep"))
+rng = np.random.default_rng(0)
+ids = np.stack([rng.choice(E, K, replace=False) for _ in range(R * T)]).astype(np.int32)
+x = rng.normal(size=(R * T, H)).astype(np.float32)
+w = rng.random((R * T, K)).astype(np.float32)
+put = lambda a: jax.make_array_from_callback(a.shape, sh, lambda i: a[i])
+
+def split(x, ids, w):
+    pending = jaxcomm.moe.dispatch_send(x, ids, num_experts=E, axis_name="ep", layout="low_latency",
+                                        max_tokens=T, fp8="dequantize")
+    ex, counts, h = jaxcomm.moe.dispatch_recv(pending)
+    pending = jaxcomm.moe.combine_send(ex * 2, h, w)
+    return jaxcomm.moe.combine_recv(pending)
+
+def fused(x, ids, w):
+    ex, counts, h = jaxcomm.moe.dispatch_low_latency(x, ids, num_experts=E, axis_name="ep",
+                                                     max_tokens=T, fp8="dequantize")
+    return jaxcomm.moe.combine_low_latency(ex * 2, h, w)
+
+run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))(
+    put(x), put(ids), put(w))
+ys, yf = run(split), run(fused)
+want = 2 * x * w.sum(1, keepdims=True)
+for a, b in zip(ys.addressable_shards, yf.addressable_shards):
+    np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    np.testing.assert_allclose(np.asarray(a.data), want[a.index], rtol=0.15, atol=0.15)
+print("CHECKED split-phase low-latency FP8 across processes", flush=True)
+"""
+
+
+def test_split_low_latency_fp8_across_processes():
+    """The halves' round crosses processes (shared memory): same values as the fused calls."""
+    from mp_util import assert_ok, run_script
+    res = run_script(SPLIT_ACROSS_PROCESSES, 2, 2, timeout_s=180)
+    assert_ok(res)
+    for rank in range(2):
+        assert "CHECKED split-phase" in res.output[rank], res.format()
