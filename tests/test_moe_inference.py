@@ -51,6 +51,28 @@ def _ll_valid(ex, counts):
     return np.where(rows < counts[:, :, None, None], ex, 0)
 
 
+def _bf16_case(T, K, E, H, seed):
+    """(ids, x, weights, cotangent): bfloat16 tokens and cotangent, float32 weights."""
+    rng = np.random.default_rng(seed + 1)
+    return (routing(T, K, E, seed=seed), rng.normal(size=(R, T, H)).astype(jnp.bfloat16),
+            rng.random((R, T, K)).astype(np.float32), rng.normal(size=(R, T, H)).astype(jnp.bfloat16))
+
+
+def _differentiable(form, layer, x, ids, w):
+    """(f(x, w), its arguments) for check_grads: ``layer(x, ids, w)`` in the call form, on
+    global [R*T, ...] arrays, the ids fixed."""
+    mesh = _mesh()
+    sh = NamedSharding(mesh, P("ep"))
+    flat = lambda a: a.reshape((R * a.shape[1],) + a.shape[2:])  # noqa: E731
+    ids_d = jax.device_put(flat(ids), sh)
+    if form == "shard_map":
+        g = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
+    else:
+        g = jax.jit(layer)
+    f = lambda x, w: g(jax.reshard(x, sh), ids_d, jax.reshard(w, sh))  # noqa: E731
+    return f, (jax.device_put(flat(x), sh), jax.device_put(flat(w), sh))
+
+
 # ---------------------------------------------------------------- half precision combine
 
 @pytest.mark.parametrize("form", FORMS)
@@ -78,11 +100,7 @@ def test_half_precision_combine_gradients():
     """combine's transposes on bfloat16 rows: towards expert_y a scaled dispatch of the
     cotangent (rounded once), towards the weights float32 dot products."""
     T, K, E, H = 4, 3, 16, 20
-    ids = routing(T, K, E, seed=52)
-    rng = np.random.default_rng(53)
-    x = rng.normal(size=(R, T, H)).astype(jnp.bfloat16)
-    w = rng.random((R, T, K)).astype(np.float32)
-    ct = rng.normal(size=(R, T, H)).astype(jnp.bfloat16)
+    ids, x, w, ct = _bf16_case(T, K, E, H, seed=52)
 
     def f(x, ids, w, ct):
         ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
@@ -147,15 +165,7 @@ def test_low_latency_gradients(form):
                                                          max_tokens=MAX)
         return jaxcomm.moe.combine_low_latency(jnp.tanh(ex) * scale_of, h, w)
 
-    mesh = _mesh()
-    sh = NamedSharding(mesh, P("ep"))
-    ids_d = jax.device_put(ids.reshape(R * T, K), sh)
-    if form == "shard_map":
-        g = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
-    else:
-        g = jax.jit(layer)
-    f = lambda x, w: g(jax.reshard(x, sh), ids_d, jax.reshard(w, sh))  # noqa: E731
-    args = (jax.device_put(x.reshape(R * T, H), sh), jax.device_put(w.reshape(R * T, K), sh))
+    f, args = _differentiable(form, layer, x, ids, w)
     want_ex, _, row_of, _ = np_dispatch(x, ids, E, padded=True, slab=R * MAX)
     want = np_combine(np.tanh(want_ex) * scale, row_of, w, T, H)
     np.testing.assert_allclose(np.asarray(f(*args)).reshape(R, T, H), want, rtol=1e-5, atol=1e-6)
@@ -226,11 +236,7 @@ def test_fp8_dispatch_matches_numpy_quantization(dtype, layout, form):
 def test_fp8_gradient_is_the_combine_of_the_cotangent():
     """Straight through: the FP8 dispatch's VJP and JVP equal the unquantized dispatch's."""
     T, K, E, H = 4, 2, 16, 130
-    ids = routing(T, K, E, seed=62)
-    rng = np.random.default_rng(63)
-    x = rng.normal(size=(R, T, H)).astype(jnp.bfloat16)
-    w = rng.random((R, T, K)).astype(np.float32)
-    ct = rng.normal(size=(R, T, H)).astype(jnp.bfloat16)
+    ids, x, w, ct = _bf16_case(T, K, E, H, seed=62)
 
     def f(x, ids, w, ct):
         def loss(x, fp8):
@@ -325,16 +331,7 @@ def test_split_phase_gradients(form):
     x = rng.normal(size=(R, T, H)).astype(np.float32)
     w = rng.random((R, T, K)).astype(np.float32)
     _, split = _split_layer("padded", E, None)
-    mesh = _mesh()
-    sh = NamedSharding(mesh, P("ep"))
-    ids_d = jax.device_put(ids.reshape(R * T, K), sh)
-    layer = lambda x, ids, w: split(x, ids, w)[2]  # noqa: E731
-    if form == "shard_map":
-        g = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
-    else:
-        g = jax.jit(layer)
-    f = lambda x, w: g(jax.reshard(x, sh), ids_d, jax.reshard(w, sh))  # noqa: E731
-    args = (jax.device_put(x.reshape(R * T, H), sh), jax.device_put(w.reshape(R * T, K), sh))
+    f, args = _differentiable(form, lambda x, ids, w: split(x, ids, w)[2], x, ids, w)
     want_ex, _, row_of, _ = np_dispatch(x, ids, E, padded=True)
     np.testing.assert_allclose(np.asarray(f(*args)).reshape(R, T, H),
                                np_combine(np.sin(want_ex), row_of, w, T, H) + np.cos(x), rtol=1e-5, atol=1e-6)

@@ -75,27 +75,6 @@ std::string CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& ids, co
   return "";
 }
 
-// Buffers() (launch.h), with huge pages advised for expert_x only when it is written whole:
-// the low-latency layout's result is mostly rows nobody writes, and each 2 MiB page a
-// few rows touch would be faulted in (and zeroed) whole.
-Peer Operands(const ffi::AnyBuffer& in, ffi::AnyBuffer& out, std::initializer_list<const ffi::AnyBuffer*> aux,
-              bool whole) {
-  if (whole) return Buffers(in, out, aux);
-  Peer p;
-  p.in = in.untyped_data();
-  p.in_bytes = in.size_bytes();
-  p.dtype = static_cast<uint8_t>(in.element_type());
-  p.elements = static_cast<int64_t>(in.element_count());
-  p.out = out.untyped_data();
-  int k = 0;
-  for (const ffi::AnyBuffer* a : aux) {
-    p.aux[k] = a->untyped_data();
-    p.aux_bytes[k] = a->size_bytes();
-    ++k;
-  }
-  return p;
-}
-
 // The routing of one call, built by whichever part of the work gets there first.
 struct SharedRouting {
   std::once_flag once;
@@ -185,8 +164,9 @@ ffi::Future MoeDispatch(InstructionState* st, ffi::RunId run, int32_t ordinal, f
       }
     });
   }
-  Peer mine = Operands(p.fp8 != kNoFp8 ? static_cast<const ffi::AnyBuffer&>(*q) : x, *ex,
-                       {&ids, &*scales}, p.zero_unused);
+  // Peers read the FP8 staging copy where there is one.
+  Peer mine = Buffers(p.fp8 != kNoFp8 ? static_cast<const ffi::AnyBuffer&>(*q) : x, *ex, {&ids, &*scales},
+                      /*written_whole=*/p.zero_unused);
   mine.out_aux = route->untyped_data();
 
   auto shared = std::make_shared<SharedRouting>();

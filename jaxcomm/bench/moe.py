@@ -70,8 +70,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="token dtypes, comma separated (float32, bfloat16, float16)")
     p.add_argument("--modes", default="normal",
                    help=f"rows to measure, comma separated: {', '.join(MODES)} (or all)")
-    p.add_argument("--shared-ffn", type=int, default=None,
-                   help="width of the overlap row's shared expert (default hidden // 2)")
+    p.add_argument("--shared-ffn", type=int, default=128,
+                   help="width of the overlap row's shared expert (sized so that, on a CPU, its matmuls take about as long as the MoE's communication)")
     p.add_argument("--ffn", type=int, default=None,
                    help="expert FFN width (F) of the layer step (default hidden // 4)")
     p.add_argument("--iters", type=int, default=5,
@@ -351,7 +351,7 @@ class _Bench:
         from jax.sharding import NamedSharding, PartitionSpec as P
 
         import jaxcomm
-        H, F = self.H, self.args.shared_ffn or max(1, self.H // 2)
+        H, F = self.H, self.args.shared_ffn
         k1, k2 = jax.random.split(jax.random.key(self.args.seed + 2))
         rep = NamedSharding(self.mesh, P())
         w1 = jax.device_put(jax.random.normal(k1, (H, F)) / np.sqrt(H), rep)
