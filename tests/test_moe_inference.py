@@ -249,6 +249,7 @@ def test_fp8_gradient_is_the_combine_of_the_cotangent():
     g8, g, t8, t = per_device(f, _mesh(), x, ids, w, ct)
     np.testing.assert_array_equal(g8, g)
     np.testing.assert_array_equal(t8, t)
+    np.testing.assert_array_equal(t8, np_dispatch(ct, ids, E)[0])  # the cotangent's rows, moved
     _, _, row_of, _ = np_dispatch(x, ids, E)
     want = np.zeros((R, T, H), np.float32)
     for (s, tk, k), _ in row_of.items():
@@ -534,3 +535,36 @@ def test_split_low_latency_fp8_across_processes():
     assert_ok(res)
     for rank in range(2):
         assert "CHECKED split-phase" in res.output[rank], res.format()
+
+
+def test_paths_of_backends_without_the_host_dispatch(monkeypatch):
+    """The Python side of the CUDA backend's path (routing planned in XLA, the portable
+    transport modes in float32, FP8 quantized in jax.numpy, split halves fused at the
+    receive half, check_ids by callback), run here on the host kernels."""
+    from jaxcomm._src.moe import fused
+    monkeypatch.setattr(fused, "on_host", lambda: False)
+    T, K, E, H, MAX = 4, 3, 16, 140, 5
+    ids = routing(T, K, E, seed=72)
+    x = np.random.default_rng(73).normal(size=(R, T, H)).astype(jnp.bfloat16)
+    w = np.random.default_rng(74).random((R, T, K)).astype(np.float32)
+
+    def f(x, ids, w):
+        pending = jaxcomm.moe.dispatch_send(x, ids, num_experts=E, axis_name="ep", layout="low_latency",
+                                            max_tokens=MAX, fp8="dequantize", check_ids=True)
+        ex, counts, h = jaxcomm.moe.dispatch_recv(pending)
+        y = jaxcomm.moe.combine_recv(jaxcomm.moe.combine_send(ex, h, w))
+        (q, s), _, _ = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep", fp8="raw")
+        return ex, counts, y, q.view(jnp.uint8), s
+
+    ex, counts, y, q, s = per_device(f, _mesh(), x, ids, w)
+    ref_q, ref_s = np_quantize_fp8(x.astype(np.float32))
+    want_q, sizes, row_of, _ = np_dispatch(ref_q.view(np.uint8), ids, E, padded=True, slab=R * MAX)
+    want_s, _, _, _ = np_dispatch(ref_s, ids, E, padded=True, slab=R * MAX)
+    want_ex = np_dequantize_fp8(want_q.view(ml_dtypes.float8_e4m3fn), want_s, jnp.bfloat16)
+    np.testing.assert_array_equal(counts, sizes)
+    np.testing.assert_array_equal(ex, want_ex)  # this path writes zeros past the counts
+    np.testing.assert_array_equal(y, np_combine_f32(want_ex, row_of, w, T, H, jnp.bfloat16))
+    packed_q, _, _, _ = np_dispatch(ref_q.view(np.uint8), ids, E)
+    packed_s, _, _, _ = np_dispatch(ref_s, ids, E)
+    np.testing.assert_array_equal(q, packed_q)
+    np.testing.assert_array_equal(s, packed_s)

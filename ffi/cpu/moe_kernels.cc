@@ -102,7 +102,8 @@ void RunGather(const MoePlan& p, const std::vector<Peer>& peers, int r) {
   char* out = static_cast<char*>(peers[r].out);
   const bool zero = p.mode != kGatherSparse;
   std::vector<char> written(zero ? static_cast<size_t>(p.rows) : 0, 0);
-  const int64_t in_row_bytes = p.H * RealBytes(p.src);
+  // The copies move rows of any dtype, src's the result's.
+  const int64_t in_row_bytes = p.mode == kGatherScaled ? p.H * RealBytes(p.src) : p.row_bytes;
   auto rows = [&](auto copy) {
     ForEachArrival(r, p.R, p.T * p.K, p.rows, [&](int s) { return SlotTables(peers[s]); },
                    [&](int s, int64_t i, int64_t row) {
