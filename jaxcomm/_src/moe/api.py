@@ -219,7 +219,7 @@ def _global_dispatch(spec: DispatchSpec, x: jax.Array, expert_ids: jax.Array, ax
         expert_x, sizes, arrays = impl.host_outputs(x, outs, lay, axis_name, fp8=spec.fp8, view=view)
     else:
         expert_x, sizes, arrays = _global_dispatch_planned(spec, x, expert_ids, axis_name, lay, view)
-    return (impl.shape_expert_x(expert_x, lay, x.shape[1], n), sizes,
+    return (impl.shape_expert_x(expert_x, lay, n), sizes,
             Handle(arrays, axis_name, spec.padded, x.dtype, lay, view=view))
 
 
@@ -243,7 +243,7 @@ def _global_dispatch_planned(spec: DispatchSpec, x: jax.Array, expert_ids: jax.A
     arrays = dict(dest=dest, pos=pos, **dict(zip(_SCALARS, scalars)))
     move = lambda v: fused.transport(fused.GATHER_COPY, v, dest, pos, axis_name,  # noqa: E731
                                      rows=n * lay.rows, shards=n, dim0=dim0, mesh=mesh)
-    expert_x = move(x) if spec.fp8 is None else impl._fp8_rows(x, spec.fp8, move)
+    expert_x = move(x) if spec.fp8 is None else impl.fp8_rows(x, spec.fp8, move)
     return expert_x, sizes, arrays
 
 

@@ -304,7 +304,7 @@ def host_outputs(x: jax.Array, outs: Sequence[jax.Array], lay: Layout, axis_name
     return ex, rt.sizes, arrays
 
 
-def _fp8_rows(x: jax.Array, fp8: str, move) -> Any:
+def fp8_rows(x: jax.Array, fp8: str, move) -> Any:
     """FP8 dispatch on the transports without FP8 kernels: quantize, move values and scales
     with ``move`` (a linear map of [T, C] rows), dequantize; straight-through derivative."""
     if fp8 == "raw":
@@ -361,16 +361,16 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, lay: Layout, axis_name: Any, *
         handle, sizes = plan(expert_ids, lay, axis_name, fused=is_fused)
         rows = _fused_dispatch_rows if is_fused else _expand
         move = lambda v: rows(v, handle, lay, axis_name)  # noqa: E731
-        expert_x = move(x) if fp8 is None else _fp8_rows(x, fp8, move)
-    return shape_expert_x(expert_x, lay, x.shape[1]), sizes, handle
+        expert_x = move(x) if fp8 is None else fp8_rows(x, fp8, move)
+    return shape_expert_x(expert_x, lay), sizes, handle
 
 
-def shape_expert_x(expert_x: Any, lay: Layout, H: int, n: int = 1) -> Any:
+def shape_expert_x(expert_x: Any, lay: Layout, n: int = 1) -> Any:
     """Flat expert rows [n*rows, C] in the layout's shape: [n*E_local, slab, C] when padded
     (also each part of an FP8 (values, scales) pair)."""
     if isinstance(expert_x, tuple):
-        return tuple(shape_expert_x(e, lay, e.shape[-1], n) for e in expert_x)
-    return expert_x.reshape(n * lay.El, lay.slab, H) if lay.padded else expert_x
+        return tuple(shape_expert_x(e, lay, n) for e in expert_x)
+    return expert_x.reshape(n * lay.El, lay.slab, expert_x.shape[-1]) if lay.padded else expert_x
 
 
 def combine(expert_y: jax.Array, handle: Handle, weights: jax.Array, lay: Layout,

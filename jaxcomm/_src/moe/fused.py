@@ -53,9 +53,6 @@ _F32 = jnp.float32
 _I32 = jnp.int32
 _FP8 = jnp.float8_e4m3fn
 
-# Modes of moe_transport other backends' handlers serve; the others are the host's alone.
-_PORTABLE_MODES = frozenset({GATHER_COPY, GATHER_SCALED, REDUCE, DOT})
-
 
 def available(dtype: Any, group_size: int | None = None) -> bool:
     """Whether the fused transports serve this program: the host backend, or the CUDA

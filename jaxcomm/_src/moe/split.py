@@ -86,7 +86,7 @@ def dispatch_send(spec: api.DispatchSpec, x: Any, expert_ids: Any, axis_name: An
                                  mesh=mesh)
         expert_x, sizes, arrays = impl.host_outputs(x, [data, table, q, scales], lay, axis_name, fp8=spec.fp8,
                                                     split=True, view=view)
-        return (impl.shape_expert_x(expert_x, lay, x.shape[1], max(n, 1)), sizes,
+        return (impl.shape_expert_x(expert_x, lay, max(n, 1)), sizes,
                 api.Handle(arrays, axis_name, spec.padded, x.dtype, lay, view=view))
     return PendingDispatch(finish)
 
