@@ -1,5 +1,9 @@
 #include "cpu/moe_dispatch.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -82,12 +86,40 @@ struct SharedRouting {
   std::string error;
 };
 
+// Faults in the whole pages of [data, data + bytes) in one system call
+// (MADV_POPULATE_WRITE, Linux 5.14+; elsewhere, or refused, the writes fault them in).
+// Measured on the low-latency dispatch at T=128, H=7168, 256 experts, 8 ranks: 1.13-1.28x
+// less wall and 1.15-1.18x less CPU time per dispatch+combine; on the zeroed layouts,
+// whose results get huge pages, no difference, so they do not call it.
+void PrefaultResult(char* data, size_t bytes) {
+#ifdef MADV_POPULATE_WRITE
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  // Whole pages inside the region only: its ends may share a page with other data.
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) / page * page;
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
 // Receiver r's expert rows: each kept assignment's token row, copied (or dequantized)
 // from its source, and zeros in the rows nobody fills if asked.
 void Deliver(const DispatchPlan& p, const Routing& routing, const std::vector<Peer>& peers, int r) {
   char* out = static_cast<char*>(peers[r].out);
   const RouteShape& s = p.shape;
   const int64_t nb = Fp8Blocks(p.H);
+  std::vector<int32_t> sizes(s.El());
+  routing.ReceiverSizes(r, sizes.data());
+  if (!p.zero_unused) {
+    // The low-latency result has no huge pages (mostly unwritten): fault in the rows
+    // that will be written, each expert's run at once, before the row copies.
+    for (int64_t el = 0; el < s.El(); ++el) {
+      PrefaultResult(out + routing.ExpertStart(r, el) * p.out_row_bytes,
+                     static_cast<size_t>(sizes[el]) * p.out_row_bytes);
+    }
+  }
   auto rows = [&](auto copy) {
     for (int64_t src = 0; src < s.R; ++src) {
       const int32_t* dest = routing.dest(static_cast<int>(src));
@@ -110,8 +142,6 @@ void Deliver(const DispatchPlan& p, const Routing& routing, const std::vector<Pe
   } else {
     rows([&](char* dst, const char* in, const float*) { std::memcpy(dst, in, p.out_row_bytes); });
   }
-  std::vector<int32_t> sizes(s.El());
-  routing.ReceiverSizes(r, sizes.data());
   if (!p.zero_unused) return;
   for (int64_t el = 0; el < s.El(); ++el) {
     const int64_t from = routing.ExpertStart(r, el) + sizes[el];
