@@ -94,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
     spread = float(np.max(np.abs(total / alive.sum() - final)))
     if spread > 1e-6:
         sys.exit(f"the survivors' parameters differ (max |mean - mine| = {spread:.2e})")
-    if rank == 0:
+    if rank == min(r for r in range(args.processes) if r != args.kill_rank):
         want = numpy_replay(args.processes, args.steps, args.kill_rank, args.kill_step)
         err = float(np.max(np.abs(final - want)))
         print(f"the survivors hold the same parameters, and they match the NumPy replay of "
@@ -128,9 +128,9 @@ def main() -> int:
     p.add_argument("--kill-rank", type=int, default=3)
     p.add_argument("--kill-step", type=int, default=5)
     args = p.parse_args()
-    if not 0 < args.kill_rank < args.processes:
-        p.error("--kill-rank must name a process other than 0 (process 0 hosts JAX's "
-                "coordination service: the job cannot outlive it)")
+    if not 0 <= args.kill_rank < args.processes:
+        p.error("--kill-rank must name one of the processes (0 included: the launcher runs "
+                "JAX's coordination service in a process of its own)")
     if "JAXCOMM_PROCESS_ID" in os.environ:
         worker(args)
         return 0

@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -23,11 +24,13 @@
 
 namespace nb = nanobind;
 
-#ifdef JAXCOMM_WITH_CUDA
 namespace jaxcomm::cuda {
+// The CUDA backend's host-side logic, in every build (ffi/cuda/logic_bindings.cc).
+void RegisterKernelLogic(nb::module_& m);
+#ifdef JAXCOMM_WITH_CUDA
 void RegisterCuda(nb::module_& m);  // ffi/cuda/bindings.cc
-}
 #endif
+}
 
 namespace {
 
@@ -89,12 +92,20 @@ NB_MODULE(_jaxcomm, m) {
   m.def("set_process_index", [](int64_t i) { jaxcomm::Registry::Get().set_process_index(i); },
         "Tells the runtime which process of the job this is (jax.process_index()).");
 
-  m.def("transport_open", [](int64_t process, bool shared_memory, const std::string& host) {
+  m.def("transport_open", [](int64_t process, bool shared_memory, const std::string& host,
+                             const std::string& listen_address, nb::bytes secret, int64_t processes,
+                             int64_t timeout_ms) {
+    if (secret.size() != 32) throw std::invalid_argument("jaxcomm: the job secret must be 32 bytes");
+    jaxcomm::cpu::TcpJob tcp;
+    tcp.listen_address = listen_address;
+    std::memcpy(tcp.secret.data(), secret.c_str(), 32);
+    tcp.processes = processes;
+    tcp.early_wait = std::chrono::milliseconds(timeout_ms);
     std::string error;
     jaxcomm::cpu::Endpoint e;
     {
       nb::gil_scoped_release release;
-      e = World().Open(process, shared_memory, host, &error);
+      e = World().Open(process, shared_memory, host, tcp, &error);
     }
     if (!error.empty()) throw std::runtime_error("jaxcomm: opening this process's endpoint: " + error);
     nb::dict d;
@@ -103,10 +114,17 @@ NB_MODULE(_jaxcomm, m) {
     d["control_bytes"] = e.control_bytes;
     d["port"] = e.port;
     return d;
-  }, nb::arg("process"), nb::arg("shared_memory"), nb::arg("host"),
-     "Creates this process's endpoint (shared memory control block, TCP listener); `host` is "
-     "its host key (processes with the same key share memory). Returns what peers need to "
-     "link to it: {pid, control_fd, control_bytes, port}.");
+  }, nb::arg("process"), nb::arg("shared_memory"), nb::arg("host"), nb::arg("listen_address"),
+     nb::arg("secret"), nb::arg("processes"), nb::arg("timeout_ms"),
+     "Creates this process's endpoint (shared memory control block, TCP listener on "
+     "`listen_address` that admits connections proving the 32-byte job `secret` and an index "
+     "below `processes`); `host` is its host key (processes with the same key share memory). "
+     "Returns what peers need to link to it: {pid, control_fd, control_bytes, port}.");
+
+  m.def("transport_refused", [] {
+    auto* world = static_cast<jaxcomm::cpu::World*>(jaxcomm::Registry::Get().cross_process());
+    return world != nullptr ? world->refused_connections() : 0;
+  }, "TCP connections this process's listener refused (no jaxcomm hello, wrong job secret, ...).");
 
   m.def("transport_link", [](int64_t process, const std::string& host, const std::string& label, int pid,
                              int control_fd, size_t control_bytes, int port, bool shared_memory,
@@ -152,6 +170,8 @@ NB_MODULE(_jaxcomm, m) {
         "Whether this process may read peer `process`'s memory directly (probed when linked).");
   m.def("single_copy_rounds", [] { return jaxcomm::Registry::Get().single_copy_rounds.load(); },
         "Streamed rounds that read the peers' operands straight from their memory (JAXCOMM_SINGLE_COPY).");
+  m.def("inline_rounds", [] { return jaxcomm::Registry::Get().inline_rounds.load(); },
+        "Cross-process rounds a device thread completed inline, without a hand-off (JAXCOMM_INLINE).");
   m.def("nontemporal_bytes", [] { return jaxcomm::Registry::Get().nontemporal_bytes(); },
         "Results of at least this many bytes are written with non-temporal stores (0: never).");
   m.def("set_nontemporal_bytes", [](int64_t bytes) { jaxcomm::Registry::Get().set_nontemporal_bytes(bytes); },
@@ -167,6 +187,7 @@ NB_MODULE(_jaxcomm, m) {
 #ifdef JAXCOMM_WITH_CUDA
   jaxcomm::cuda::RegisterCuda(m);
 #endif
+  jaxcomm::cuda::RegisterKernelLogic(m);
 
   m.def("round_counts", [] {
     auto& r = jaxcomm::Registry::Get();
@@ -238,11 +259,15 @@ NB_MODULE(_jaxcomm, m) {
   m.def("trace_reset_stats", [] { jaxcomm::Registry::Get().recorder().ResetStats(); },
         "Zeroes the counters behind trace_stats().");
 
-  m.def("trace_round_cost_ns", [](int ranks, int rounds, size_t entries) {
+  m.def("trace_round_cost_ns", [](int ranks, int rounds, size_t entries, const std::string& dir) {
     nb::gil_scoped_release release;
-    return jaxcomm::FlightRecorder::MeasureRoundCostNs(ranks, rounds, entries);
-  }, nb::arg("ranks"), nb::arg("rounds"), nb::arg("entries") = 2048,
-     "The recorder's CPU cost of one round of `ranks` ranks (ns), on a private recorder.");
+    return jaxcomm::FlightRecorder::MeasureRoundCostNs(ranks, rounds, entries, dir);
+  }, nb::arg("ranks"), nb::arg("rounds"), nb::arg("entries") = 2048, nb::arg("dir") = "",
+     "The recorder's CPU cost of one round of `ranks` ranks (ns), on a private recorder "
+     "(its rings in a file in `dir`, or in memory when '').");
+
+  m.def("trace_ring_file", [] { return jaxcomm::Registry::Get().recorder().RingFile(); },
+        "The flight recorder's file-backed rings (JAXCOMM_TRACE_DIR), '' before the first call.");
 
   m.def("fault_error", [] { return jaxcomm::Registry::Get().faults().error(); },
         "Why JAXCOMM_FAULT was rejected ('' when it parsed or is unset).");

@@ -2,8 +2,23 @@
 
 The ops run inside ``jax.shard_map`` (under ``jax.jit``) over mesh axes, with the
 semantics of their ``jax.lax`` namesakes; on CPU they are jaxcomm's own XLA FFI
-handlers. See README.md for the API table and configuration.
+handlers. See README.md for the API table and configuration. ``jaxcomm.lax`` has jax.lax's
+collectives with jax.lax's signatures and results, and ``jaxcomm.use_for_lax()`` routes
+``jax.lax``'s own names there (docs/lax.md).
 """
+
+try:
+    from jaxcomm import _jaxcomm  # noqa: F401  (the C++ extension every op needs)
+except ImportError as _missing:  # pragma: no cover - depends on how jaxcomm was found
+    import os as _os
+
+    raise ImportError(
+        "jaxcomm's compiled extension (_jaxcomm) is missing from "
+        f"{_os.path.dirname(_os.path.abspath(__file__))}. That is a source tree, not an "
+        "installed jaxcomm: Python found it first because the current directory (or "
+        "PYTHONPATH) holds it. Install it with `pip install .` and run from another "
+        "directory, or copy a built _jaxcomm*.so into that folder."
+    ) from _missing
 
 from jaxcomm._src.distributed import init
 from jaxcomm._src.ops.alltoall import all_to_all
@@ -14,6 +29,8 @@ from jaxcomm._src.ops.ragged import ragged_all_to_all
 from jaxcomm._src.ops.reduce import all_reduce, reduce_scatter
 
 from jaxcomm import ft, moe  # noqa: E402  (jaxcomm.ft.all_reduce, jaxcomm.moe.dispatch / combine)
+from jaxcomm import lax  # noqa: E402  (jax.lax's collectives, computed by jaxcomm)
+from jaxcomm._src.dropin.switch import LaxSwitch, use_for_lax  # noqa: E402
 from jaxcomm import trace  # noqa: E402  (flight recorder: dump, analyze, export)
 from jaxcomm._src.stats import reset_stats, stats  # noqa: E402
 
@@ -26,6 +43,8 @@ __all__ = [
     "broadcast",
     "ft",
     "init",
+    "lax",
+    "LaxSwitch",
     "moe",
     "ppermute",
     "ragged_all_to_all",
@@ -33,4 +52,5 @@ __all__ = [
     "reset_stats",
     "stats",
     "trace",
+    "use_for_lax",
 ]

@@ -53,12 +53,12 @@ def _as_comparable(a):
     return a
 
 
-def assert_same(got, want):
+def assert_same(got, want, err_msg=""):
     """Bit-exact equality, same dtype and shape."""
     got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype, (got.dtype, want.dtype)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    np.testing.assert_array_equal(_as_comparable(got), _as_comparable(want))
+    assert got.dtype == want.dtype, (err_msg, got.dtype, want.dtype)
+    assert got.shape == want.shape, (err_msg, got.shape, want.shape)
+    np.testing.assert_array_equal(_as_comparable(got), _as_comparable(want), err_msg=err_msg)
 
 
 def _tolerance(dtype):
@@ -463,11 +463,9 @@ def test_jaxcomm_result_feeds_xla_collective(mesh8):
 
 
 # Programs run in a child process: a deadlock there ends in XLA aborting the process (its
-# own collectives give up after 40 s), which must not take the test session with it.
+# own collectives give up after 40 s), which must not take the test session with it. It
+# inherits the session's 8 CPU devices (tests/conftest.py sets XLA_FLAGS).
 _CHILD = """
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
 import numpy as np, jax, jax.numpy as jnp, jaxcomm
 from jax.sharding import NamedSharding, PartitionSpec as P
 mesh = jax.make_mesh((8,), ("x",))
@@ -495,7 +493,10 @@ print("CHILD-OK")
 """
 
 
-def _run_child(k, cols, mix, timeout=30):
+def _run_child(k, cols, mix, timeout=300):
+    # A deadlock ends in an error within about 40 s (jaxcomm's calls have a 10 s deadline,
+    # XLA's own collectives abort after 40 s); the timeout is for a child that cannot
+    # even start on a loaded machine (a fresh Python, jax and a compilation).
     import os
     import subprocess
     import sys
@@ -511,7 +512,7 @@ def _run_child(k, cols, mix, timeout=30):
                               cwd=os.path.dirname(os.path.abspath(__file__)))
     except subprocess.TimeoutExpired:
         pytest.fail(f"{k} independent all_to_all calls ({cols} floats/row, mixed with "
-                    f"jax.lax: {mix}) did not finish within {timeout} s: deadlock")
+                    f"jax.lax: {mix}) did not finish within {timeout} s")
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines()
              if "DEADLINE_EXCEEDED" in ln or ln.startswith(("F1", "Fatal", "jax.errors"))]
     assert proc.returncode == 0 and "CHILD-OK" in proc.stdout, (
@@ -727,3 +728,110 @@ def test_large_messages_2x4(mesh2x4, axes, name):
     }[name]
     x = rand((N, r, cols + 1), "float32", seed=26)
     compare(mesh2x4, ours, ref, x, exact=name != "all_reduce")
+
+
+# -------------------------------------------------------- groups of 5, 6 and 7 ranks
+
+def _odd_group_cases(n):
+    """name -> (jaxcomm on one device's block [2n, 3], NumPy: every device's result from
+    the blocks X [n, 2n, 3]). Groups of 5-7 ranks take the reduction kernels' generic
+    path (ffi/cpu/kernels.cc has fixed-width ones for 2, 3, 4 and 8 inputs)."""
+    shift = ring(n, 2)
+    partial = [(0, n - 1), (n - 1, 2), (3, 0)]
+
+    def each(f):  # one NumPy result per device rank r
+        return lambda X: np.stack([f(X, r) for r in range(n)])
+
+    def permuted(X, perm):
+        out = np.zeros_like(X)
+        for s, d in perm:
+            out[d] = X[s]
+        return out
+
+    def ragged(v):
+        # Rank s sends rows [0, (s + d) % 3 + 1) of its block to rank d, at rows 3 s of d's output.
+        r = jax.lax.axis_index("x")
+        ks = jnp.arange(n, dtype=jnp.int32)
+        sizes = (r + ks) % 3 + 1
+        return jaxcomm.ragged_all_to_all(v, jnp.zeros((3 * n, 3), v.dtype), jnp.zeros((n,), jnp.int32),
+                                         sizes, jnp.full((n,), 3 * r, jnp.int32), sizes, axis_name="x")
+
+    def ragged_np(X, d):
+        out = np.zeros((3 * n, 3), X.dtype)
+        for s in range(n):
+            k = (s + d) % 3 + 1
+            out[3 * s:3 * s + k] = X[s][:k]
+        return out
+
+    as_int = lambda v: (v * 8).astype(jnp.int32)  # rand's multiples of 1/8 as integers
+    return {
+        "all_reduce sum": (lambda v: jaxcomm.all_reduce(v, "x"), each(lambda X, r: X.sum(0))),
+        "all_reduce max": (lambda v: jaxcomm.all_reduce(v, "x", op="max"), each(lambda X, r: X.max(0))),
+        "all_reduce min int32": (lambda v: jaxcomm.all_reduce(as_int(v), "x", op="min"),
+                                 each(lambda X, r: (X * 8).astype(np.int32).min(0))),
+        "all_reduce prod int32": (lambda v: jaxcomm.all_reduce(as_int(v) % 5 - 2, "x", op="prod"),
+                                  each(lambda X, r: ((X * 8).astype(np.int32) % 5 - 2).prod(0, dtype=np.int32))),
+        "all_reduce sum bfloat16": (
+            lambda v: jaxcomm.all_reduce(v.astype(jnp.bfloat16), "x").astype(jnp.float32),
+            each(lambda X, r: X.sum(0))),
+        "all_gather tiled": (lambda v: jaxcomm.all_gather(v, "x", tiled=True),
+                             each(lambda X, r: np.concatenate(X))),
+        "all_gather axis 1": (lambda v: jaxcomm.all_gather(v, "x", axis=1),
+                              each(lambda X, r: np.stack(list(X), axis=1))),
+        "reduce_scatter": (lambda v: jaxcomm.reduce_scatter(v, "x", tiled=True),
+                           each(lambda X, r: X.sum(0)[2 * r:2 * r + 2])),
+        "reduce_scatter max": (lambda v: jaxcomm.reduce_scatter(v, "x", op="max", tiled=True),
+                               each(lambda X, r: X.max(0)[2 * r:2 * r + 2])),
+        "all_to_all": (lambda v: jaxcomm.all_to_all(v, "x", 0, 0, tiled=True),
+                       each(lambda X, r: np.concatenate([X[s][2 * r:2 * r + 2] for s in range(n)]))),
+        "all_to_all concat 1": (lambda v: jaxcomm.all_to_all(v, "x", 0, 1, tiled=True),
+                                each(lambda X, r: np.concatenate([X[s][2 * r:2 * r + 2]
+                                                                  for s in range(n)], axis=1))),
+        "ppermute shift": (lambda v: jaxcomm.ppermute(v, "x", shift), lambda X: permuted(X, shift)),
+        "ppermute partial": (lambda v: jaxcomm.ppermute(v, "x", partial),
+                             lambda X: permuted(X, partial)),
+        "broadcast": (lambda v: jaxcomm.broadcast(v, "x", root=n - 2),
+                      each(lambda X, r: X[n - 2])),
+        "ragged_all_to_all": (ragged, each(ragged_np)),
+    }
+
+
+@pytest.mark.parametrize("n", [5, 6, 7])
+def test_groups_of_five_to_seven_ranks_match_numpy(n):
+    # Every op in one program over the first n devices, against NumPy of the global data.
+    mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+    cases = _odd_group_cases(n)
+    x = rand((n, 2 * n, 3), "float32", seed=30 + n)
+    got = per_device(lambda v: tuple(f(v) for f, _ in cases.values()), mesh, x)
+    for (name, (_, expected)), result in zip(cases.items(), got):
+        assert_same(result, expected(x), err_msg=name)
+
+
+# ------------------------------------------------------- half precision, rounded once
+
+def narrow_half(shape, dtype, seed=0):
+    """Half-precision values of magnitude 0.5 to 8: a sum of up to 8 of them is exact in
+    float32 in any order, so rounding it once to ``dtype`` has one right answer, which an
+    accumulator in half precision (rounding after every addition) often misses."""
+    rng = np.random.default_rng(seed)
+    mag = rng.uniform(0.5, 8.0, size=shape)
+    return np.where(rng.random(shape) < 0.5, -mag, mag).astype(jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_half_precision_sums_are_rounded_once(mesh8, dt):
+    # More than 2048 elements (the float32 accumulator's block in ffi/cpu/kernels.cc), both
+    # for all_reduce and for each rank's share of a reduce_scatter.
+    n = 3 * 2048 + 5
+    x = narrow_half((N, N * n), dt, seed=31)
+    exact = x.astype(np.float64).sum(0)
+    want = exact.astype(x.dtype)
+    # The data can tell: half-precision accumulation gets some of these sums wrong.
+    acc = x[0]
+    for row in x[1:]:
+        acc = (acc.astype(np.float32) + row.astype(np.float32)).astype(x.dtype)
+    assert (acc != want).sum() > N * n // 10
+    got_ar, got_rs = per_device(lambda v: (jaxcomm.all_reduce(v, "x"),
+                                           jaxcomm.reduce_scatter(v, "x", tiled=True)), mesh8, x)
+    assert_same(got_ar, np.broadcast_to(want, x.shape))
+    assert_same(got_rs, want.reshape(N, n))

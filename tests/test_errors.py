@@ -271,10 +271,8 @@ def test_reduction_dtype_without_kernel(mesh8, dtype):
     np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
 
 
+# The child inherits the session's 8 CPU devices (tests/conftest.py sets XLA_FLAGS).
 _SUBBYTE_CHILD = """
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
 import numpy as np, jax, jax.numpy as jnp, jaxcomm
 from jax.sharding import NamedSharding, PartitionSpec as P
 mesh = jax.make_mesh((8,), ("x",))

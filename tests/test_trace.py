@@ -7,6 +7,7 @@ at start) with 2-3 s collective timeouts; the analyzer then reads their real dum
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -14,19 +15,13 @@ import socket
 import subprocess
 import sys
 
-# Standalone use (without tests/conftest.py): 8 emulated CPU devices, set before jax loads.
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-import jaxcomm  # noqa: E402
-from jaxcomm.trace import analyzer, exporter  # noqa: E402
+import jaxcomm
+from jaxcomm.trace import analyzer, causes, exporter, ringfile
 
 R = 8
 MESH = jax.make_mesh((R,), ("x",))
@@ -173,7 +168,6 @@ def test_dump_json_schema(tmp_path):
 _CHILD = r"""
 import os, signal, sys, time
 mode, out = sys.argv[1], sys.argv[2]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -190,7 +184,13 @@ T = {"hang": 2, "late": 2, "mismatch": 2, "exit": 2, "stuck": 6}.get(mode, 30)
 if mode == "stuck":  # a dump by SIGUSR1 while the ranks still wait (before the timeout)
     import shutil, threading
     def _poke():
-        time.sleep(2)
+        # Once the 7 other ranks wait in the hung call (however slow compiling was).
+        t = time.time() + 60
+        while time.time() < t and sum(
+                e["op"] == "all_gather" and e["execution"] == 2 and e["state"] == "pending"
+                for e in jaxcomm.trace.snapshot()["entries"]) < 7:
+            time.sleep(0.05)
+        time.sleep(1.2)  # waited long enough to count as stuck (stuck_s=1)
         os.kill(os.getpid(), signal.SIGUSR1)
         t = time.time() + 10
         while _jaxcomm.trace_auto_dumps() < 1 and time.time() < t:
@@ -233,9 +233,11 @@ if mode == "signal":
 
 
 def _env(**extra):
+    """This session's environment (8 CPU devices: tests/conftest.py), jaxcomm importable,
+    without fault or recorder settings."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    for k in ("JAXCOMM_FAULT", "JAXCOMM_TRACE_DIR", "JAXCOMM_TRACE_ENTRIES", "XLA_FLAGS"):
+    for k in ("JAXCOMM_FAULT", "JAXCOMM_TRACE_DIR", "JAXCOMM_TRACE_ENTRIES"):
         env.pop(k, None)
     env.update(extra)
     return env
@@ -394,8 +396,7 @@ def test_injected_exit(tmp_path):
 
 
 def test_trace_entries_zero_turns_the_recorder_off():
-    code = ("import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n"
-            "import jax, jax.numpy as jnp, jaxcomm\n"
+    code = ("import jax, jax.numpy as jnp, jaxcomm\n"
             "from jax.sharding import NamedSharding, PartitionSpec as P\n"
             "mesh = jax.make_mesh((8,), ('x',))\n"
             "x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('x')))\n"
@@ -532,3 +533,189 @@ def test_two_processes_running_different_ops_are_a_mismatch(tmp_path):
     assert top.execution == 1 and (top.waiting, top.culprits) == ([0, 1], [2, 3])
     assert "ranks [0, 1] run all_reduce" in top.summary, top.summary
     assert "ranks [2, 3] run all_gather" in top.summary, top.summary
+
+
+# ------------------------------------------------- records that outlive their process
+
+
+_KILLED = r"""
+import os, signal, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jaxcomm
+mesh = jax.make_mesh((8,), ("x",))
+x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("x")))
+f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x", timeout_s=float(sys.argv[1])),  # RING-AR
+                          mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+for i in range(5):
+    try:
+        jax.block_until_ready(f(x))
+    except Exception as e:
+        print("FAILED", i, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no exit dump, no atexit: only the ring file is left
+"""
+
+
+@pytest.mark.parametrize("fault", [None, "rank=5,op=all_reduce,call=4,action=hang"])
+def test_ring_file_outlives_a_killed_process(tmp_path, fault):
+    out = tmp_path / "dumps"
+    env = _env(JAXCOMM_TRACE_DIR=str(out), **({"JAXCOMM_FAULT": fault} if fault else {}))
+    proc = subprocess.run([sys.executable, "-c", _KILLED, "1" if fault else "30"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=HERE)
+    assert proc.returncode == -9, proc.stdout + proc.stderr[-2000:]
+    rings = sorted(out.glob("jaxcomm-ring-p0-*.bin"))
+    assert len(rings) == 1, list(out.iterdir())
+    doc = ringfile.read(rings[0])
+    assert doc["process_index"] == 0 and doc["reason"] == "ring file"
+    assert str(doc["pid"]) in rings[0].name and doc["entries_per_rank"] == 2048
+    entries = [e for e in doc["entries"] if e["call_site"].startswith("<string>:")]
+    assert sorted(r["partition"] for r in doc["ranks"]) == list(range(R))
+    by_exec = collections.Counter((e["execution"], e["state"]) for e in entries)
+    if fault is None:
+        assert by_exec == {(k, "done"): R for k in range(1, 6)}, by_exec
+        assert all(e["op"] == "all_reduce" and e["bytes"] == 16 and e["dtype"] == "float32"
+                   and e["group"] == list(range(R)) and e["error"] is None for e in entries)
+        # The same records as a live dump would hold (ignoring what only a dump has).
+        assert analyzer.analyze(out).kind in ("clean", "straggler")
+        return
+    # Rank 5 never came to its 4th call: the 7 others failed there, with their errors.
+    failed = [e for e in entries if e["state"] == "failed"]
+    assert {e["partition"] for e in failed if e["execution"] == 4} == set(range(R)) - {5}
+    assert all("waiting for ranks [5]" in e["error"] for e in failed if e["execution"] == 4)
+    report = analyzer.analyze(out)
+    assert report.kind == "hang" and report.findings[0].culprits == [5], report.text()
+
+
+def test_a_process_that_records_nothing_leaves_no_file(tmp_path):
+    # The launcher imports jaxcomm too: it must not look like one more process 0.
+    proc = subprocess.run([sys.executable, "-c", "import jaxcomm"], capture_output=True,
+                          text=True, env=_env(JAXCOMM_TRACE_DIR=str(tmp_path)), timeout=60,
+                          cwd=HERE)
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ringfile_read_refuses_what_is_not_one(tmp_path):
+    path = tmp_path / "jaxcomm-ring-p0-1.bin"
+    path.write_bytes(b"\0" * 300)
+    assert ringfile.read(path) is None  # a file whose header is not written yet
+    assert analyzer.load(tmp_path) == []
+
+
+# ------------------------------------------------------------- causes, without processes
+
+
+def _who(process: int, pid: int | None = None) -> str:
+    return (f"process {process} (host h (10.0.0.{process}), pid {pid or 100 + process}) "
+            f"with ranks [{process}] (partitions [{process}])")
+
+
+def test_blames_read_what_an_error_says_of_each_process():
+    dead = f"{_who(3)} failed: it exited before it arrived at this call"
+    assert causes.blames(dead) == [causes.Blame("dead", 3, 103, (3,), False, said="it exited")]
+    after = f"{_who(0)} failed: it exited after it arrived at this call"
+    assert causes.blames(after)[0].arrived is True
+    closed = (f"sending to {_who(1)}: connection closed by the peer (its process exited?; "
+              f"send: Broken pipe)")
+    (b,) = causes.blames(closed)
+    assert (b.kind, b.process, b.said) == ("dead", 1, "connection closed by the peer "
+                                                     "(its process exited?)")
+    timeout = (f"timed out (timeout_s / JAXCOMM_TIMEOUT_S) waiting for {_who(2)}; {_who(3)}, "
+               f"which did not arrive at this call")
+    assert [(b.kind, b.process) for b in causes.blames(timeout)] == [("missing", 2),
+                                                                     ("missing", 3)]
+    other = f"{_who(1)} runs a different collective at this call (op, dtype or shape differ)"
+    assert causes.blames(other)[0].kind == "mismatch"
+    assert causes.blames("timed out waiting for ranks [3] (partitions [3])") == []
+    assert causes.blames(None) == []
+
+
+def test_clean_strips_what_dispatch_wraps_around_an_error():
+    core = "jaxcomm.all_reduce over axis 'x' (group 0), rank 0: timed out waiting for ranks [1]"
+    wrapped = ("jax.errors.JaxRuntimeError: INTERNAL: Error dispatching computation: "
+               + "Error dispatching computation: " * 7 + core)
+    assert causes.clean(wrapped) == core
+    assert causes.clean("ValueError: DEADLINE_EXCEEDED: " + core) == core
+    assert causes.clean("ValueError: something else") == "something else"
+    assert causes.is_jaxcomm_error("ValueError: UNAVAILABLE: " + core)
+    assert not causes.is_jaxcomm_error("[1] import jaxcomm")
+
+
+def _failure(process, t, *texts):
+    return causes.Failure(process, t, [b for x in texts for b in causes.blames(x)])
+
+
+def test_consequences_lead_back_to_the_process_that_failed_first():
+    missing2 = f"timed out waiting for {_who(2)}, which did not arrive at this call"
+    gone0 = f"{_who(0)} failed: it exited after it arrived at this call"
+    # Process 2 hangs: 0 times out naming it and exits; 1 and 3 then see 0 exit (their
+    # clocks may even put that before 0's own error: a dead process had its say first).
+    secondary = causes.consequences([_failure(0, 100, missing2), _failure(1, 99, gone0),
+                                     _failure(3, 101, gone0)])
+    assert set(secondary) == {0, 1, 3}
+    assert causes.root_of(1, secondary) == [2] and causes.root_of(2, secondary) == [2]
+    # Process 1 runs 40 s late: the others time out naming it at 10 s, and when it comes
+    # it finds process 0 gone, and names it: 1 is still the cause.
+    missing1 = f"timed out waiting for {_who(1)}, which did not arrive at this call"
+    gone0b = f"{_who(0)} failed: it exited before it arrived at this call"
+    secondary = causes.consequences([_failure(0, 10, missing1), _failure(2, 10, missing1),
+                                     _failure(1, 40, gone0b)])
+    assert 1 not in secondary and causes.root_of(0, secondary) == [1]
+    # A mismatch names no cause.
+    other = f"{_who(1)} runs a different collective at this call"
+    assert causes.consequences([_failure(0, 5, other)]) == {}
+
+
+def _dump(tmp_path, process, entries, at=10_000_000):
+    doc = {"format": "jaxcomm-trace", "version": 1, "reason": "error", "process_index": process,
+           "pid": 100 + process, "host": "h", "dumped_at_us": at, "entries_per_rank": 2048,
+           "enabled": True, "ranks": [{"partition": process, "calls": len(entries)}],
+           "entries": entries}
+    with open(tmp_path / f"jaxcomm-trace-p{process}-{100 + process}.json", "w") as f:
+        json.dump(doc, f)
+
+
+def _entry(process, execution, state="done", error=None, end=None):
+    return {"partition": process, "seq": execution, "op": "all_reduce", "axis": "'x'",
+            "call_site": "train.py:9 (step)", "instruction": "00000000000000aa",
+            "group_index": 0, "group": [0, 1, 2, 3], "processes": [0, 1, 2, 3],
+            "rank": process, "execution": execution, "run_id": execution, "dtype": "float32",
+            "elements": 1, "bytes": 4, "algorithm": "shm", "left_out": [], "state": state,
+            "error": error, "enqueue_us": execution * 1000,
+            "start_us": execution * 1000 + 5 if state == "done" else None,
+            "end_us": end or (execution * 1000 + 10)}
+
+
+def test_verdict_names_the_hung_process_not_the_one_that_gave_up_first(tmp_path):
+    # Process 2 never came to execution 3. Process 0 timed out waiting for it and exited;
+    # processes 1 and 3 then failed on process 0's exit: "process 0 died" is the issue's
+    # wrong verdict, process 2 the right one.
+    missing2 = f"timed out waiting for {_who(2)}, which did not arrive at this call"
+    gone0 = f"{_who(0)} failed: it exited after it arrived at this call"
+    for p, err, end in ((0, missing2, 5_000_000), (1, gone0, 5_100_000), (3, gone0, 5_050_000)):
+        _dump(tmp_path, p, [_entry(p, 1), _entry(p, 2), _entry(p, 3, "failed", err, end)])
+    _dump(tmp_path, 2, [_entry(2, 1), _entry(2, 2)])
+    report = analyzer.analyze(tmp_path)
+    assert report.verdict.startswith("verdict: HANG: process 2 (ranks [2]) never arrived at "
+                                     "all_reduce at train.py:9 (step)"), report.text()
+    top = report.findings[0]
+    assert (top.processes, top.culprits, top.waiting) == ([2], [2], [0, 1, 3])
+    assert len(top.consequences) == 1 and top.consequences[0].startswith(
+        "process 0 (ranks [0]) failed first, with an error naming process(es) [2], then it "
+        "exited; process(es) [1, 3] reported that"), top.consequences
+    assert [f.kind for f in report.findings] == ["hang"], report.text()
+
+
+def test_verdict_names_the_dead_process_when_a_survivor_saw_another_exit_first(tmp_path):
+    # Process 3 exited; process 1 saw it and exited; process 0 noticed process 1 first.
+    gone3 = f"{_who(3)} failed: it exited before it arrived at this call"
+    gone1 = f"{_who(1)} failed: it exited after it arrived at this call"
+    for p, err in ((0, gone1), (1, gone3), (2, gone3)):
+        _dump(tmp_path, p, [_entry(p, 1), _entry(p, 2, "failed", err)])
+    report = analyzer.analyze(tmp_path)
+    assert report.verdict.startswith("verdict: DEAD: process 3 (pid 103, ranks [3]) died "
+                                     "during all_reduce"), report.text()
+    assert "it left no dump" in report.verdict  # process 3 left nothing here
+    assert report.findings[0].processes == [3]
+    assert report.findings[0].consequences[0].startswith("process 1 (ranks [1]) failed first")

@@ -7,27 +7,19 @@ lax control flow (scan, fori_loop, cond), and the varying/invariant typing of re
 
 from __future__ import annotations
 
-import os
+import functools
 import re
 
-# Standalone use (without tests/conftest.py): 8 emulated CPU devices, set before jax loads.
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, PartitionSpec as P
+from jax.test_util import check_grads
 
-import functools  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
-from jax.test_util import check_grads  # noqa: E402
-
-import jaxcomm  # noqa: E402
-from jaxcomm._src import compat  # noqa: E402
+import jaxcomm
+from jaxcomm._src import compat
 
 R = 8
 # Auto axes: shard_map reshards its inputs itself, so the perturbed/derived inputs that
@@ -160,10 +152,14 @@ CHECK_GRADS = ("all_reduce_sum", "all_gather_tiled_1", "reduce_scatter_untiled",
                          ids=[i for i in LINEAR_IDS if i in CHECK_GRADS])
 def test_check_grads_order2(case):
     """Finite-difference check of jaxcomm's derivatives, second order, fwd and rev."""
-    name, local, jc, _, specs = case
+    name, local, jc, ref, specs = case
     with jax.enable_x64(True):
         x = np.random.default_rng(4).uniform(-1, 1, size=(R, *local))
         f = smap(lambda v: jnp.tanh(jc(jnp.sin(v) * v)), out_specs=specs[-1], check_vma=True)
+        # check_grads compares f's derivatives with f's own finite differences: f itself
+        # must be right too.
+        f_ref = smap(lambda v: jnp.tanh(ref(jnp.sin(v) * v)), out_specs=specs[-1], check_vma=True)
+        assert_close(f(x), f_ref(x), rtol=1e-12, atol=1e-12)
         check_grads(f, (x,), order=2, modes=("fwd", "rev"))
 
 
@@ -254,6 +250,8 @@ def test_all_reduce_max_min_check_grads_without_ties(op):
     with jax.enable_x64(True):
         x = np.random.default_rng(9).permutation(R * 6).reshape(R, 6) / (R * 6.0)  # distinct
         f = smap(lambda v: jnp.sin(jaxcomm.all_reduce(v * v, "x", op=op)), check_vma=True)
+        extremum = (np.max if op == "max" else np.min)(x * x, axis=0)
+        assert_close(f(x), np.broadcast_to(np.sin(extremum), x.shape), rtol=1e-12, atol=1e-12)
         check_grads(f, (x,), order=2, modes=("fwd", "rev"))
 
 

@@ -56,6 +56,32 @@ struct ExchangeSpec {
   // nullptr) instead of failing the exchange, the survivors agree on who is left out,
   // and those stay out of every later exchange (the group shrinks).
   bool tolerant = false;
+  // This process's contribution is already in place for the peers (an InlineExchange
+  // published it, then handed the wait over): Exchange only gathers.
+  bool published = false;
+};
+
+// The exchange of one call's operands with peers that all share this host, done on the
+// calling thread without allocating or taking a lock: for groups with one rank in this
+// process, whose device thread may then complete the call itself (RoundTable's inline
+// path). It uses the same shared-memory slot and round numbers as Exchange, so a round
+// it does not finish within its spin budget continues there.
+class InlineExchange {
+ public:
+  enum class Status {
+    kDone,       // every peer's contribution is in `theirs`; call Release(seq) after reading
+    kPublished,  // this process's contribution is published, the peers are not all there
+    kNotYet,     // nothing done (a peer has not read this slot's older round, or was left out)
+  };
+  virtual ~InlineExchange() = default;
+  // Publishes `mine` (this rank's operands, in order) as round `seq` and spins until
+  // every peer published theirs or `until` passes. `theirs` gets one pointer per peer
+  // (plan order). Errors (mismatch, dead peer, deadline) are left to Exchange, which
+  // takes over any round not kDone.
+  virtual Status Run(int64_t seq, const std::vector<std::pair<const void*, size_t>>& mine,
+                     std::chrono::steady_clock::time_point until, std::vector<const char*>& theirs) = 0;
+  // This process no longer reads the peers' contributions to round `seq`.
+  virtual void Release(int64_t seq) = 0;
 };
 
 // A round streamed through shared memory: every process copies its ranks' inputs into a
@@ -128,6 +154,12 @@ class CrossProcess {
   // How process `p` is linked ("shm", "tcp"; "" when not linked): the flight
   // recorder's algorithm field.
   virtual std::string LinkKind(int64_t /*p*/) const { return ""; }
+  // The inline form of the exchanges of `plan` (every peer linked through shared memory,
+  // not fault tolerant), or nullptr.
+  virtual std::unique_ptr<InlineExchange> OpenInline(std::shared_ptr<const ExchangePlan> /*plan*/,
+                                                     size_t /*my_bytes*/) {
+    return nullptr;
+  }
 };
 
 }  // namespace jaxcomm

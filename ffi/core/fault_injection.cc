@@ -123,10 +123,18 @@ std::optional<xla::ffi::Future> FaultInjector::Apply(const CallContext& call, in
   // The call has no execution number yet: the rendezvous assigns it when ranks meet.
   std::string where = call.Describe();
   where = where.substr(0, where.rfind(", execution #"));
+  // The wall-clock time lets a reader line the fault up with its peers' flight records
+  // (jaxcomm/bench/faults.py measures from it).
+  const auto now_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
   std::string what = "jaxcomm: JAXCOMM_FAULT '" + fire->text + "' fired at " + where +
-                     " (this rank's call " + std::to_string(count) + " of the selected ones)";
+                     " (this rank's call " + std::to_string(count) + " of the selected ones, at " +
+                     std::to_string(now_us) + " us)";
   switch (fire->action) {
     case Action::kDelay:
+      std::fprintf(stderr, "%s: this rank joins the call %g s late\n", what.c_str(), fire->delay_s);
+      std::fflush(stderr);
       std::this_thread::sleep_for(std::chrono::duration<double>(fire->delay_s));
       return std::nullopt;
     case Action::kExit:

@@ -18,32 +18,12 @@
 
 namespace jaxcomm {
 
-// An entry's fields are separate relaxed atomics: the dumper reads while ranks write, and
-// a torn field must not be possible. `seq` is 0 while the slot is being (re)claimed, so
-// a dump skips an entry that is half old call, half new.
-struct FlightRecorder::Entry {
-  std::atomic<uint64_t> seq{0};  // the rank's call number (from 1)
-  std::atomic<const TraceSite*> site{nullptr};
-  std::atomic<int64_t> run_id{0};
-  std::atomic<int64_t> execution{0};
-  std::atomic<int64_t> elements{0};
-  std::atomic<int64_t> bytes{0};
-  std::atomic<int64_t> enqueue_us{0};
-  std::atomic<int64_t> start_us{0};
-  std::atomic<int64_t> end_us{0};
-  std::atomic<int32_t> rank{-1};
-  std::atomic<uint8_t> dtype{0};
-  std::atomic<uint8_t> state{0};
-  // Ranks (< 64) a fault-tolerant call went on without (their process died or was late).
-  std::atomic<uint64_t> left_out{0};
-};
-
 struct FlightRecorder::Ring {
-  Ring(int64_t p, size_t n, size_t s) : partition(p), slot(s), entries(new Entry[n]) {}
+  Ring(int64_t p, size_t s, TraceFile::RingMemory m) : partition(p), slot(s), entries(m.entries), next(*m.next) {}
   const int64_t partition;
   const size_t slot;  // in ring_slots_: part of every handle
-  const std::unique_ptr<Entry[]> entries;
-  std::atomic<uint64_t> next{0};  // calls recorded so far
+  Entry* const entries;  // in the trace file's mapping, or anonymous memory (TraceFile)
+  std::atomic<uint64_t>& next;  // calls recorded so far
 };
 
 namespace {
@@ -129,6 +109,35 @@ std::string HostName() {
   return buf;
 }
 
+char HexDigit(uint64_t v) { return "0123456789abcdef"[v & 15]; }
+
+std::string Hex16(uint64_t v) {
+  std::string out(16, '0');
+  for (int i = 15; i >= 0; --i, v >>= 4) out[i] = HexDigit(v);
+  return out;
+}
+
+// A site as the trace file keeps it: the fields every entry of the site shares, as in
+// the JSON dump's entries (jaxcomm/trace/ringfile.py merges them back).
+std::string SiteJson(const TraceSite& site) {
+  std::ostringstream out;
+  out << "{\"id\":" << site.id << ",\"op\":";
+  JsonString(out, site.op);
+  out << ",\"axis\":";
+  JsonString(out, site.axis);
+  out << ",\"call_site\":";
+  JsonString(out, site.call_site);
+  out << ",\"instruction\":\"" << Hex16(site.instruction) << "\",\"group_index\":" << site.group_index
+      << ",\"group\":";
+  JsonInts(out, site.group);
+  out << ",\"processes\":";
+  JsonInts(out, site.processes);
+  out << ",\"algorithm\":";
+  JsonString(out, site.algorithm);
+  out << "}";
+  return out.str();
+}
+
 }  // namespace
 
 const char* DtypeName(uint8_t dtype) {
@@ -154,7 +163,10 @@ const char* DtypeName(uint8_t dtype) {
 }
 
 FlightRecorder::FlightRecorder(size_t entries_per_rank, std::string dump_dir)
-    : entries_(entries_per_rank), dump_dir_(std::move(dump_dir)), enabled_(entries_per_rank > 0) {}
+    : entries_(entries_per_rank),
+      dump_dir_(std::move(dump_dir)),
+      enabled_(entries_per_rank > 0),
+      file_(dump_dir_, entries_per_rank) {}
 
 FlightRecorder::~FlightRecorder() {
   if (dumper_.joinable()) {
@@ -179,12 +191,18 @@ FlightRecorder::Ring* FlightRecorder::RingOf(int64_t partition) {
     Ring* r = slot.load(std::memory_order_acquire);
     if (r != nullptr && r->partition == partition) return r;
     if (r == nullptr) {
-      rings_.push_back(std::make_unique<Ring>(partition, entries_, (home + i) % kMaxRings));
+      const TraceFile::RingMemory memory = file_.AddRing(partition, Registry::Get().process_index());
+      if (memory.entries == nullptr) return nullptr;  // out of memory: not recorded
+      rings_.push_back(std::make_unique<Ring>(partition, (home + i) % kMaxRings, memory));
       slot.store(rings_.back().get(), std::memory_order_release);
       return rings_.back().get();
     }
   }
   return nullptr;  // more local ranks than kMaxRings: not recorded
+}
+
+const TraceSite* FlightRecorder::SiteById(uint32_t id) const {
+  return id <= kMaxSites ? site_by_id_[id].load(std::memory_order_acquire) : nullptr;
 }
 
 const TraceSite* FlightRecorder::FindSite(const void* table, uint64_t instruction,
@@ -208,9 +226,13 @@ const TraceSite* FlightRecorder::AddSite(std::unique_ptr<TraceSite> site) {
     auto& slot = site_slots_[(home + i) % kSiteSlots];
     const TraceSite* s = slot.load(std::memory_order_acquire);
     if (s == nullptr) {
+      site->id = static_cast<uint32_t>(sites_.size());
       sites_.push_back(std::move(site));
-      slot.store(sites_.back().get(), std::memory_order_release);
-      return sites_.back().get();
+      const TraceSite* added = sites_.back().get();
+      site_by_id_[added->id].store(added, std::memory_order_release);
+      file_.AddSite(added->id, SiteJson(*added), Registry::Get().process_index());
+      slot.store(added, std::memory_order_release);
+      return added;
     }
     if (s->table == site->table && s->instruction == site->instruction &&
         s->group_index == site->group_index) {
@@ -221,7 +243,10 @@ const TraceSite* FlightRecorder::AddSite(std::unique_ptr<TraceSite> site) {
   // shares one catch-all site once the table is half full, instead of growing memory.
   if (!overflow_) {
     overflow_ = std::move(site);
+    overflow_->id = static_cast<uint32_t>(kMaxSites);
     overflow_->op = overflow_->axis = overflow_->call_site = "<flight recorder site table full>";
+    site_by_id_[kMaxSites].store(overflow_.get(), std::memory_order_release);
+    file_.AddSite(overflow_->id, SiteJson(*overflow_), Registry::Get().process_index());
   }
   return overflow_.get();
 }
@@ -273,7 +298,7 @@ uint64_t FlightRecorder::Enqueue(int64_t partition, const TraceSite* site, int r
   Entry& e = ring->entries[(seq - 1) % entries_];
   e.seq.store(0, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  e.site.store(site, std::memory_order_relaxed);
+  e.site.store(site != nullptr ? site->id : UINT32_MAX, std::memory_order_relaxed);
   e.run_id.store(run_id, std::memory_order_relaxed);
   e.execution.store(0, std::memory_order_relaxed);
   e.elements.store(elements, std::memory_order_relaxed);
@@ -337,7 +362,7 @@ void FlightRecorder::Finish(const std::vector<Peer>& peers, const std::string& e
     const int64_t enq = e->enqueue_us.load(std::memory_order_relaxed);
     first = first == 0 ? enq : std::min(first, enq);
     start = e->start_us.load(std::memory_order_relaxed);
-    site = e->site.load(std::memory_order_relaxed);
+    site = SiteById(e->site.load(std::memory_order_relaxed));
     bytes = e->bytes.load(std::memory_order_relaxed);
   }
   if (site != nullptr) {
@@ -364,6 +389,9 @@ void FlightRecorder::Fail(uint64_t handle, int64_t execution, const std::string&
   if (execution != 0) e->execution.store(execution, std::memory_order_relaxed);
   if (e->end_us.load(std::memory_order_relaxed) == 0) e->end_us.store(NowUs(), std::memory_order_relaxed);
   e->state.store(static_cast<uint8_t>(TraceState::kFailed), std::memory_order_relaxed);
+  if (Ring* ring = ring_slots_[(handle >> kSeqBits) - 1].load(std::memory_order_acquire)) {
+    file_.AddError(ring->partition, handle & kSeqMask, error);
+  }
   std::lock_guard<std::mutex> lock(errors_mu_);
   if (errors_.emplace(handle, error).second) error_order_.push_back(handle);
   while (error_order_.size() > kMaxErrors) {
@@ -405,7 +433,7 @@ std::string FlightRecorder::DumpJson(const std::string& reason) const {
     for (uint64_t seq = from; seq <= total; ++seq) {
       const Entry& e = ring->entries[(seq - 1) % entries_];
       if (e.seq.load(std::memory_order_acquire) != seq) continue;
-      const TraceSite* site = e.site.load(std::memory_order_relaxed);
+      const TraceSite* site = SiteById(e.site.load(std::memory_order_relaxed));
       const int64_t execution = e.execution.load(std::memory_order_relaxed);
       const int64_t run_id = e.run_id.load(std::memory_order_relaxed);
       const int64_t elements = e.elements.load(std::memory_order_relaxed);
@@ -419,9 +447,7 @@ std::string FlightRecorder::DumpJson(const std::string& reason) const {
       const uint64_t left_out = e.left_out.load(std::memory_order_relaxed);
       std::atomic_thread_fence(std::memory_order_acquire);
       if (e.seq.load(std::memory_order_relaxed) != seq || site == nullptr) continue;  // reclaimed
-      char instruction[20];
-      std::snprintf(instruction, sizeof(instruction), "%016llx",
-                    static_cast<unsigned long long>(site->instruction));
+      const std::string instruction = Hex16(site->instruction);
       out << (first_entry ? "" : ",") << "\n{\"partition\":" << ring->partition << ",\"seq\":" << seq
           << ",\"op\":";
       first_entry = false;
@@ -510,13 +536,17 @@ void FlightRecorder::ResetStats() {
   }
 }
 
-double FlightRecorder::MeasureRoundCostNs(int ranks, int rounds, size_t entries) {
-  FlightRecorder probe(std::max<size_t>(entries, 1), "");
+double FlightRecorder::MeasureRoundCostNs(int ranks, int rounds, size_t entries, const std::string& dir) {
+  FlightRecorder probe(std::max<size_t>(entries, 1), dir);
   const int table = 0;  // any address: identifies the probe's one instruction
   std::vector<Peer> peers(static_cast<size_t>(std::max(ranks, 1)));
   const std::string no_error;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < rounds; ++i) {
+  // Steady state: every slot of every ring written once before the clock starts (a
+  // fresh ring's first touch of each page is a page fault, dearer in a file mapping).
+  const int warmup = static_cast<int>(std::max<size_t>(entries, 1));
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = -warmup; i < rounds; ++i) {
+    if (i == 0) t0 = std::chrono::steady_clock::now();
     for (size_t r = 0; r < peers.size(); ++r) {
       // What Launch does per rank: find the site (lock-free after the first round), enqueue.
       const TraceSite* site = probe.FindSite(&table, 1, 0);
@@ -527,12 +557,13 @@ double FlightRecorder::MeasureRoundCostNs(int ranks, int rounds, size_t entries)
         site = probe.AddSite(std::move(s));
       }
       peers[r].trace = probe.Enqueue(static_cast<int64_t>(r), site, static_cast<int>(r), i, 11, 1, 4);
-      probe.Arrived(peers[r].trace, i + 1);
+      probe.Arrived(peers[r].trace, i + warmup + 1);
     }
     probe.Start(peers);
     probe.Finish(peers, no_error, false);
   }
   const auto t1 = std::chrono::steady_clock::now();
+  if (const std::string file = probe.RingFile(); !file.empty()) unlink(file.c_str());
   return std::chrono::duration<double, std::nano>(t1 - t0).count() / std::max(rounds, 1);
 }
 
@@ -571,7 +602,10 @@ void FlightRecorder::DumperLoop() {
   while (true) {
     pollfd p{wake_read_, POLLIN, 0};
     // Bounded wait: the loop re-checks every second even if a wake-up were lost.
-    if (poll(&p, 1, 1000) <= 0) continue;
+    const int ready = poll(&p, 1, 1000);
+    // The trace file shows when its process last lived (a reader's "dumped at").
+    file_.Heartbeat(Registry::Get().process_index());
+    if (ready <= 0) continue;
     char buf[64];
     bool signal = false, error = false;
     ssize_t n;

@@ -11,6 +11,10 @@
 // plain relaxed atomics; what every call of one instruction and group shares (op, call
 // site, group, algorithm) is described once in a TraceSite, found again lock-free.
 // Failed calls keep their error text in a small side table (failures are rare).
+//
+// Storage (core/trace_file.h): with JAXCOMM_TRACE_DIR set, the rings, the sites'
+// descriptions and the error texts also live in a file mapping that survives the
+// process however it ends; the JSON dump is then one more view of the same records.
 #pragma once
 
 #include <array>
@@ -24,6 +28,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/trace_file.h"
+
 namespace jaxcomm {
 
 struct Peer;
@@ -35,6 +41,7 @@ enum class TraceState : uint8_t { kPending = 0, kActive = 1, kDone = 2, kFailed 
 // What all calls of one instruction by one group share, described once. Also holds the
 // cumulative statistics of those calls (jaxcomm.stats()), which outlive the ring.
 struct TraceSite {
+  uint32_t id = 0;              // entries name their site by it (TraceEntry::site)
   const void* table = nullptr;  // the instruction's RoundTable, for lookup only
   uint64_t instruction = 0;     // the instruction key: the same in every process
   int64_t group_index = 0;
@@ -98,6 +105,9 @@ class FlightRecorder {
   std::string DumpToFile(const std::string& path, const std::string& reason) const;
   // The file name of this process's dump in a directory: jaxcomm-trace-p<I>-<pid>.json.
   std::string FileIn(const std::string& dir) const;
+  // The file-backed rings' path (JAXCOMM_TRACE_DIR/jaxcomm-ring-p<I>-<pid>.bin), once the
+  // first call was recorded; "" before, or without JAXCOMM_TRACE_DIR.
+  std::string RingFile() const { return file_.path(); }
 
   // Per-site statistics, and their reset.
   std::vector<const TraceSite*> Sites() const;
@@ -110,7 +120,9 @@ class FlightRecorder {
   // The recorder's own CPU cost of one round of `ranks` ranks (every hook, as the
   // rendezvous calls them), in nanoseconds, measured on a private recorder: the part of
   // the overhead that does not drown in a shared machine's noise.
-  static double MeasureRoundCostNs(int ranks, int rounds, size_t entries = 2048);
+  // `dir`: a directory for the probe's rings file ("": memory), so the cost of the
+  // file-backed rings can be measured too.
+  static double MeasureRoundCostNs(int ranks, int rounds, size_t entries = 2048, const std::string& dir = "");
 
   // The self-pipe's write end, for the SIGUSR1 handler (-1 before StartDumper).
   int signal_fd() const { return wake_write_.load(std::memory_order_relaxed); }
@@ -119,14 +131,15 @@ class FlightRecorder {
   int64_t auto_dumps() const { return auto_dumps_.load(); }
 
  private:
-  struct Entry;
+  using Entry = TraceEntry;
   struct Ring;
-  static constexpr size_t kMaxRings = 1024;    // local ranks of one process
+  static constexpr size_t kMaxRings = TraceFile::kMaxRings;  // local ranks of one process
   static constexpr size_t kSiteSlots = 1 << 14;     // open addressing: at most half full
   static constexpr size_t kMaxSites = kSiteSlots / 2;
   static constexpr size_t kMaxErrors = 1024;
 
   Ring* RingOf(int64_t partition);
+  const TraceSite* SiteById(uint32_t id) const;
   Entry* Resolve(uint64_t handle) const;
   void RequestDump(char reason);
   void DumperLoop();
@@ -137,6 +150,8 @@ class FlightRecorder {
 
   std::array<std::atomic<Ring*>, kMaxRings> ring_slots_{};
   std::array<std::atomic<const TraceSite*>, kSiteSlots> site_slots_{};
+  std::array<std::atomic<const TraceSite*>, kMaxSites + 1> site_by_id_{};  // last: overflow_
+  TraceFile file_;
   mutable std::mutex mu_;  // owners of rings and sites; taken on first use only
   std::vector<std::unique_ptr<Ring>> rings_;
   std::deque<std::unique_ptr<TraceSite>> sites_;

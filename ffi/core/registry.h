@@ -73,6 +73,8 @@ class Registry {
   std::atomic<int64_t> core_moves{0};
   // Streamed rounds that read the peers' operands directly (cpu/world_stream.cc, Pull).
   std::atomic<int64_t> single_copy_rounds{0};
+  // Rounds a device thread completed inline (core/rendezvous.h, RoundTable::ArriveInline).
+  std::atomic<int64_t> inline_rounds{0};
 
  private:
   Registry();

@@ -1,9 +1,11 @@
 #include "core/rendezvous.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 
 #include "core/cross_process.h"
 #include "core/registry.h"
@@ -139,14 +141,14 @@ void AppendOperands(const Peer& p, ElementRange span, std::vector<std::pair<cons
   }
 }
 
-void PlaceRemoteOperands(Round& round, const std::vector<std::vector<int>>& remote, const Peer& shape,
+void PlaceRemoteOperands(std::vector<Peer>& peers, const std::vector<std::vector<int>>& remote, const Peer& shape,
                          const std::vector<const char*>& blobs, const std::vector<ElementRange>* spans) {
   const size_t item = shape.item_bytes();
   for (size_t i = 0; i < remote.size(); ++i) {
     const char* at = blobs[i];
     const auto [first, last] = spans ? (*spans)[i] : ElementRange{0, static_cast<size_t>(shape.elements)};
     for (int r : remote[i]) {
-      Peer& p = round.peers[r];
+      Peer& p = peers[r];
       p = Peer{};
       if (at == nullptr) continue;  // left out of a fault-tolerant call
       // Only elements [first, last) arrived: `in` is where element 0 would be, so the
@@ -185,7 +187,7 @@ RoundTable::RoundTable(std::vector<std::vector<int64_t>> groups,
                        const std::vector<std::pair<int64_t, int64_t>>& partition_devices,
                        int64_t process_index, uint64_t instruction_key)
     : instruction_key_(instruction_key), where_(partition_devices.size(), {-1, -1}),
-      executions_(groups.size(), 0) {
+      executions_(groups.size()), inline_(groups.size()) {
   const int64_t num_partitions = static_cast<int64_t>(partition_devices.size());
   for (int64_t p = 0; p < num_partitions; ++p) {
     auto [process, ordinal] = partition_devices[p];
@@ -232,10 +234,13 @@ void RoundTable::Tombstone(const Key& key, int64_t execution) {
   }
 }
 
-ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const WorkFn> work) {
+ffi::Future RoundTable::Arrive(const CollectiveCall& call, WorkFn work_fn) {
   const int64_t g = call.ctx.group_index;
+  if (InlineExchange* exchange = inline_[g].load(std::memory_order_acquire)) {
+    return ArriveInline(*exchange, call, work_fn);
+  }
+  auto work = std::make_shared<const WorkFn>(std::move(work_fn));
   const int rank = call.ctx.rank;
-  const int size = static_cast<int>(groups_[g]->size());
   // Ranks of other processes never arrive here; they meet this process in the exchange.
   const int local = static_cast<int>(layouts_[g].local.size());
   const Key key{call.run_id, g};
@@ -254,24 +259,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
     } else {
       std::shared_ptr<Round>& round = rounds_[key];
       if (!round) {
-        round = std::make_shared<Round>(size);
-        round->execution = ++executions_[g];
-        round->group = groups_[g];
-        round->group_index = g;
-        // This process does its own ranks' share of the work.
-        const size_t my_bytes = call.work_bytes / size * local;
-        round->parts = my_bytes < kSplitBytes ? 1 : std::min(call.split_by_rank ? local : size, MaxParts());
-        round->timeout = call.timeout;
-        round->tolerant = call.tolerant;
-        round->range = call.range;
-        round->combine = call.combine;
-        round->combine_partials = call.combine_partials;
-        round->needs = call.needs;
-        round->reads = call.reads;
-        round->direct = call.direct();
-        round->op = std::string(call.ctx.op);
-        round->axis = std::string(call.ctx.axis);
-        round->call_site = std::string(call.ctx.call_site);
+        round = NewRound(call, g, executions_[g].fetch_add(1, std::memory_order_relaxed) + 1);
         // Only a round that waits for other local ranks needs the watchdog (a lone local
         // rank is ready at once; the exchange with other processes has its own deadline).
         if (local > 1) {
@@ -315,6 +303,114 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, std::shared_ptr<const
   return future;
 }
 
+std::shared_ptr<Round> RoundTable::NewRound(const CollectiveCall& call, int64_t g, int64_t execution) {
+  const int size = static_cast<int>(groups_[g]->size());
+  const int local = static_cast<int>(layouts_[g].local.size());
+  auto round = std::make_shared<Round>(size);
+  round->execution = execution;
+  round->group = groups_[g];
+  round->group_index = g;
+  // This process does its own ranks' share of the work.
+  const size_t my_bytes = call.work_bytes / size * local;
+  round->parts = my_bytes < kSplitBytes ? 1 : std::min(call.split_by_rank ? local : size, MaxParts());
+  round->timeout = call.timeout;
+  round->tolerant = call.tolerant;
+  const auto share = [](const auto& fn) {
+    using Fn = std::decay_t<decltype(fn)>;
+    return fn ? std::make_shared<const Fn>(fn) : nullptr;
+  };
+  round->range = share(call.range);
+  round->combine = share(call.combine);
+  round->combine_partials = call.combine_partials;
+  round->needs = share(call.needs);
+  round->reads = share(call.reads);
+  round->direct = call.direct();
+  round->op = std::string(call.ctx.op);
+  round->axis = std::string(call.ctx.axis);
+  round->call_site = std::string(call.ctx.call_site);
+  return round;
+}
+
+namespace {
+
+// Whether the inline path is on (JAXCOMM_INLINE, default 1; 0 turns it off, e.g. to
+// measure what it saves). Read once.
+bool InlineEnabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAXCOMM_INLINE");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
+// Whether the rounds of a group may run inline (RoundTable::ArriveInline): one rank in
+// this process, operands small enough that the work is never split, and a plain
+// exchange (not fault tolerant, not streamed, not in phases, no partial operands).
+bool InlineCandidate(const Round& round, size_t local, const Peer& shape, bool subsets) {
+  if (!InlineEnabled() || local != 1 || round.tolerant || round.parts != 1 || subsets) return false;
+  size_t bytes = shape.in_bytes;
+  for (size_t b : shape.aux_bytes) bytes += b;
+  return bytes <= kInlineBytes;
+}
+
+ffi::Future Available() {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetAvailable();
+  return future;
+}
+
+}  // namespace
+
+ffi::Future RoundTable::ArriveInline(InlineExchange& exchange, const CollectiveCall& call, WorkFn& work) {
+  const int64_t g = call.ctx.group_index;
+  const int rank = call.ctx.rank;
+  const int64_t execution = executions_[g].fetch_add(1, std::memory_order_relaxed) + 1;
+  Registry& registry = Registry::Get();
+  registry.recorder().Arrived(call.mine.trace, execution);
+  // Set before inline_ was published, read-only since.
+  const Layout& layout = layouts_[g];
+  // Per thread, reused: a call allocates nothing here.
+  thread_local std::vector<std::pair<const void*, size_t>> mine;
+  thread_local std::vector<const char*> theirs;
+  thread_local std::vector<Peer> peers;
+  mine.clear();
+  AppendOperands(call.mine, {0, static_cast<size_t>(layout.shape.elements)}, mine);
+  const auto now = Clock::now();
+  const auto until = std::min(now + call.timeout, now + registry.spin());
+  const InlineExchange::Status status = exchange.Run(execution, mine, until, theirs);
+  if (status != InlineExchange::Status::kDone) {
+    // The peers are late: this rank's call continues as any other round, from where the
+    // inline exchange left it, and the device thread returns.
+    std::shared_ptr<Round> round = NewRound(call, g, execution);
+    ffi::Promise promise;
+    ffi::Future future(promise);
+    round->peers[rank] = call.mine;
+    round->promises[rank].emplace(promise);
+    round->partitions[rank] = call.ctx.partition;
+    round->arrived = 1;
+    StartFlat(round, std::make_shared<const WorkFn>(std::move(work)), rank, layout.plan, layout.shape,
+              status == InlineExchange::Status::kPublished);
+    return future;
+  }
+  peers.assign(groups_[g]->size(), Peer{});
+  peers[rank] = call.mine;
+  PlaceRemoteOperands(peers, layout.received, layout.shape, theirs, &layout.received_span);
+  registry.recorder().Start(peers);
+  const std::string error = work(peers, 0, 1);
+  exchange.Release(execution);
+  registry.recorder().Finish(peers, error, false);
+  (error.empty() ? registry.rounds_completed : registry.rounds_failed).fetch_add(1, std::memory_order_relaxed);
+  registry.inline_rounds.fetch_add(1, std::memory_order_relaxed);
+  if (error.empty()) return Available();
+  CallContext ctx = call.ctx;
+  ctx.execution = execution;
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetError(ffi::Error(ffi::ErrorCode::kInternal, ctx.Describe() + ": " + error));
+  return future;
+}
+
 uint64_t Mix(uint64_t h, uint64_t v) {
   uint64_t z = h ^ (v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -341,7 +437,6 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
     CompleteAll(*round, me, ffi::ErrorCode::kUnimplemented);
     return;
   }
-  const Layout& layout = layouts_[round->group_index];
   std::shared_ptr<const ExchangePlan> plan;
   std::shared_ptr<const Hierarchy> hierarchy;
   std::shared_ptr<const ScatterGather> scatter_gather;
@@ -433,6 +528,11 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
         p->arrival = std::move(arrival);
       }
       l.plan = std::move(p);
+      if (!l.hierarchy && !l.scatter_gather && !l.plan->arrival &&
+          InlineCandidate(*round, l.local.size(), l.shape, l.subsets)) {
+        l.inline_exchange = world->OpenInline(l.plan, per_rank);
+        inline_[round->group_index].store(l.inline_exchange.get(), std::memory_order_release);
+      }
     }
     plan = l.plan;
     hierarchy = l.hierarchy;
@@ -451,10 +551,18 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
     StartStream(round, me, plan, shape);
     return;
   }
+  StartFlat(round, std::move(work), me, std::move(plan), shape, /*published=*/false);
+}
+
+void RoundTable::StartFlat(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work, int me,
+                           std::shared_ptr<const ExchangePlan> plan, const Peer& shape, bool published) {
+  CrossProcess* world = Registry::Get().cross_process();
+  const Layout& layout = layouts_[round->group_index];
   ExchangeSpec spec;
   spec.plan = plan;
   spec.seq = round->execution;
   spec.tolerant = round->tolerant;
+  spec.published = published;
   const ElementRange whole{0, static_cast<size_t>(shape.elements)};
   for (int r : layout.local) AppendOperands(round->peers[r], whole, spec.mine);
   if (layout.subsets) {

@@ -117,6 +117,12 @@ inline bool MayRunInPhases(bool tolerant, bool direct, size_t in_bytes) {
 // 1.4-1.9 ms in one exchange, 2.0-2.2 ms in two; 512 KiB even at 2.0-2.7 ms; 1 MiB
 // 3.7-4.1 against 3.1-3.6 ms).
 constexpr size_t kScatterGatherBytes = 512 << 10;
+// Up to this many bytes of operands per rank, a round of a group with one rank in this
+// process whose other processes share this host runs inline on the device thread
+// (RoundTable::ArriveInline): below the size at which the work would be split over
+// threads, and at which larger rounds stream instead.
+constexpr size_t kInlineBytes = 256 << 10;
+
 inline bool MayScatterGather(bool tolerant, bool has_combine, const Peer& mine) {
   for (size_t b : mine.aux_bytes) {
     if (b != 0) return false;
@@ -143,12 +149,14 @@ struct CollectiveCall {
   // Fault tolerant (ft.all_reduce): ranks of processes that die or miss the deadline are
   // left out (their Peer has no `in`) instead of failing the call.
   bool tolerant = false;
-  // The op's work by element ranges, and its combining step, when it has them.
-  std::shared_ptr<const RangeFn> range;
-  std::shared_ptr<const CombineFn> combine;
+  // The op's work by element ranges, and its combining step, when it has them. Held by
+  // value: a round that outlives the call shares copies (NewRound), and a call that
+  // completes inline allocates none.
+  RangeFn range;
+  CombineFn combine;
   bool combine_partials = true;  // combine may reduce partial results (LaunchOptions)
-  std::shared_ptr<const NeedsFn> needs;
-  std::shared_ptr<const ReadsFn> reads;
+  NeedsFn needs;
+  ReadsFn reads;
   bool point_to_point = false;  // each operand is read by one rank at most (ppermute)
   // Whether this call may send its operands directly rather than in phases (see
   // MayRunInPhases).
@@ -188,10 +196,17 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
 
   // Joins the call with this rank's buffers; the future completes once this rank's
   // result is written and no peer reads its buffers any more (or with the error).
-  ffi::Future Arrive(const CollectiveCall& call, std::shared_ptr<const WorkFn> work);
+  ffi::Future Arrive(const CollectiveCall& call, WorkFn work);
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (run id, group index)
+  // A round of a group with one rank in this process, whose other processes all share
+  // this host (see InlineCandidate): the device thread exchanges through shared memory
+  // and runs the work itself, with no Round, lock, future hand-off or pool thread; a
+  // round whose peers are not there within the spin budget continues as any other.
+  ffi::Future ArriveInline(InlineExchange& exchange, const CollectiveCall& call, WorkFn& work);
+  // A new round of group `g` for `call`, numbered `execution`.
+  std::shared_ptr<Round> NewRound(const CollectiveCall& call, int64_t g, int64_t execution);
   void Tombstone(const Key& key, int64_t execution);
   void Expire(const Key& key, const std::weak_ptr<Round>& expected);
   // Exchanges the inputs of a round whose local ranks all arrived with the group's other
@@ -208,6 +223,10 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   // (core/scatter_gather.cc).
   void StartScatterGather(const std::shared_ptr<Round>& round, int me, std::shared_ptr<const ScatterGather> sg,
                           const Peer& shape);
+  // The flat exchange of a round's operands with the group's other processes, then its
+  // work (`published`: an InlineExchange already published this process's operands).
+  void StartFlat(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work, int me,
+                 std::shared_ptr<const ExchangePlan> plan, const Peer& shape, bool published);
 
   // Where a group's ranks live: this process's ranks, and each other process's.
   struct Layout {
@@ -228,6 +247,7 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
     std::vector<ElementRange> sent_span, received_span;
     bool subsets = false;  // some `sent` is not all of `local`, or some span not whole
     Peer shape;  // the sizes every rank's operands have
+    std::unique_ptr<InlineExchange> inline_exchange;  // rounds that run inline, see ArriveInline
   };
 
   uint64_t instruction_key_;
@@ -238,7 +258,9 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
 
   std::mutex mu_;
   std::map<Key, std::shared_ptr<Round>> rounds_;
-  std::vector<int64_t> executions_;  // per group
+  std::vector<std::atomic<int64_t>> executions_;  // per group: rounds numbered so far
+  // Per group: its layout's inline_exchange once the first round made it (set once).
+  std::vector<std::atomic<InlineExchange*>> inline_;
   // Calls that failed (timed out): a rank that arrives late fails at once instead of
   // waiting a whole timeout for peers that already gave up. Bounded.
   std::map<Key, int64_t> failed_;  // -> execution number

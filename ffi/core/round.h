@@ -121,8 +121,12 @@ void AppendOperands(const Peer& p, ElementRange span, std::vector<std::pair<cons
 // Points the Peers of the ranks of other processes at their operands: blobs[i] holds
 // those of remote[i]'s ranks, in rank order, each rank's `in` then its aux operands.
 // `spans`: per process, the elements of each operand that arrived (default: all).
-void PlaceRemoteOperands(Round& round, const std::vector<std::vector<int>>& remote, const Peer& shape,
+void PlaceRemoteOperands(std::vector<Peer>& peers, const std::vector<std::vector<int>>& remote, const Peer& shape,
                          const std::vector<const char*>& blobs, const std::vector<ElementRange>* spans = nullptr);
+inline void PlaceRemoteOperands(Round& round, const std::vector<std::vector<int>>& remote, const Peer& shape,
+                                const std::vector<const char*>& blobs, const std::vector<ElementRange>* spans = nullptr) {
+  PlaceRemoteOperands(round.peers, remote, shape, blobs, spans);
+}
 // Runs the work of a round whose operands are all in place; `me` is the arriving rank
 // (its future completes on this thread).
 void Execute(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int me);

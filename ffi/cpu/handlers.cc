@@ -298,22 +298,14 @@ ffi::Future Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
 
 // --------------------------------------------------------------------------- instantiate
 
-// Identifies an instruction in every process of the job alike: its attributes that are
-// the same everywhere (not partition_devices, whose local ordinals differ by process),
-// and how many instructions with those attributes this process instantiated before.
 uint64_t InstructionKey(const ffi::Dictionary& attrs) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](std::string_view bytes) {
-    for (unsigned char ch : bytes) h = (h ^ ch) * 1099511628211ull;
-    h = (h ^ 0xff) * 1099511628211ull;
+  auto text = [&attrs](const char* name) {
+    auto v = attrs.get<std::string_view>(name);
+    return v.has_value() ? *v : std::string_view();
   };
-  for (const char* name : {"call_site", "axis"}) {
-    if (auto v = attrs.get<std::string_view>(name); v.has_value()) mix(*v);
-  }
-  if (auto g = attrs.get<ffi::Span<const int64_t>>("groups"); g.has_value()) {
-    mix(std::string_view(reinterpret_cast<const char*>(g->begin()), g->size() * sizeof(int64_t)));
-  }
-  return h ^ (Registry::Get().NextOccurrence(h) * 0x9e3779b97f4a7c15ull);
+  auto groups = attrs.get<ffi::Span<const int64_t>>("groups");
+  return jaxcomm::InstructionKey(text("call_site"), text("axis"),
+                                 groups.has_value() ? *groups : ffi::Span<const int64_t>());
 }
 
 ffi::ErrorOr<std::unique_ptr<InstructionState>> Instantiate(ffi::Dictionary attrs) {

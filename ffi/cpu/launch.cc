@@ -10,43 +10,6 @@
 
 namespace jaxcomm::cpu {
 
-ffi::ErrorOr<GroupAttrs> ParseGroupAttrs(const ffi::Dictionary& attrs, const std::string& who) {
-  auto flat = attrs.get<ffi::Span<const int64_t>>("groups");
-  auto size = attrs.get<int64_t>("group_size");
-  auto devices = attrs.get<ffi::Span<const int64_t>>("partition_devices");
-  if (!flat.has_value() || !size.has_value() || *size <= 0 ||
-      static_cast<int64_t>(flat->size()) % *size != 0 || !devices.has_value() ||
-      devices->size() % 2 != 0) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        who + ": custom call lacks valid 'groups'/'group_size'/'partition_devices' attributes"));
-  }
-  GroupAttrs a;
-  for (size_t i = 0; i < devices->size(); i += 2) {
-    a.partition_devices.emplace_back((*devices)[i], (*devices)[i + 1]);
-  }
-  for (size_t i = 0; i < flat->size(); i += *size) {
-    a.groups.emplace_back(flat->begin() + i, flat->begin() + i + *size);
-    for (int64_t p : a.groups.back()) {
-      if (p < 0 || p >= static_cast<int64_t>(a.partition_devices.size())) {
-        return ffi::Unexpected(ffi::Error::InvalidArgument(
-            who + ": replica group names partition " + std::to_string(p) + " outside the mesh"));
-      }
-    }
-  }
-  return a;
-}
-
-std::vector<int64_t> Dims(const ffi::AnyBuffer& b) {
-  auto d = b.dimensions();
-  return std::vector<int64_t>(d.begin(), d.end());
-}
-
-int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to) {
-  int64_t p = 1;
-  for (size_t i = from; i < to && i < v.size(); ++i) p *= v[i];
-  return p;
-}
-
 void AdviseHugePages(void* data, size_t bytes) {
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
   if (bytes < 2 * kHuge) return;
@@ -123,11 +86,11 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
   call.work_bytes = work_bytes;
   call.split_by_rank = options.split_by_rank;
   call.tolerant = options.tolerant;
-  if (options.range) call.range = std::make_shared<const RangeFn>(std::move(options.range));
-  if (options.combine) call.combine = std::make_shared<const CombineFn>(std::move(options.combine));
+  call.range = std::move(options.range);
+  call.combine = std::move(options.combine);
   call.combine_partials = options.combine_partials;
-  if (options.needs) call.needs = std::make_shared<const NeedsFn>(std::move(options.needs));
-  if (options.reads) call.reads = std::make_shared<const ReadsFn>(std::move(options.reads));
+  call.needs = std::move(options.needs);
+  call.reads = std::move(options.reads);
   call.point_to_point = options.point_to_point;
   // Injected faults first (a delayed rank arrives late, a hung one never joins),
   // then this call's flight recorder entry.
@@ -144,7 +107,7 @@ ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, L
                                   call.ctx.rank,
                                   call.run_id, mine.dtype, mine.elements, static_cast<int64_t>(mine.in_bytes));
   }
-  return c.state->table->Arrive(call, std::make_shared<const WorkFn>(std::move(work)));
+  return c.state->table->Arrive(call, std::move(work));
 }
 
 }  // namespace jaxcomm::cpu

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/call_attrs.h"  // GroupAttrs, ParseGroupAttrs, Dims, Product
 #include "core/rendezvous.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -36,16 +37,10 @@ struct Common {
 // PartitionId inside a shard_map that is manual over only some mesh axes.
 template <typename B, typename F>
 auto BindCommon(B&& b, F&& bind_buffers) {
-  return std::forward<F>(bind_buffers)(std::move(b)
-                                           .template Ctx<ffi::State<InstructionState>>()
-                                           .template Ctx<ffi::RunId>()
-                                           .template Ctx<ffi::DeviceOrdinal>())
-      .template Attr<std::string_view>("call_site")
-      .template Attr<std::string_view>("axis")
-      .template Attr<int64_t>("timeout_ms")
-      .template Attr<ffi::Span<const int64_t>>("groups")
-      .template Attr<int64_t>("group_size")
-      .template Attr<ffi::Span<const int64_t>>("partition_devices");
+  return BindCallAttrs(std::forward<F>(bind_buffers)(std::move(b)
+                                                         .template Ctx<ffi::State<InstructionState>>()
+                                                         .template Ctx<ffi::RunId>()
+                                                         .template Ctx<ffi::DeviceOrdinal>()));
 }
 
 // Binds `N` operands and one result, all AnyBuffer.
@@ -63,17 +58,6 @@ template <typename B>
 auto BindUnary(B&& b) {
   return BindBuffers<1>(std::move(b));
 }
-
-// The replica groups and (process, device ordinal) per partition every jaxcomm custom
-// call carries, parsed and checked for the instantiate stage; `who` prefixes errors.
-struct GroupAttrs {
-  std::vector<std::vector<int64_t>> groups;
-  std::vector<std::pair<int64_t, int64_t>> partition_devices;
-};
-ffi::ErrorOr<GroupAttrs> ParseGroupAttrs(const ffi::Dictionary& attrs, const std::string& who);
-
-std::vector<int64_t> Dims(const ffi::AnyBuffer& b);
-int64_t Product(const std::vector<int64_t>& v, size_t from, size_t to);
 
 // Locates this rank and joins the call with this rank's buffers `mine`; the future
 // completes when this rank's result is written (see core/rendezvous.h).

@@ -34,8 +34,15 @@ long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 }  // namespace
 
 void Ring(Doorbell& bell, bool from_peer) {
+  if (from_peer) {
+    // Dekker with the sleeper (World::Progress): it raises awaiting_peers, fences, then
+    // looks at its exchanges once more before it sleeps. Either that look sees what this
+    // process published before ringing, or this load sees the flag. A peer that awaits
+    // nothing is not rung at all: no read-modify-write of its cache line per round.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (bell.awaiting_peers.load(std::memory_order_seq_cst) == 0) return;
+  }
   bell.rings.fetch_add(1, std::memory_order_seq_cst);
-  if (from_peer && bell.awaiting_peers.load(std::memory_order_seq_cst) == 0) return;
   if (bell.sleeping.load(std::memory_order_seq_cst) != 0) Futex(&bell.rings, FUTEX_WAKE, INT_MAX, nullptr);
 }
 

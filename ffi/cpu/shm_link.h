@@ -89,7 +89,8 @@ struct Doorbell {
   std::atomic<uint32_t> awaiting_peers;
 };
 
-// Rings `bell`: wakes its owner if it sleeps on it (`from_peer`: only if it awaits peers).
+// Rings `bell`: wakes its owner if it sleeps on it (`from_peer`: only if it awaits peers,
+// which it must say before its last look for work: see World::Progress).
 void Ring(Doorbell& bell, bool from_peer = true);
 // Sleeps until `bell` rings after `seen` (its `rings` read before checking for work; a
 // ring since then returns at once) or `timeout` passes. Only the bell's owner sleeps;

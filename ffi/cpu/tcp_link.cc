@@ -12,10 +12,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <climits>
-#include <iterator>
 #include <cerrno>
+#include <climits>
+#include <cstdio>
 #include <cstring>
+#include <exception>
+#include <iterator>
 
 namespace jaxcomm::cpu {
 namespace {
@@ -29,7 +31,21 @@ struct Header {
   uint64_t bytes;
 };
 
-constexpr uint64_t kHello = 0x6a63686c6c6f0001ull;
+// The first bytes of every connection: who may talk to whom is settled before a frame.
+struct Hello {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t flags;  // 0; room for later use
+  uint8_t secret[32];
+  int64_t process;
+  int64_t processes;
+};
+static_assert(sizeof(Hello) == 64, "the hello is 64 bytes on the wire");
+
+constexpr uint64_t kHelloMagic = 0x6a63686c6c6f0002ull;  // "jchllo", hello version 2
+constexpr uint32_t kHelloVersion = 2;
+// At most this many refusals are logged (one per address and reason); then counted.
+constexpr int kMaxLoggedRefusals = 16;
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
@@ -49,13 +65,15 @@ bool WaitFd(int fd, short events, Clock::time_point deadline) {
   }
 }
 
-// Reads exactly `n` bytes unless the deadline passes or the peer closes.
+// Reads exactly `n` bytes into `buf` (or drops them when `buf` is null) unless the
+// deadline passes, the peer closes, or `stop` is set.
 std::string ReadAll(int fd, void* buf, size_t n, Clock::time_point deadline, const std::atomic<bool>* stop) {
   char* p = static_cast<char*>(buf);
+  char sink[65536];
   while (n > 0) {
-    ssize_t r = recv(fd, p, n, 0);
+    ssize_t r = recv(fd, p != nullptr ? p : sink, p != nullptr ? n : std::min(n, sizeof(sink)), 0);
     if (r > 0) {
-      p += r;
+      if (p != nullptr) p += r;
       n -= static_cast<size_t>(r);
       continue;
     }
@@ -81,47 +99,224 @@ void Tune(int fd) {
   fcntl(fd, F_SETFL, flags | O_NONBLOCK);
 }
 
+// Compares in time independent of where the first difference is.
+bool SameSecret(const uint8_t* a, const uint8_t* b) {
+  uint8_t diff = 0;
+  for (size_t i = 0; i < 32; ++i) diff |= a[i] ^ b[i];
+  return diff == 0;
+}
+
+// The most bytes one frame may have: this machine's memory (a longer one cannot be a
+// peer's contribution, and allocating it would end the process).
+uint64_t MaxFrameBytes() {
+  static const uint64_t max = [] {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page)
+                                 : uint64_t{1} << 40;
+  }();
+  return max;
+}
+
+std::string Address(const sockaddr_storage& a) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (a.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&a);
+    inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+    port = ntohs(in->sin_port);
+  } else if (a.ss_family == AF_INET6) {
+    const auto* in = reinterpret_cast<const sockaddr_in6*>(&a);
+    inet_ntop(AF_INET6, &in->sin6_addr, host, sizeof(host));
+    port = ntohs(in->sin6_port);
+  }
+  return std::string(host) + ":" + std::to_string(port);
+}
+
 }  // namespace
 
-std::unique_ptr<TcpListener> TcpListener::Create(std::string* error) {
-  auto l = std::make_unique<TcpListener>();
-  l->fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+// ------------------------------------------------------------------------- listener
+
+struct TcpListener::Pending {
+  int fd = -1;
+  std::string from;  // "address:port"
+  Clock::time_point deadline;
+  Hello hello{};
+  size_t got = 0;
+};
+
+std::unique_ptr<TcpListener> TcpListener::Create(const TcpJob& job, std::string* error) {
+  std::unique_ptr<TcpListener> l(new TcpListener());
+  l->job_ = job;
+  l->fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (l->fd_ < 0) {
     *error = Errno("socket");
     return nullptr;
   }
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  if (inet_pton(AF_INET, job.listen_address.c_str(), &addr.sin_addr) != 1) {
+    *error = "cannot listen on '" + job.listen_address + "': not an IPv4 address";
+    return nullptr;
+  }
   addr.sin_port = 0;  // ephemeral: published through the job's key-value store
   socklen_t len = sizeof(addr);
   if (bind(l->fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(l->fd_, 128) != 0 ||
       getsockname(l->fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    *error = Errno("bind/listen");
+    *error = Errno("listening on " + job.listen_address);
     return nullptr;
   }
   l->port_ = ntohs(addr.sin_port);
-  // Two threads may accept (a Link() waiting for its peer, the progress thread taking a
-  // rejoining process): the one that finds nothing must not block.
-  fcntl(l->fd_, F_SETFL, fcntl(l->fd_, F_GETFL, 0) | O_NONBLOCK);
+  if (pipe2(l->wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    *error = Errno("pipe");
+    return nullptr;
+  }
+  TcpListener* raw = l.get();
+  l->acceptor_ = std::thread([raw] { raw->Run(); });
   return l;
 }
 
 TcpListener::~TcpListener() {
-  if (fd_ >= 0) close(fd_);
-}
-
-int TcpListener::Accept(Clock::time_point deadline, std::string* error) {
-  if (!WaitFd(fd_, POLLIN, deadline)) {
-    *error = "no peer connected before the deadline";
-    return -1;
+  stop_.store(true);
+  if (wake_[1] >= 0) {
+    const char c = 'q';
+    ssize_t ignored = write(wake_[1], &c, 1);
+    (void)ignored;
   }
-  int fd = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-  if (fd < 0) *error = errno == EAGAIN || errno == EWOULDBLOCK ? "taken by another thread" : Errno("accept");
-  return fd;
+  if (acceptor_.joinable()) acceptor_.join();
+  for (const TcpHello& h : ready_) close(h.fd);
+  for (int fd : {fd_, wake_[0], wake_[1]}) {
+    if (fd >= 0) close(fd);
+  }
 }
 
-int TcpLink::Connect(const std::string& host, int port, int64_t me, Clock::time_point deadline,
+TcpHello TcpListener::Accept(Clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  ready_cv_.wait_until(lock, deadline, [this] { return !ready_.empty(); });
+  if (ready_.empty()) return {};
+  TcpHello h = ready_.front();
+  ready_.pop_front();
+  return h;
+}
+
+void TcpListener::Refuse(Pending& p, const std::string& why) {
+  refused_.fetch_add(1);
+  const std::string host = p.from.substr(0, p.from.rfind(':'));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const bool first = logged_.size() < kMaxLoggedRefusals && logged_.emplace(host + ": " + why, 1).second;
+    if (first) {
+      std::fprintf(stderr, "jaxcomm: refused a TCP connection from %s to this process's listener: %s%s\n",
+                   p.from.c_str(), why.c_str(),
+                   logged_.size() == kMaxLoggedRefusals ? " (further refusals are counted, not logged)" : "");
+    }
+  }
+  close(p.fd);
+  p.fd = -1;
+}
+
+bool TcpListener::Advance(Pending& p) {
+  auto* buf = reinterpret_cast<char*>(&p.hello);
+  while (p.got < sizeof(Hello)) {
+    const ssize_t r = recv(p.fd, buf + p.got, sizeof(Hello) - p.got, 0);
+    if (r > 0) {
+      p.got += static_cast<size_t>(r);
+      // The secret is checked as soon as it is in, before anything after it is read.
+      if (p.got >= offsetof(Hello, process) && p.got - static_cast<size_t>(r) < offsetof(Hello, process)) {
+        if (p.hello.magic != kHelloMagic) {
+          Refuse(p, "it is not a jaxcomm peer (its first bytes are not a jaxcomm hello)");
+          return true;
+        }
+        if (p.hello.version != kHelloVersion) {
+          Refuse(p, "it speaks another version of jaxcomm's protocol");
+          return true;
+        }
+        if (!SameSecret(p.hello.secret, job_.secret.data())) {
+          Refuse(p, "wrong job secret (another job, or not a process of any)");
+          return true;
+        }
+      }
+      continue;
+    }
+    if (r == 0) {
+      Refuse(p, "it closed the connection before it introduced itself");
+      return true;
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (Clock::now() < p.deadline) return false;
+      Refuse(p, "it did not introduce itself within " + std::to_string(kHelloTimeout.count()) + " s");
+      return true;
+    }
+    Refuse(p, Errno("recv"));
+    return true;
+  }
+  const Hello& h = p.hello;
+  if (h.processes != job_.processes) {
+    Refuse(p, "it belongs to a job of " + std::to_string(h.processes) + " processes, not " +
+                  std::to_string(job_.processes));
+    return true;
+  }
+  if (h.process < 0 || h.process >= job_.processes || h.process == job_.me) {
+    Refuse(p, "it claims to be process " + std::to_string(h.process) + ", not another process of the job");
+    return true;
+  }
+  Tune(p.fd);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_.push_back({p.fd, h.process});
+  }
+  ready_cv_.notify_all();
+  p.fd = -1;
+  return true;
+}
+
+void TcpListener::Run() {
+  std::deque<Pending> pending;
+  try {
+    while (!stop_.load()) {
+      std::vector<pollfd> fds{{wake_[0], POLLIN, 0}, {fd_, POLLIN, 0}};
+      for (const Pending& p : pending) fds.push_back({p.fd, POLLIN, 0});
+      const int r = poll(fds.data(), fds.size(), 100);
+      if (r < 0 && errno != EINTR) break;
+      if (fds[0].revents != 0) break;
+      if (fds[1].revents != 0) {
+        while (true) {
+          Pending p;
+          sockaddr_storage from{};
+          socklen_t len = sizeof(from);
+          p.fd = accept4(fd_, reinterpret_cast<sockaddr*>(&from), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+          if (p.fd < 0) break;
+          p.from = Address(from);
+          p.deadline = Clock::now() + kHelloTimeout;
+          // A peer's hello comes with its connection: settle it at once, so a flood of
+          // connections that say nothing does not push it out of the queue.
+          if (Advance(p)) continue;
+          if (pending.size() >= kMaxPendingHellos) {
+            Refuse(pending.front(), "too many connections waiting to introduce themselves");
+            pending.pop_front();
+          }
+          pending.push_back(std::move(p));
+        }
+      }
+      for (Pending& p : pending) {
+        if (p.fd >= 0) Advance(p);
+      }
+      pending.erase(std::remove_if(pending.begin(), pending.end(), [](const Pending& p) { return p.fd < 0; }),
+                    pending.end());
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "jaxcomm: the TCP listener's thread stopped: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "jaxcomm: the TCP listener's thread stopped on an unknown exception\n");
+  }
+  for (Pending& p : pending) {
+    if (p.fd >= 0) close(p.fd);
+  }
+}
+
+// ----------------------------------------------------------------------------- link
+
+int TcpLink::Connect(const std::string& host, int port, const TcpJob& job, Clock::time_point deadline,
                      std::string* error) {
   addrinfo hints{};
   hints.ai_family = AF_INET;
@@ -132,6 +327,12 @@ int TcpLink::Connect(const std::string& host, int port, int64_t me, Clock::time_
     return -1;
   }
   std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
+  Hello hello{};
+  hello.magic = kHelloMagic;
+  hello.version = kHelloVersion;
+  std::memcpy(hello.secret, job.secret.data(), sizeof(hello.secret));
+  hello.process = job.me;
+  hello.processes = job.processes;
   while (true) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) {
@@ -140,7 +341,6 @@ int TcpLink::Connect(const std::string& host, int port, int64_t me, Clock::time_
     }
     if (connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
       Tune(fd);
-      Header hello{kHello, me, 0, 0};
       const char* p = reinterpret_cast<const char*>(&hello);
       size_t n = sizeof(hello);
       while (n > 0) {
@@ -169,23 +369,12 @@ int TcpLink::Connect(const std::string& host, int port, int64_t me, Clock::time_
   }
 }
 
-int64_t TcpLink::ReadHello(int fd, Clock::time_point deadline, std::string* error) {
-  Tune(fd);
-  Header hello{};
-  *error = ReadAll(fd, &hello, sizeof(hello), deadline, nullptr);
-  if (!error->empty()) return -1;
-  if (hello.key != kHello) {
-    *error = "a connection that is not a jaxcomm peer";
-    return -1;
-  }
-  return hello.seq;
-}
-
-TcpLink::TcpLink(int fd, std::function<void()> on_frame)
-    : fd_(fd), on_frame_(std::move(on_frame)), receiver_([this] { Receive(); }) {}
+TcpLink::TcpLink(int fd, const TcpJob& job, std::function<void()> on_frame)
+    : fd_(fd), job_(job), on_frame_(std::move(on_frame)), receiver_([this] { Receive(); }) {}
 
 TcpLink::~TcpLink() {
   stop_.store(true);
+  admit_cv_.notify_all();
   shutdown(fd_, SHUT_RDWR);
   if (receiver_.joinable()) receiver_.join();
   close(fd_);
@@ -196,6 +385,8 @@ void TcpLink::Fail(const std::string& why) {
     std::lock_guard<std::mutex> lock(mu_);
     if (failure_.empty()) failure_ = why;
   }
+  // Nothing more is read from a failed link: the peer sees it closed.
+  shutdown(fd_, SHUT_RDWR);
   on_frame_();
 }
 
@@ -205,37 +396,102 @@ std::string TcpLink::failure() const {
 }
 
 void TcpLink::Receive() {
+  // An exception escaping this thread would end the process: it fails the link instead.
+  try {
+    while (!stop_.load()) {
+      const std::string err = ReceiveOne();
+      if (!err.empty()) {
+        if (!stop_.load()) Fail(err);
+        return;
+      }
+      on_frame_();
+    }
+  } catch (const std::exception& e) {
+    Fail(std::string("receiving a frame failed: ") + e.what());
+  } catch (...) {
+    Fail("receiving a frame failed (unknown exception)");
+  }
+}
+
+std::string TcpLink::Admit(uint64_t key, int64_t seq, uint64_t fingerprint, uint64_t bytes,
+                           std::unique_lock<std::mutex>& lock, bool* matches, bool* early) {
+  const std::string round = "round " + std::to_string(seq) + " of call " + std::to_string(key);
+  if (seq <= 0) return "the peer sent a frame numbered " + std::to_string(seq) + " (rounds count from 1)";
+  if (bytes > MaxFrameBytes()) {
+    return "the peer announced a frame of " + std::to_string(bytes) + " bytes, more than this machine's memory";
+  }
+  if (inbox_.count({key, seq})) return "the peer sent " + round + " twice";
+  const auto deadline = Clock::now() + job_.early_wait;
+  while (true) {
+    if (stop_.load()) return "link closed";
+    if (auto it = expected_.find(key); it != expected_.end()) {
+      if (seq <= it->second.done) return "the peer sent " + round + ", which this process already finished";
+      *matches = it->second.fingerprint == fingerprint && it->second.bytes == bytes;
+      *early = false;
+      // A peer is at most a couple of rounds of one call ahead (it needs this process's
+      // contribution to finish each): more unread ones wait.
+      size_t unread = 0;
+      for (auto f = inbox_.lower_bound({key, INT64_MIN}); f != inbox_.end() && f->first.first == key; ++f) {
+        if (++unread >= kMaxAhead) break;
+      }
+      if (inbox_.size() < kMaxFrames && unread < kMaxAhead) return "";
+    } else {
+      *matches = true;
+      *early = true;
+      if (early_bytes_ + bytes <= kEarlyBytes && inbox_.size() < kMaxFrames) return "";
+    }
+    // No room: the frame stays unread (the peer's sends wait) until this process
+    // reaches its call or consumes older frames.
+    if (Clock::now() >= deadline) {
+      return "the peer sent " + std::to_string(bytes) + " bytes for " + round +
+             (*early ? ", a call this process did not reach within the timeout, beyond its budget for early frames (" +
+                           std::to_string(kEarlyBytes) + " bytes)"
+                     : ", while " + std::to_string(inbox_.size()) + " frames are unread (too far ahead)");
+    }
+    admit_cv_.wait_for(lock, std::chrono::milliseconds(200));
+  }
+}
+
+std::string TcpLink::ReceiveOne() {
   // Waits are bounded: each read re-checks `stop_` at least every 200 ms.
   const auto forever = Clock::time_point::max();
-  while (!stop_.load()) {
-    Header h{};
-    std::string err = ReadAll(fd_, &h, sizeof(h), forever, &stop_);
-    auto frame = std::make_unique<Frame>();
-    if (err.empty()) {
-      frame->fingerprint = h.fingerprint;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = std::find_if(spare_.begin(), spare_.end(),
-                               [&h](const std::vector<char>& b) { return b.size() == h.bytes; });
-        if (it != spare_.end()) {
-          spare_bytes_ -= it->size();
-          frame->bytes = std::move(*it);
-          spare_.erase(it);
-        }
+  Header h{};
+  std::string err = ReadAll(fd_, &h, sizeof(h), forever, &stop_);
+  if (!err.empty()) return err;
+  auto frame = std::make_unique<Frame>();
+  frame->fingerprint = h.fingerprint;
+  frame->wire_bytes = h.bytes;
+  bool matches = true, early = false;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    err = Admit(h.key, h.seq, h.fingerprint, h.bytes, lock, &matches, &early);
+    if (!err.empty()) return err;
+    if (matches) {
+      auto it = std::find_if(spare_.begin(), spare_.end(),
+                             [&h](const std::vector<char>& b) { return b.size() == h.bytes; });
+      if (it != spare_.end()) {
+        spare_bytes_ -= it->size();
+        frame->bytes = std::move(*it);
+        spare_.erase(it);
       }
-      frame->bytes.resize(h.bytes);
-      err = ReadAll(fd_, frame->bytes.data(), h.bytes, forever, &stop_);
     }
-    if (!err.empty()) {
-      if (!stop_.load()) Fail(err);
-      return;
+    if (early) {
+      early_bytes_ += h.bytes;
+      early_[{h.key, h.seq}] = h.bytes;
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      inbox_[{h.key, h.seq}] = std::move(frame);
-    }
-    on_frame_();
   }
+  if (matches) {
+    frame->bytes.resize(h.bytes);
+    err = ReadAll(fd_, frame->bytes.data(), h.bytes, forever, &stop_);
+  } else {
+    // Not what this process's call expects: its bytes are read and dropped, and the call
+    // reports the mismatch (the length the peer sent is in wire_bytes).
+    err = ReadAll(fd_, nullptr, h.bytes, forever, &stop_);
+  }
+  if (!err.empty()) return err;
+  std::lock_guard<std::mutex> lock(mu_);
+  inbox_[{h.key, h.seq}] = std::move(frame);
+  return "";
 }
 
 std::string TcpLink::Send(uint64_t key, int64_t seq, uint64_t fingerprint,
@@ -277,8 +533,14 @@ std::string TcpLink::Send(uint64_t key, int64_t seq, uint64_t fingerprint,
   return "";
 }
 
-const TcpLink::Frame* TcpLink::Find(uint64_t key, int64_t seq) {
+const TcpLink::Frame* TcpLink::Find(uint64_t key, int64_t seq, uint64_t fingerprint, uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
+  auto [expected, added] = expected_.try_emplace(key);
+  if (added) {
+    expected->second.fingerprint = fingerprint;
+    expected->second.bytes = bytes;
+    admit_cv_.notify_all();  // an early frame of this call may wait for it
+  }
   auto it = inbox_.find({key, seq});
   return it == inbox_.end() ? nullptr : it->second.get();
 }
@@ -291,7 +553,14 @@ std::pair<int64_t, std::vector<char>> TcpLink::Newest(uint64_t key) {
   if (first == end) return {0, {}};
   auto newest = std::prev(end);
   std::pair<int64_t, std::vector<char>> out{newest->first.second, newest->second->bytes};
+  for (auto it = first; it != newest; ++it) {
+    if (auto e = early_.find(it->first); e != early_.end()) {
+      early_bytes_ -= e->second;
+      early_.erase(e);
+    }
+  }
   inbox_.erase(first, newest);
+  admit_cv_.notify_all();
   return out;
 }
 
@@ -300,10 +569,16 @@ void TcpLink::Drop(uint64_t key, int64_t seq) {
   constexpr size_t kMaxSpareBytes = size_t{256} << 20;
   constexpr size_t kMaxSpares = 8;
   std::lock_guard<std::mutex> lock(mu_);
+  if (auto e = expected_.find(key); e != expected_.end()) e->second.done = std::max(e->second.done, seq);
   auto it = inbox_.find({key, seq});
   if (it == inbox_.end()) return;
+  if (auto e = early_.find(it->first); e != early_.end()) {
+    early_bytes_ -= e->second;
+    early_.erase(e);
+  }
   std::vector<char> bytes = std::move(it->second->bytes);
   inbox_.erase(it);
+  admit_cv_.notify_all();
   if (bytes.empty() || bytes.size() > kMaxSpareBytes) return;
   while (!spare_.empty() && (spare_.size() >= kMaxSpares || spare_bytes_ + bytes.size() > kMaxSpareBytes)) {
     spare_bytes_ -= spare_.front().size();

@@ -121,7 +121,8 @@ World::~World() {
   if (progress_.joinable()) progress_.join();
 }
 
-Endpoint World::Open(int64_t process, bool shared_memory, const std::string& host, std::string* error) {
+Endpoint World::Open(int64_t process, bool shared_memory, const std::string& host, const TcpJob& tcp,
+                     std::string* error) {
   std::lock_guard<std::mutex> lock(mu_);
   if (process_ >= 0 && process_ != process) {
     *error = "jaxcomm's endpoint was opened as process " + std::to_string(process_) + ", not " +
@@ -137,7 +138,9 @@ Endpoint World::Open(int64_t process, bool shared_memory, const std::string& hos
       // single-copy reads.) Failure only leaves the streamed rounds on their ring.
       if (Registry::Get().single_copy()) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
     }
-    listener_ = TcpListener::Create(error);
+    tcp_ = tcp;
+    tcp_.me = process;
+    listener_ = TcpListener::Create(tcp_, error);
     if (!listener_) return {};
     process_ = process;
     host_ = host;
@@ -191,15 +194,15 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
                      magic == theirs.magic;
     }
   } else if (process_ < process || rejoining) {
-    int fd = TcpLink::Connect(host, peer.port, process_, deadline, &error);
+    int fd = TcpLink::Connect(host, peer.port, tcp_, deadline, &error);
     if (fd < 0) return "connecting to " + link->Describe() + ": " + error;
-    link->tcp = std::make_unique<TcpLink>(fd, [this] { Wake(); });
+    link->tcp = std::make_unique<TcpLink>(fd, tcp_, [this] { Wake(); });
   } else {
     // The peer connects to us (this thread or the progress thread takes the connection).
     while (!Peer(process)) {
       if (Clock::now() >= deadline) return "waiting for " + link->Describe() + " to connect: timed out";
-      int fd = listener_->Accept(std::min(deadline, Clock::now() + std::chrono::milliseconds(50)), &error);
-      if (fd >= 0) Adopt(fd, deadline);
+      const TcpHello hello = listener_->Accept(std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+      if (hello.fd >= 0) Adopt(hello);
     }
     std::lock_guard<std::mutex> lock(mu_);
     identify(*peers_[process]);
@@ -213,17 +216,13 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
   return "";
 }
 
-void World::Adopt(int fd, Clock::time_point deadline) {
-  std::string error;
-  const int64_t from = TcpLink::ReadHello(fd, deadline, &error);
-  if (from < 0) {
-    close(fd);
-    return;
-  }
+void World::Adopt(const TcpHello& hello) {
+  // The listener checked the job's secret and the process index.
+  const int64_t from = hello.process;
   auto link = std::make_shared<PeerLink>();
   link->process = from;
   link->host = "(not yet linked)";
-  link->tcp = std::make_unique<TcpLink>(fd, [this] { Wake(); });
+  link->tcp = std::make_unique<TcpLink>(hello.fd, tcp_, [this] { Wake(); });
   std::lock_guard<std::mutex> lock(mu_);
   auto it = peers_.find(from);
   if (it == peers_.end()) {
@@ -237,9 +236,8 @@ void World::Adopt(int fd, Clock::time_point deadline) {
 
 void World::AcceptLate() {
   if (!listener_) return;
-  std::string error;
-  const int fd = listener_->Accept(Clock::now(), &error);  // only what is already waiting
-  if (fd >= 0) Adopt(fd, Clock::now() + std::chrono::seconds(1));
+  const TcpHello hello = listener_->Accept(Clock::now());  // only what is already waiting
+  if (hello.fd >= 0) Adopt(hello);
 }
 
 std::shared_ptr<World::PeerLink> World::Peer(int64_t process) const {
@@ -274,6 +272,7 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
   const auto& peers = p->spec.plan->peers;
   p->blobs.assign(peers.size(), nullptr);
   p->left_out.assign(peers.size(), false);
+  p->published = p->spec.published;
   // Peers usually arrive within microseconds: checking their health (syscalls and a
   // /proc read) before then would cost more than the whole exchange. A dead peer is
   // still noticed within milliseconds, then every kLivenessPeriod.
@@ -338,6 +337,117 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
     pending_.push_back(std::move(p));
   }
   Wake();
+}
+
+// An inline exchange (core/cross_process.h) over shared memory: the slot protocol of
+// Advance, with every lookup done once when it is opened (this process's slot, the
+// peers' links), the peers' slots and data found on first use, and the wait a spin of
+// the calling thread. It never fails a round: whatever is not plainly the peers'
+// contributions arriving (a mismatch, a dead peer, a deadline) is left to Exchange.
+class World::ShmInline final : public InlineExchange {
+ public:
+  ShmInline(World& world, std::shared_ptr<const ExchangePlan> plan, SlotEntry* slot, char* data,
+            std::vector<std::shared_ptr<PeerLink>> links)
+      : world_(world), plan_(std::move(plan)), slot_(slot), data_(data), links_(std::move(links)),
+        theirs_(links_.size()), their_data_(links_.size()) {}
+
+  Status Run(int64_t seq, const std::vector<std::pair<const void*, size_t>>& mine, Clock::time_point until,
+             std::vector<const char*>& theirs) override {
+    if (world_.ever_excluded_.load(std::memory_order_relaxed)) return Status::kNotYet;
+    const size_t n = links_.size();
+    PeerSpin spin(world_.Block(), [this](int cpu) { return AnySpinsOn(links_, cpu); });
+    int steps = 0;
+    // Each check of the clock costs about as much as a look at the peers' flags.
+    const auto expired = [&steps, until] { return (++steps & 31) == 0 && Clock::now() >= until; };
+    // The buffer of round seq - 2 is reused: every peer must have read that round.
+    if (seq > 2) {
+      for (size_t i = 0; i < n; ++i) {
+        while (true) {
+          const SlotEntry* t = Theirs(i);
+          if (t != nullptr && t->done.load(std::memory_order_acquire) >= seq - 2) break;
+          if (expired()) return Status::kNotYet;
+          spin.Step();
+        }
+      }
+    }
+    const uint64_t bytes = slot_->bytes;
+    char* dst = data_ + Parity(seq) * bytes;
+    for (const auto& [ptr, size] : mine) {
+      if (size > 0) std::memcpy(dst, ptr, size);
+      dst += size;
+    }
+    slot_->published.store(seq, std::memory_order_release);
+    for (const auto& link : links_) Ring(link->shm->block().bell);
+    theirs.assign(n, nullptr);
+    size_t arrived = 0;
+    while (true) {
+      for (size_t i = 0; i < n; ++i) {
+        if (theirs[i] != nullptr) continue;
+        const SlotEntry* t = Theirs(i);
+        if (t == nullptr || t->published.load(std::memory_order_acquire) < seq) continue;
+        // Another program, or a restarted peer: Exchange names the mismatch.
+        if (t->fingerprint != plan_->fingerprint || t->bytes != plan_->peer_bytes[i]) return Status::kPublished;
+        const char* data = TheirData(i, *t);
+        if (data == nullptr) return Status::kPublished;
+        theirs[i] = data + Parity(seq) * t->bytes;
+        ++arrived;
+      }
+      if (arrived == n) return Status::kDone;
+      if (expired()) return Status::kPublished;
+      spin.Step();
+    }
+  }
+
+  void Release(int64_t seq) override {
+    slot_->done.store(seq, std::memory_order_release);
+    // A peer whose round waits on its progress thread may wait for this.
+    for (const auto& link : links_) Ring(link->shm->block().bell);
+  }
+
+ private:
+  // Peer i's slot of this exchange, once it made it (slots never move).
+  const SlotEntry* Theirs(size_t i) {
+    const SlotEntry* t = theirs_[i].load(std::memory_order_acquire);
+    if (t != nullptr) return t;
+    PeerLink& link = *links_[i];
+    std::lock_guard<std::mutex> lock(link.mu);
+    t = link.shm->Find(plan_->key);
+    if (t != nullptr) theirs_[i].store(t, std::memory_order_release);
+    return t;
+  }
+  // Where peer i's slot's data is mapped here (mapped on first use).
+  const char* TheirData(size_t i, const SlotEntry& t) {
+    const char* d = their_data_[i].load(std::memory_order_acquire);
+    if (d != nullptr) return d;
+    PeerLink& link = *links_[i];
+    std::lock_guard<std::mutex> lock(link.mu);
+    std::string error;
+    d = link.shm->Data(t, &error);
+    if (d != nullptr) their_data_[i].store(d, std::memory_order_release);
+    return d;
+  }
+
+  World& world_;
+  const std::shared_ptr<const ExchangePlan> plan_;
+  SlotEntry* const slot_;
+  char* const data_;
+  const std::vector<std::shared_ptr<PeerLink>> links_;
+  std::vector<std::atomic<const SlotEntry*>> theirs_;
+  std::vector<std::atomic<const char*>> their_data_;
+};
+
+std::unique_ptr<InlineExchange> World::OpenInline(std::shared_ptr<const ExchangePlan> plan, size_t my_bytes) {
+  if (!shm_ || plan->agreement || plan->arrival || plan->peers.empty()) return nullptr;
+  std::vector<std::shared_ptr<PeerLink>> links;
+  for (int64_t q : plan->peers) {
+    auto link = Peer(q);
+    if (!link || !link->shm) return nullptr;
+    links.push_back(std::move(link));
+  }
+  std::string error;
+  SlotEntry* slot = shm_->Slot(plan->key, plan->fingerprint, my_bytes, &error);
+  if (slot == nullptr) return nullptr;  // the first Exchange reports why
+  return std::make_unique<ShmInline>(*this, std::move(plan), slot, shm_->Data(*slot), std::move(links));
 }
 
 bool World::Advance(Pending& p) {
@@ -426,10 +536,10 @@ bool World::Advance(Pending& p) {
       }
       data += Parity(s.seq) * bytes;
     } else {
-      const TcpLink::Frame* f = link.tcp->Find(plan.key, s.seq);
+      const TcpLink::Frame* f = link.tcp->Find(plan.key, s.seq, plan.fingerprint, plan.peer_bytes[i]);
       if (!f) continue;
       fingerprint = f->fingerprint;
-      bytes = f->bytes.size();
+      bytes = f->wire_bytes;
       data = f->bytes.empty() ? "" : f->bytes.data();  // non-null: it arrived
     }
     if (fingerprint != plan.fingerprint || bytes != plan.peer_bytes[i]) {
@@ -605,6 +715,13 @@ void World::Progress() {
       continue;
     }
     spin.Stop();
+    if (bell && !mine.empty() && bell->awaiting_peers.load(std::memory_order_relaxed) == 0) {
+      // Peers ring only a process that awaits them (Ring): say so, then look once more,
+      // for what they published before they could see it.
+      bell->awaiting_peers.store(1, std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      continue;
+    }
     // Sleep until woken: a peer published or released a round (doorbell), a new
     // exchange or TCP frame arrived (Wake), or the nap ends. Never unbounded.
     const auto limit = mine.empty() ? kIdleNap : kMaxNap;

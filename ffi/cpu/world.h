@@ -56,8 +56,10 @@ class World : public CrossProcess {
   World();
   ~World() override;
 
-  // Creates this process's endpoint (once; later calls return the same one).
-  Endpoint Open(int64_t process, bool shared_memory, const std::string& host, std::string* error);
+  // Creates this process's endpoint (once; later calls return the same one). `tcp`: the
+  // address its TCP listener takes, the job's secret and process count (tcp_link.h).
+  Endpoint Open(int64_t process, bool shared_memory, const std::string& host, const TcpJob& tcp,
+                std::string* error);
   // Links peer `process`: through its shared memory when `peer.control_fd >= 0` and both
   // ends agreed on it, else TCP to host:port (the lower process index connects).
   // `label` names the peer's host in messages. A restarted process (`rejoining`)
@@ -81,11 +83,15 @@ class World : public CrossProcess {
   // fault-tolerant call, then numbers that call's rounds as the survivors do.
   std::string Rejoin(uint64_t generation);
   std::string LinkKind(int64_t p) const override;
+  // TCP connections the listener refused (tcp_link.h); 0 before Open.
+  int64_t refused_connections() const { return listener_ ? listener_->refused() : 0; }
   std::string HostOf(int64_t p) const override;
+  std::unique_ptr<InlineExchange> OpenInline(std::shared_ptr<const ExchangePlan> plan, size_t my_bytes) override;
 
  private:
   struct PeerLink;
   struct Pending;
+  class ShmInline;  // OpenInline's exchanges
 
   std::shared_ptr<PeerLink> Peer(int64_t process) const;
   // Whether `link`'s process shows a thread spinning on core `cpu` (PeerSpin); any of
@@ -127,7 +133,7 @@ class World : public CrossProcess {
   void GiveBounce(std::vector<char> buffer);
   // Takes a connection accepted on this process's listener: a peer linking at bootstrap,
   // or a restarted process rejoining (kept aside until its request is seen).
-  void Adopt(int fd, std::chrono::steady_clock::time_point deadline);
+  void Adopt(const TcpHello& hello);
   // Accepts connections that arrive while no Link() waits for one (rejoining processes).
   void AcceptLate();
   void Progress();
@@ -138,9 +144,13 @@ class World : public CrossProcess {
   int64_t process_ = -1;
   std::string host_;
   std::unique_ptr<ShmOwner> shm_;
+  TcpJob tcp_;
   std::unique_ptr<TcpListener> listener_;
   std::map<int64_t, std::shared_ptr<PeerLink>> peers_;
   std::set<int64_t> excluded_;
+  // Some process was ever left out (excluded_ not empty once): inline exchanges then
+  // defer to Exchange, which knows what to do about it.
+  std::atomic<bool> ever_excluded_{false};
   std::map<int64_t, uint64_t> seen_join_;      // survivors: newest request seen, per process
   std::map<int64_t, std::shared_ptr<PeerLink>> joiners_;  // survivors: TCP links of restarted processes
   std::map<int64_t, uint64_t> admitted_join_;  // survivors: request readmitted, per process

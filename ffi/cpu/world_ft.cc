@@ -237,7 +237,10 @@ bool World::TryAdmission(Pending& p, std::string* error) {
     std::lock_guard<std::mutex> lock(mu_);
     seq_offset_[plan.key] = join - p.spec.seq;
     for (size_t k = 0; k < P; ++k) {
-      if (k != me && (*reference)[k] == 0) excluded_.insert(all[k]);
+      if (k != me && (*reference)[k] == 0) {
+        excluded_.insert(all[k]);
+        ever_excluded_.store(true);
+      }
     }
   }
   for (size_t i = 0; i < p.links.size(); ++i) {
@@ -259,6 +262,7 @@ bool World::Excluded(int64_t process) const {
 void World::Exclude(int64_t process) {
   std::lock_guard<std::mutex> lock(mu_);
   excluded_.insert(process);
+  ever_excluded_.store(true);
 }
 
 std::vector<int64_t> World::excluded() const {

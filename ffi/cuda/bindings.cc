@@ -1,23 +1,34 @@
 // The CUDA part of the extension module (ffi/module.cc calls RegisterCuda): handler
-// capsules for platform "CUDA", NCCL set-up, communicator statistics and the loopback
-// entry point. Nothing here touches the GPU or NCCL until Python asks.
+// capsules for platform "CUDA", NCCL set-up, what the job's processes publish, statistics,
+// the loopback entry point, and test hooks that exercise the host side on CPU. Nothing
+// here touches the GPU or NCCL until Python asks.
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <vector>
 
-#include "cuda/comms.h"
+#include "cuda/backend.h"
 #include "cuda/handlers.h"
 #include "cuda/loopback.h"
 #include "cuda/nccl.h"
+#include "cuda/peers.h"
+#include "cuda/process_exchange.h"
+#include "cuda/state.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
 
 namespace jaxcomm::cuda {
 namespace {
+
+namespace ffi = xla::ffi;
 
 const XLA_FFI_TypeInfo kCudaStateInfo = xla::ffi::MakeTypeInfo<CudaState>();
 
@@ -35,7 +46,16 @@ const NcclApi& Nccl() {
   return *api;
 }
 
+// The attribute probe's execute stage (tests only): reports what the CUDA instantiate
+// stage parsed, as its error, without touching a device.
+ffi::Error ProbeExecute(CudaState* st, ffi::RemainingArgs, ffi::RemainingRets) {
+  return ffi::Error(ffi::ErrorCode::kCancelled, "jaxcomm CUDA attribute probe: " + st->Summary());
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_ProbeExecute, ProbeExecute,
+                              ffi::Ffi::Bind().Ctx<ffi::State<CudaState>>().RemainingArgs().RemainingRets());
 
 void RegisterCuda(nb::module_& m) {
   m.def("cuda_targets", [] {
@@ -45,10 +65,10 @@ void RegisterCuda(nb::module_& m) {
       d["instantiate"] = Capsule(s->instantiate);
       d["initialize"] = Capsule(s->initialize);
       d["execute"] = Capsule(s->execute);
-      targets[s->op] = nb::make_tuple(d, s->command_buffer_compatible);
+      targets[s->op] = d;
     }
     return targets;
-  }, "Maps op name -> ({stage: handler capsule}, command-buffer compatible) for platform CUDA.");
+  }, "Maps op name -> {stage: handler capsule} for platform CUDA (registered without traits).");
 
   m.def("cuda_state_type", [] {
     nb::dict d;
@@ -61,6 +81,23 @@ void RegisterCuda(nb::module_& m) {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
   }, "CUDA devices this process sees (0 when there is no driver or GPU).");
+
+  m.def("cuda_device_uuid", [](int ordinal) {
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, ordinal) != cudaSuccess) return std::string();
+    static const char* hex = "0123456789abcdef";
+    std::string s;
+    for (unsigned char b : prop.uuid.bytes) {
+      s += hex[b >> 4];
+      s += hex[b & 15];
+    }
+    return s;
+  }, nb::arg("ordinal"), "The UUID of local CUDA device `ordinal` (hex), '' without one.");
+
+  m.def("cuda_set_process_info", [](int64_t process, std::string host, std::vector<std::string> devices) {
+    Backend::Get().processes().Set(process, std::move(host), std::move(devices));
+  }, nb::arg("process"), nb::arg("host"), nb::arg("devices"),
+     "What process `process` published: its host key and its devices' UUIDs by local ordinal.");
 
   m.def("cuda_set_nccl_path", [](std::string path) { NcclApi::SetSearchPath(std::move(path)); },
         "The libnccl.so.2 to try first (the nvidia-nccl-cu13 wheel's), before NCCL is loaded.");
@@ -82,22 +119,141 @@ void RegisterCuda(nb::module_& m) {
     ncclUniqueId u;
     if (id.size() != sizeof(u.internal)) throw std::invalid_argument("an NCCL unique id has 128 bytes");
     std::memcpy(u.internal, id.c_str(), sizeof(u.internal));
-    CommRegistry::Get().SetUniqueId(key, u);
+    Backend::Get().comms().SetUniqueId(key, u);
   }, "Sets the NCCL unique id of a group spanning processes (from the key-value store).");
 
   m.def("cuda_communicators", [] {
     nb::list out;
-    for (const auto& s : CommRegistry::Get().List()) {
+    for (const auto& s : Backend::Get().comms().List()) {
       nb::dict d;
       d["group"] = s.key;
       d["rank"] = s.rank;
       d["size"] = s.size;
       d["create_ms"] = s.create_ms;
       d["memory_bytes"] = s.memory_bytes;
+      d["failure"] = s.failure;
       out.append(d);
     }
     return out;
-  }, "The NCCL communicators created so far, with creation time and device memory each.");
+  }, "The NCCL communicators created so far: creation time, device memory, why aborted ('').");
+
+  m.def("cuda_watched_calls", [] { return Backend::Get().watcher().pending(); },
+        "Calls the completion watcher still waits for (tests).");
+
+  // ------------------------------------------------------------------ test hooks (CPU)
+
+  m.def("cuda_attr_probe_targets", [] {
+    nb::dict targets;
+    for (const Stages* s = AllStages(); s->op != nullptr; ++s) {
+      nb::dict d;
+      d["instantiate"] = Capsule(s->instantiate);
+      d["execute"] = Capsule(jaxcomm_cuda_ProbeExecute);
+      targets[s->op] = d;
+    }
+    return targets;
+  }, "Tests: the CUDA instantiate stages with an execute stage that reports what they parsed "
+     "(its error message), for registration on platform 'cpu'.");
+
+  m.def("cuda_test_peer_rounds", [](int ranks, int iterations, int64_t timeout_ms, int absent) {
+    // Ranks on threads run `iterations` calls of one instruction back to back, rank 0
+    // racing ahead, as a loop body does (rank `absent` never comes); returns the errors.
+    std::vector<std::string> errors(ranks);
+    {
+      nb::gil_scoped_release release;
+      LocalPeers peers;
+      std::vector<int64_t> group(ranks);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < ranks; ++r) {
+        if (r == absent) continue;
+        threads.emplace_back([&, r] {
+          CallContext ctx;
+          ctx.op = "test";
+          ctx.group = &group;
+          ctx.rank = r;
+          for (int i = 1; i <= iterations && errors[r].empty(); ++i) {
+            if (r != 0) std::this_thread::sleep_for(std::chrono::microseconds(50 * r));
+            PeerInfo mine;
+            mine.ptr[0] = reinterpret_cast<const void*>(static_cast<uintptr_t>(1000 * i + r));
+            const PeerCallKey key{7, i, 0};
+            auto all = peers.Exchange(key, r, ranks, mine, std::chrono::milliseconds(timeout_ms), ctx);
+            if (all.has_error()) {
+              errors[r] = all.error().message();
+              break;
+            }
+            for (int d = 0; d < ranks; ++d) {
+              if ((*all)[d].ptr[0] != reinterpret_cast<const void*>(static_cast<uintptr_t>(1000 * i + d))) {
+                errors[r] = "iteration " + std::to_string(i) + " met another iteration's buffers";
+              }
+            }
+            ffi::Error e = peers.Finish(key, r, std::chrono::milliseconds(timeout_ms), ctx);
+            if (e.failure()) errors[r] = e.message();
+          }
+        });
+      }
+      for (auto& t : threads) t.join();
+    }
+    return errors;
+  }, nb::arg("ranks"), nb::arg("iterations"), nb::arg("timeout_ms"), nb::arg("absent") = -1,
+     "Tests: in-process peer rounds of a loop body (see peers.h); every rank's error, '' if none.");
+
+  m.def("cuda_test_nccl_call", [](const std::string& behaviour, int64_t timeout_ms) {
+    // One NCCL call through Communicator::Run against a fake NCCL (no GPU, no library):
+    // "hang" stays in progress, "error" fails, "slow" finishes after a few polls. Returns
+    // (the call's error, whether the communicator was aborted, a second call's error).
+    static std::atomic<int> polls{0}, aborts{0};
+    static std::string mode;
+    polls = 0;
+    aborts = 0;
+    mode = behaviour;
+    NcclApi api;
+    api.CommGetAsyncError = [](ncclComm_t, ncclResult_t* state) {
+      *state = mode == "slow" && ++polls > 3 ? ncclSuccess : ncclInProgress;
+      return ncclSuccess;
+    };
+    api.CommAbort = [](ncclComm_t) {
+      ++aborts;
+      return ncclSuccess;
+    };
+    api.CommDestroy = [](ncclComm_t) { return ncclSuccess; };
+    api.GetErrorString = [](ncclResult_t) { return "fake NCCL error"; };
+    std::vector<int64_t> group = {4, 5};
+    CallContext ctx;
+    ctx.op = "all_reduce";
+    ctx.axis = "x";
+    ctx.call_site = "test.py:1";
+    ctx.group = &group;
+    ctx.rank = 1;
+    ctx.partition = 5;
+    ctx.execution = 3;
+    Communicator comm(&api, reinterpret_cast<ncclComm_t>(&api), "nccl:0/0,1/0", 1, 2, 0, 0);
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    auto call = [&](ncclComm_t) { return mode == "error" ? ncclSystemError : ncclInProgress; };
+    ffi::Error first = comm.Run(ctx, "ncclAllReduce", call, deadline);
+    ffi::Error second = comm.Run(ctx, "ncclAllReduce", call, deadline);
+    return nb::make_tuple(first.message(), aborts.load() > 0, second.message());
+  }, nb::arg("behaviour"), nb::arg("timeout_ms"),
+     "Tests: an NCCL call's deadline and abort (nccl_comm.h) against a fake NCCL.");
+
+  m.def("cuda_test_exchange_records", [](uint64_t key, int64_t seq, std::vector<int64_t> peers,
+                                         nb::bytes mine, int64_t timeout_ms) {
+    std::vector<std::string> desc;
+    for (int64_t p : peers) desc.push_back("process " + std::to_string(p));
+    const std::string record(mine.c_str(), mine.size());
+    std::vector<std::string> theirs;
+    bool timed_out = false;
+    std::string error;
+    {
+      nb::gil_scoped_release release;
+      error = ExchangeRecords(MakePlan(key, peers, record.size(), desc), seq, record,
+                              std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms),
+                              &theirs, &timed_out);
+    }
+    if (!error.empty()) throw std::runtime_error((timed_out ? "timed out: " : "") + error);
+    nb::list out;
+    for (const auto& t : theirs) out.append(nb::bytes(t.data(), t.size()));
+    return out;
+  }, nb::arg("key"), nb::arg("seq"), nb::arg("peers"), nb::arg("mine"), nb::arg("timeout_ms"),
+     "Tests: one round of the records exchange the CUDA IPC route uses (process_exchange.h).");
 
   m.def("cuda_moe_loopback",
         [](nb::bytes x, nb::bytes ids, nb::bytes w, int R, int64_t T, int64_t H, int64_t K,

@@ -1,114 +1,48 @@
-// The CUDA handlers. Groups of more than one rank run through NCCL on XLA's stream; a
-// one-rank group (what runs on a single GPU) is a copy on the stream, or NCCL too with
-// JAXCOMM_CUDA_ONE_RANK=nccl (to exercise the NCCL path on one GPU). Nothing here waits
-// for the device: every call only enqueues work.
+// The CUDA handlers (platform "CUDA"), three stages per op:
+//   instantiate  binds the op's attributes, typed, checks them, and makes the CudaState
+//   initialize   decides the group's route and prepares it for this device (state.h)
+//   execute      enqueues the call on XLA's stream, on the route's path; never waits for
+//                the device (the completion watcher does, watcher.h)
+// Each op's execute dispatches by route: a copy (one rank), NCCL (nccl_ops.cc) or the
+// peers' buffers in place (peer_ops.cc).
 #include "cuda/handlers.h"
 
 #include <cuda_runtime_api.h>
 
 #include <cstdlib>
-#include <cstring>
-#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "core/call_attrs.h"
+#include "core/moe_modes.h"
 #include "core/registry.h"
-#include "cuda/comms.h"
-#include "cuda/kernels.h"
-#include "cuda/nccl.h"
-#include "cpu/launch.h"
-#include "cpu/moe_kernels.h"
+#include "cuda/backend.h"
+#include "cuda/call.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cuda {
-namespace {
 
-namespace ffi = xla::ffi;
+// ------------------------------------------------------------------ shared by the ops
 
-// Returns the error of `expr`, if any.
-#define JAXCOMM_TRY(expr)                        \
-  do {                                           \
-    ffi::Error jaxcomm_e_ = (expr);              \
-    if (jaxcomm_e_.failure()) return jaxcomm_e_; \
-  } while (0)
-
-// ----------------------------------------------------------------------- stage 1 and 2
-
-template <typename T>
-std::optional<T> Get(const ffi::Dictionary& d, std::string_view name) {
-  if (!d.contains(name)) return std::nullopt;
-  auto v = d.get<T>(name);
-  if (v.has_error()) return std::nullopt;
-  return *v;
-}
-
-bool OneRankNccl() {
-  const char* env = std::getenv("JAXCOMM_CUDA_ONE_RANK");
-  return env != nullptr && std::string_view(env) == "nccl";
-}
-
-ffi::ErrorOr<std::unique_ptr<CudaState>> MakeState(std::string_view op, ffi::Dictionary attrs) {
-  auto parsed = cpu::ParseGroupAttrs(attrs, "jaxcomm." + std::string(op) + " (CUDA)");
-  if (!parsed.has_value()) return ffi::Unexpected(parsed.error());
-  std::vector<std::vector<int64_t>>& groups = parsed->groups;
-  std::vector<std::pair<int64_t, int64_t>>& partition_devices = parsed->partition_devices;
-  OpAttrs a;
-  a.reduce_op = Get<int64_t>(attrs, "reduce_op").value_or(0);
-  a.axis_index = Get<int64_t>(attrs, "axis_index").value_or(0);
-  a.scatter_dimension = Get<int64_t>(attrs, "scatter_dimension").value_or(0);
-  a.split_axis = Get<int64_t>(attrs, "split_axis").value_or(0);
-  a.concat_axis = Get<int64_t>(attrs, "concat_axis").value_or(0);
-  a.root = Get<int64_t>(attrs, "root").value_or(0);
-  a.mode = Get<int64_t>(attrs, "mode").value_or(0);
-  a.src_rows = Get<int64_t>(attrs, "src_rows").value_or(0);
-  a.dst_rows = Get<int64_t>(attrs, "dst_rows").value_or(0);
-  if (auto s = Get<ffi::Span<const int64_t>>(attrs, "sources")) a.sources.assign(s->begin(), s->end());
-  const auto timeout = std::chrono::milliseconds(
-      std::max<int64_t>(1, Get<int64_t>(attrs, "timeout_ms").value_or(300000)));
-  return std::make_unique<CudaState>(
-      std::string(op), std::string(Get<std::string_view>(attrs, "call_site").value_or("?")),
-      std::string(Get<std::string_view>(attrs, "axis").value_or("?")), std::move(groups),
-      std::move(partition_devices), Registry::Get().process_index(), timeout, std::move(a),
-      OneRankNccl());
-}
-
-ffi::Error Initialize(CudaState* st, int32_t ordinal, ffi::Dictionary) {
-  return st->Initialize(ordinal);
-}
-
-// ------------------------------------------------------------------------ execute stage
-
-// One device's view of one call.
-struct Call {
-  CudaState* st;
-  cudaStream_t stream;
-  Placement where;
-  CallContext ctx;
-  std::shared_ptr<Communicator> comm;   // null: one-rank copies or the peer path
-  std::shared_ptr<DeviceEvents> events; // set: the group takes the peer path (peers.h)
-  int size = 0;
-};
-
-ffi::Error Begin(CudaState* st, cudaStream_t stream, int32_t ordinal, Call* c) {
+ffi::Error Begin(CudaState* st, cudaStream_t stream, int32_t ordinal, ffi::RunId run, Call* c) {
   c->st = st;
   c->stream = stream;
+  c->device = ordinal;
+  c->run_id = run.run_id;
   c->where = st->Locate(ordinal);
-  DeviceSlot slot = st->Lookup(ordinal);
-  c->comm = std::move(slot.comm);
-  c->events = std::move(slot.events);
-  c->ctx = st->Context(c->where, slot.execution);
+  c->slot = st->Lookup(ordinal);
+  c->ctx = st->Context(c->where, c->slot.execution);
   if (c->where.rank < 0) {
     return ffi::Error::Internal(c->ctx.Describe() + ": this device (ordinal " + std::to_string(ordinal) +
                                 ") is in none of the instruction's replica groups");
   }
-  c->size = static_cast<int>(st->group(c->where.group_index).size());
-  if (c->size > 1 && c->comm == nullptr && c->events == nullptr) {
-    return ffi::Error::Internal(c->ctx.Describe() +
-                                ": no NCCL communicator (the initialize stage did not run)");
+  if (c->slot.info == nullptr) {
+    return ffi::Error::Internal(c->ctx.Describe() + ": the initialize stage did not run for this device");
   }
+  c->size = static_cast<int>(st->group(c->where.group_index).size());
   return ffi::Error::Success();
 }
 
@@ -116,338 +50,8 @@ ffi::Error Reject(const Call& c, const std::string& why) {
   return ffi::Error::InvalidArgument(c.ctx.Describe() + ": " + why);
 }
 
-// The copy that a one-rank collective reduces to; nothing when XLA aliased the buffers.
-ffi::Error CopyOnStream(const Call& c, void* dst, const void* src, size_t bytes) {
-  if (dst == src || bytes == 0) return ffi::Error::Success();
-  JAXCOMM_CUDA_CHECK(c.ctx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c.stream));
-  return ffi::Error::Success();
-}
-
-using cpu::Dims;     // shape helpers shared with the host backend (cpu/launch.h)
-using cpu::Product;
-
-// Begin, plus what every one-operand collective does first: nothing for an empty
-// operand, a copy for a one-rank group served without NCCL. `*finished`: nothing is left.
-ffi::Error BeginUnary(CudaState* st, cudaStream_t stream, int32_t ordinal, const ffi::AnyBuffer& x,
-                      ffi::AnyBuffer& y, Call* c, bool* finished) {
-  JAXCOMM_TRY(Begin(st, stream, ordinal, c));
-  *finished = x.element_count() == 0 || (!c->comm && !c->events);
-  if (x.element_count() == 0 || !*finished) return ffi::Error::Success();
-  return CopyOnStream(*c, y.untyped_data(), x.untyped_data(), x.size_bytes());
-}
-
 size_t ItemBytes(const ffi::AnyBuffer& b) {
   return b.element_count() ? b.size_bytes() / b.element_count() : 0;
-}
-
-// NCCL's type for a reduction over `dtype`, and how many NCCL elements one element is
-// (complex sums are sums of their float parts). false: NCCL cannot reduce it.
-bool NcclReduceType(ffi::DataType dtype, int64_t reduce_op, ncclDataType_t* type, int* per) {
-  *per = 1;
-  switch (dtype) {
-    case ffi::DataType::PRED: *type = ncclUint8; return reduce_op != 0;  // bool sums are int32
-    case ffi::DataType::S8: *type = ncclInt8; return true;
-    case ffi::DataType::U8: *type = ncclUint8; return true;
-    case ffi::DataType::S32: *type = ncclInt32; return true;
-    case ffi::DataType::U32: *type = ncclUint32; return true;
-    case ffi::DataType::S64: *type = ncclInt64; return true;
-    case ffi::DataType::U64: *type = ncclUint64; return true;
-    case ffi::DataType::F16: *type = ncclFloat16; return true;
-    case ffi::DataType::BF16: *type = ncclBfloat16; return true;
-    case ffi::DataType::F32: *type = ncclFloat32; return true;
-    case ffi::DataType::F64: *type = ncclFloat64; return true;
-    case ffi::DataType::C64: *type = ncclFloat32; *per = 2; return reduce_op == 0;
-    case ffi::DataType::C128: *type = ncclFloat64; *per = 2; return reduce_op == 0;
-    default: return false;
-  }
-}
-
-ncclRedOp_t NcclOp(int64_t reduce_op) {
-  // jaxcomm/_src/ops/reduce.py's REDUCE_OPS: sum 0, prod 1, min 2, max 3.
-  switch (reduce_op) {
-    case 1: return ncclProd;
-    case 2: return ncclMin;
-    case 3: return ncclMax;
-    default: return ncclSum;
-  }
-}
-
-// Copies `height` rows of `width` bytes between pitched layouts on the stream.
-ffi::Error Copy2D(const Call& c, void* dst, size_t dpitch, const void* src, size_t spitch,
-                  size_t width, size_t height) {
-  if (width == 0 || height == 0) return ffi::Error::Success();
-  JAXCOMM_CUDA_CHECK(c.ctx, cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height,
-                                              cudaMemcpyDeviceToDevice, c.stream));
-  return ffi::Error::Success();
-}
-
-ffi::ErrorOr<char*> Scratch(const Call& c, ffi::ScratchAllocator& scratch, size_t bytes) {
-  auto p = scratch.Allocate(bytes, 256);
-  if (!p.has_value()) {
-    return ffi::Unexpected(ffi::Error::Internal(c.ctx.Describe() + ": cannot allocate " +
-                                                std::to_string(bytes) + " bytes of scratch"));
-  }
-  return static_cast<char*>(*p);
-}
-
-// ---------------------------------------------------------------------------- all_reduce
-
-ffi::Error AllReduce(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::AnyBuffer x,
-                     ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary) {
-  Call c;
-  bool finished = false;
-  JAXCOMM_TRY(BeginUnary(st, stream, ordinal, x, *y, &c, &finished));
-  if (finished) return ffi::Error::Success();
-  ncclDataType_t type;
-  int per;
-  if (!NcclReduceType(x.element_type(), st->attrs().reduce_op, &type, &per)) {
-    return Reject(c, "NCCL cannot apply this reduction to this dtype");
-  }
-  JAXCOMM_NCCL_CHECK(c.ctx, *c.comm,
-                     c.comm->api().AllReduce(x.untyped_data(), y->untyped_data(),
-                                             x.element_count() * per, type,
-                                             NcclOp(st->attrs().reduce_op), c.comm->get(), stream));
-  return ffi::Error::Success();
-}
-
-// ---------------------------------------------------------------------------- all_gather
-
-ffi::Error AllGather(cudaStream_t stream, CudaState* st, int32_t ordinal,
-                     ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                     ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary) {
-  Call c;
-  bool finished = false;
-  JAXCOMM_TRY(BeginUnary(st, stream, ordinal, x, *y, &c, &finished));
-  if (finished) return ffi::Error::Success();
-  const auto dims = Dims(x);
-  const int64_t axis = st->attrs().axis_index;
-  const size_t outer = Product(dims, 0, axis);
-  const size_t inner = Product(dims, axis, dims.size()) * ItemBytes(x);
-  const size_t R = c.size;
-  const auto& nccl = c.comm->api();
-  if (outer == 1) {
-    JAXCOMM_NCCL_CHECK(c.ctx, *c.comm, nccl.AllGather(x.untyped_data(), y->untyped_data(),
-                                                       x.size_bytes(), ncclUint8, c.comm->get(), stream));
-    return ffi::Error::Success();
-  }
-  // NCCL gathers rank-major; the result interleaves ranks inside each outer index.
-  auto buf = Scratch(c, scratch, R * x.size_bytes());
-  if (buf.has_error()) return buf.error();
-  JAXCOMM_NCCL_CHECK(c.ctx, *c.comm, nccl.AllGather(x.untyped_data(), *buf, x.size_bytes(),
-                                                     ncclUint8, c.comm->get(), stream));
-  char* out = static_cast<char*>(y->untyped_data());
-  for (size_t j = 0; j < R; ++j) {
-    JAXCOMM_TRY(Copy2D(c, out + j * inner, R * inner, *buf + j * outer * inner, inner, inner, outer));
-  }
-  return ffi::Error::Success();
-}
-
-// ------------------------------------------------------------------------ reduce_scatter
-
-ffi::Error ReduceScatter(cudaStream_t stream, CudaState* st, int32_t ordinal,
-                         ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary) {
-  Call c;
-  bool finished = false;
-  JAXCOMM_TRY(BeginUnary(st, stream, ordinal, x, *y, &c, &finished));
-  if (finished) return ffi::Error::Success();
-  ncclDataType_t type;
-  int per;
-  if (!NcclReduceType(x.element_type(), st->attrs().reduce_op, &type, &per)) {
-    return Reject(c, "NCCL cannot apply this reduction to this dtype");
-  }
-  const auto dims = Dims(x);
-  const size_t R = c.size, item = ItemBytes(x);
-  const size_t outer = Product(dims, 0, st->attrs().scatter_dimension);
-  const size_t inner = Product(dims, st->attrs().scatter_dimension, dims.size()) / R;  // elements
-  const void* send = x.untyped_data();
-  if (outer > 1) {
-    // NCCL scatters rank-major blocks: gather rank d's pieces of every outer index first.
-    auto buf = Scratch(c, scratch, x.size_bytes());
-    if (buf.has_error()) return buf.error();
-    const char* in = static_cast<const char*>(x.untyped_data());
-    for (size_t d = 0; d < R; ++d) {
-      JAXCOMM_TRY(Copy2D(c, *buf + d * outer * inner * item, inner * item, in + d * inner * item,
-                         R * inner * item, inner * item, outer));
-    }
-    send = *buf;
-  }
-  JAXCOMM_NCCL_CHECK(c.ctx, *c.comm,
-                     c.comm->api().ReduceScatter(send, y->untyped_data(), outer * inner * per, type,
-                                                 NcclOp(st->attrs().reduce_op), c.comm->get(), stream));
-  return ffi::Error::Success();
-}
-
-// ---------------------------------------------------------------------------- all_to_all
-
-ffi::Error AllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal,
-                    ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                    ffi::Dictionary) {
-  Call c;
-  bool finished = false;
-  JAXCOMM_TRY(BeginUnary(st, stream, ordinal, x, *y, &c, &finished));
-  if (finished) return ffi::Error::Success();
-  const size_t R = c.size, item = ItemBytes(x);
-  const auto in = Dims(x), out = Dims(*y);
-  const int64_t s = st->attrs().split_axis, cat = st->attrs().concat_axis;
-  const size_t block = x.size_bytes() / R;  // what goes to each peer
-  // Block d of the input: for each outer index, the d-th piece of the split dimension.
-  const size_t outer_s = Product(in, 0, s);
-  const size_t piece_s = (in[s] / R) * Product(in, s + 1, in.size()) * item;
-  // Block j lands at the j-th piece of the concat dimension of the output.
-  const size_t outer_c = Product(out, 0, cat);
-  const size_t piece_c = (out[cat] / R) * Product(out, cat + 1, out.size()) * item;
-  const char* send = static_cast<const char*>(x.untyped_data());
-  char* recv = static_cast<char*>(y->untyped_data());
-  if (outer_s > 1) {
-    auto buf = Scratch(c, scratch, x.size_bytes());
-    if (buf.has_error()) return buf.error();
-    for (size_t d = 0; d < R; ++d) {
-      JAXCOMM_TRY(Copy2D(c, *buf + d * block, piece_s, send + d * piece_s, R * piece_s, piece_s, outer_s));
-    }
-    send = *buf;
-  }
-  if (outer_c > 1) {
-    auto buf = Scratch(c, scratch, y->size_bytes());
-    if (buf.has_error()) return buf.error();
-    recv = *buf;
-  }
-  const auto& nccl = c.comm->api();
-  JAXCOMM_NCCL_CHECK(c.ctx, *c.comm, nccl.GroupStart());
-  for (size_t p = 0; p < R; ++p) {
-    JAXCOMM_NCCL_CHECK(c.ctx, *c.comm, nccl.Send(send + p * block, block, ncclUint8, static_cast<int>(p),
-                                                  c.comm->get(), stream));
-    JAXCOMM_NCCL_CHECK(c.ctx, *c.comm, nccl.Recv(recv + p * block, block, ncclUint8, static_cast<int>(p),
-                                                  c.comm->get(), stream));
-  }
-  JAXCOMM_NCCL_CHECK(c.ctx, *c.comm, nccl.GroupEnd());
-  if (outer_c > 1) {
-    char* dst = static_cast<char*>(y->untyped_data());
-    for (size_t j = 0; j < R; ++j) {
-      JAXCOMM_TRY(Copy2D(c, dst + j * piece_c, R * piece_c, recv + j * block, piece_c, piece_c, outer_c));
-    }
-  }
-  return ffi::Error::Success();
-}
-
-// ---------------------------------------------------------------------------- peer path
-
-// Runs `enqueue` between the two phases of a peer exchange (peers.h): after every rank's
-// buffers are published and this stream waits for the ranks in `wait_ready`, and before
-// this stream waits for the `done` of the ranks in `wait_done` (those that read this
-// rank's buffers). Phase 2 is joined even when `enqueue` fails, so peers never hang.
-ffi::Error PeerCall(const Call& c, ffi::RunId run, const PeerInfo& mine,
-                    const std::function<std::vector<int>(const std::vector<PeerInfo>&)>& wait_ready,
-                    const std::function<ffi::Error(const std::vector<PeerInfo>&)>& enqueue,
-                    const std::vector<int>& wait_done) {
-  PeerInfo me = mine;
-  me.ready = c.events->ready();
-  me.done = c.events->done();
-  JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(me.ready, c.stream));
-  const int group = c.where.group_index, rank = c.where.rank;
-  auto all = c.st->peers().Exchange(run.run_id, group, rank, c.size, me, c.st->timeout(), c.ctx);
-  if (all.has_error()) return all.error();
-  ffi::Error result = [&]() -> ffi::Error {
-    for (int d : wait_ready(*all)) {
-      if (d == rank) continue;
-      JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(c.stream, (*all)[d].ready, 0));
-    }
-    ffi::Error e = enqueue(*all);
-    if (e.failure()) return e;
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(me.done, c.stream));
-    return ffi::Error::Success();
-  }();
-  ffi::Error finished = c.st->peers().Finish(run.run_id, group, rank, c.st->timeout(), c.ctx);
-  if (result.failure()) return result;
-  if (finished.failure()) return finished;
-  for (int d : wait_done) {
-    if (d == rank) continue;
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(c.stream, (*all)[d].done, 0));
-  }
-  return ffi::Error::Success();
-}
-
-std::vector<int> AllRanks(int size) {
-  std::vector<int> v(size);
-  for (int i = 0; i < size; ++i) v[i] = i;
-  return v;
-}
-
-// ------------------------------------------------------------------------------ ppermute
-
-ffi::Error Permute(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
-                   ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary) {
-  Call c;
-  JAXCOMM_TRY(Begin(st, stream, ordinal, &c));
-  if (x.element_count() == 0) return ffi::Error::Success();
-  const auto& src = st->attrs().sources;
-  if (static_cast<int>(src.size()) != c.size) return Reject(c, "sources has the wrong length");
-  const int r = c.where.rank;
-  const size_t bytes = x.size_bytes();
-  if (src[r] < 0) {
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(y->untyped_data(), 0, bytes, stream));
-  }
-  if (c.events) {
-    // GPUs of this process: the receiver pulls with the copy engine (no SM), from the
-    // source's buffer, once the source's stream has produced it.
-    PeerInfo mine;
-    mine.ptr[0] = x.untyped_data();
-    std::vector<int> readers;
-    for (int d = 0; d < c.size; ++d) {
-      if (src[d] == r) readers.push_back(d);
-    }
-    return PeerCall(
-        c, run, mine,
-        [&](const std::vector<PeerInfo>&) {
-          return src[r] >= 0 ? std::vector<int>{static_cast<int>(src[r])} : std::vector<int>{};
-        },
-        [&](const std::vector<PeerInfo>& all) -> ffi::Error {
-          if (src[r] < 0) return ffi::Error::Success();
-          JAXCOMM_CUDA_CHECK(c.ctx, cudaMemcpyAsync(y->untyped_data(), all[src[r]].ptr[0], bytes,
-                                                    cudaMemcpyDefault, stream));
-          return ffi::Error::Success();
-        },
-        readers);
-  }
-  if (!c.comm) {
-    return src[r] == r ? CopyOnStream(c, y->untyped_data(), x.untyped_data(), bytes)
-                       : ffi::Error::Success();
-  }
-  const auto& nccl = c.comm->api();
-  JAXCOMM_NCCL_CHECK(c.ctx, *c.comm, nccl.GroupStart());
-  for (int d = 0; d < c.size; ++d) {
-    if (src[d] == r) {
-      JAXCOMM_NCCL_CHECK(c.ctx, *c.comm, nccl.Send(x.untyped_data(), bytes, ncclUint8, d, c.comm->get(), stream));
-    }
-  }
-  if (src[r] >= 0) {
-    JAXCOMM_NCCL_CHECK(c.ctx, *c.comm, nccl.Recv(y->untyped_data(), bytes, ncclUint8,
-                                                  static_cast<int>(src[r]), c.comm->get(), stream));
-  }
-  JAXCOMM_NCCL_CHECK(c.ctx, *c.comm, nccl.GroupEnd());
-  return ffi::Error::Success();
-}
-
-// ----------------------------------------------------------------------------- broadcast
-
-ffi::Error Broadcast(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::AnyBuffer x,
-                     ffi::Result<ffi::AnyBuffer> y, ffi::Dictionary) {
-  Call c;
-  bool finished = false;
-  JAXCOMM_TRY(BeginUnary(st, stream, ordinal, x, *y, &c, &finished));
-  if (finished) return ffi::Error::Success();
-  JAXCOMM_NCCL_CHECK(c.ctx, *c.comm,
-                     c.comm->api().Broadcast(x.untyped_data(), y->untyped_data(), x.size_bytes(),
-                                             ncclUint8, static_cast<int>(st->attrs().root),
-                                             c.comm->get(), stream));
-  return ffi::Error::Success();
-}
-
-// --------------------------------------------------------------------- ragged_all_to_all
-
-int64_t Rows(const ffi::AnyBuffer& b) {
-  auto d = b.dimensions();
-  return d.size() == 0 ? 1 : d[0];
 }
 
 bool ElemOf(ffi::DataType t, Elem* e, int* per) {
@@ -471,13 +75,153 @@ bool ElemOf(ffi::DataType t, Elem* e, int* per) {
   }
 }
 
-ffi::Error RaggedAllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal,
-                          ffi::AnyBuffer operand, ffi::AnyBuffer output,
-                          ffi::AnyBuffer input_offsets, ffi::AnyBuffer send_sizes,
-                          ffi::AnyBuffer output_offsets, ffi::AnyBuffer recv_sizes,
-                          ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary) {
-  Call c;
-  JAXCOMM_TRY(Begin(st, stream, ordinal, &c));
+ffi::Error CopyOnStream(const Call& c, void* dst, const void* src, size_t bytes) {
+  if (dst == src || bytes == 0) return ffi::Error::Success();
+  JAXCOMM_CUDA_CHECK(c.ctx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c.stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error CopyPlanned(const Call& c, char* dst, const char* src, const logic::Copy2D& copy) {
+  cudaError_t err = cudaSuccess;
+  logic::PlanCopy(copy, c.slot.max_pitch, [&](const logic::Copy2D& p) {
+    if (err != cudaSuccess) return;
+    err = p.height == 1 ? cudaMemcpyAsync(dst + p.dst, src + p.src, p.width, cudaMemcpyDefault, c.stream)
+                        : cudaMemcpy2DAsync(dst + p.dst, p.dpitch, src + p.src, p.spitch, p.width,
+                                            p.height, cudaMemcpyDefault, c.stream);
+  });
+  JAXCOMM_CUDA_CHECK(c.ctx, err);
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<char*> Scratch(const Call& c, ffi::ScratchAllocator& scratch, size_t bytes) {
+  auto p = scratch.Allocate(bytes, 256);
+  if (!p.has_value()) {
+    return ffi::Unexpected(ffi::Error::Internal(c.ctx.Describe() + ": cannot allocate " +
+                                                std::to_string(bytes) + " bytes of scratch"));
+  }
+  return static_cast<char*>(*p);
+}
+
+logic::Split SplitOf(const ffi::AnyBuffer& b, int64_t axis, size_t R) {
+  const auto dims = Dims(b);
+  return logic::SplitAlong(dims.data(), dims.size(), static_cast<size_t>(axis), R, ItemBytes(b));
+}
+
+namespace {
+
+// Enqueues `f` as this rank's part of the call, watched (flight recorder, NCCL deadline);
+// nothing for an empty operand.
+template <typename F>
+ffi::Error Watched(Call& c, const ffi::AnyBuffer& x, F&& f) {
+  if (x.element_count() == 0 && c.st->op() != "moe_transport") return ffi::Error::Success();
+  CompletionWatcher& watcher = Backend::Get().watcher();
+  Watch w = watcher.Begin(c.slot.info, c.slot.comm, c.device, c.where.rank, c.where.partition,
+                          c.slot.execution, c.st->timeout(), c.run_id,
+                          static_cast<uint8_t>(x.element_type()), static_cast<int64_t>(x.element_count()),
+                          static_cast<int64_t>(x.size_bytes()), c.stream);
+  ffi::Error e = f();
+  if (e.failure()) {
+    watcher.Abandon(std::move(w), e.message());
+    return e;
+  }
+  c.slot.info->enqueued[c.where.rank].store(c.slot.execution, std::memory_order_relaxed);
+  watcher.End(std::move(w), c.stream);
+  return e;
+}
+
+#define JAXCOMM_BEGIN(c) \
+  Call c;                \
+  JAXCOMM_TRY(Begin(st, stream, ordinal, run, &c))
+
+// --------------------------------------------------------------------------- execute
+
+ffi::Error AllReduce(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
+                     ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  JAXCOMM_BEGIN(c);
+  return Watched(c, x, [&]() -> ffi::Error {
+    switch (c.route()) {
+      case Route::kCopy: return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
+      case Route::kNccl: return NcclAllReduce(c, x, *y);
+      default: return PeerAllReduce(c, scratch, x, *y);
+    }
+  });
+}
+
+ffi::Error AllGather(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
+                     ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  JAXCOMM_BEGIN(c);
+  return Watched(c, x, [&]() -> ffi::Error {
+    switch (c.route()) {
+      case Route::kCopy: return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
+      case Route::kNccl: return NcclAllGather(c, scratch, x, *y);
+      default: return PeerAllGather(c, x, *y);
+    }
+  });
+}
+
+ffi::Error ReduceScatter(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
+                         ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  JAXCOMM_BEGIN(c);
+  return Watched(c, x, [&]() -> ffi::Error {
+    switch (c.route()) {
+      case Route::kCopy: return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
+      case Route::kNccl: return NcclReduceScatter(c, scratch, x, *y);
+      default: return PeerReduceScatter(c, x, *y);
+    }
+  });
+}
+
+ffi::Error AllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
+                    ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  JAXCOMM_BEGIN(c);
+  return Watched(c, x, [&]() -> ffi::Error {
+    switch (c.route()) {
+      case Route::kCopy: return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
+      case Route::kNccl: return NcclAllToAll(c, scratch, x, *y);
+      default: return PeerAllToAll(c, scratch, x, *y);
+    }
+  });
+}
+
+ffi::Error Permute(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
+                   ffi::ScratchAllocator, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  JAXCOMM_BEGIN(c);
+  return Watched(c, x, [&]() -> ffi::Error {
+    switch (c.route()) {
+      case Route::kCopy: {
+        const int64_t source = c.attrs().sources[0];
+        if (source == 0) return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
+        JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(y->untyped_data(), 0, x.size_bytes(), c.stream));
+        return ffi::Error::Success();
+      }
+      case Route::kNccl: return NcclPermute(c, x, *y);
+      default: return PeerPermute(c, x, *y);
+    }
+  });
+}
+
+ffi::Error Broadcast(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
+                     ffi::ScratchAllocator, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  JAXCOMM_BEGIN(c);
+  return Watched(c, x, [&]() -> ffi::Error {
+    switch (c.route()) {
+      case Route::kCopy: return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
+      case Route::kNccl: return NcclBroadcast(c, x, *y);
+      default: return PeerBroadcast(c, x, *y);
+    }
+  });
+}
+
+int64_t Rows(const ffi::AnyBuffer& b) {
+  auto d = b.dimensions();
+  return d.size() == 0 ? 1 : d[0];
+}
+
+ffi::Error RaggedAllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
+                          ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::AnyBuffer input_offsets,
+                          ffi::AnyBuffer send_sizes, ffi::AnyBuffer output_offsets,
+                          ffi::AnyBuffer recv_sizes, ffi::Result<ffi::AnyBuffer> result) {
+  JAXCOMM_BEGIN(c);
   if (c.size != 1) {
     return Reject(c, "the CUDA ragged_all_to_all serves one-rank groups; larger groups lower "
                      "to jax.lax.ragged_all_to_all");
@@ -494,104 +238,214 @@ ffi::Error RaggedAllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal,
     }
   }
   if (n == 0) return Reject(c, "the number of slices must be a positive multiple of the group size");
+  const auto mode = static_cast<logic::RaggedMode>(a.mode);
+  const bool transpose = mode == logic::RaggedMode::kTranspose;
   const int64_t rows = Rows(*result);
-  const int64_t expect_in = a.mode == 1 ? a.dst_rows : a.src_rows;
-  const int64_t expect_out = a.mode == 1 ? a.src_rows : a.dst_rows;
-  if ((a.mode != 2 && Rows(operand) != expect_in) || rows != expect_out || Rows(output) != expect_out) {
+  const int64_t expect_in = transpose ? a.dst_rows : a.src_rows;
+  const int64_t expect_out = transpose ? a.src_rows : a.dst_rows;
+  if ((mode != logic::RaggedMode::kZero && Rows(operand) != expect_in) || rows != expect_out ||
+      Rows(output) != expect_out) {
     return Reject(c, "buffer shapes disagree with the call");
   }
   Elem elem = Elem::kU8;
   int per = 1;
-  if (a.mode == 1 && !ElemOf(result->element_type(), &elem, &per)) {
+  if (transpose && !ElemOf(result->element_type(), &elem, &per)) {
     return Reject(c, "the transpose needs a dtype that supports addition");
   }
-  JAXCOMM_TRY(CopyOnStream(c, result->untyped_data(), output.untyped_data(), result->size_bytes()));
-  const int64_t row_bytes = rows ? static_cast<int64_t>(result->size_bytes()) / rows : 0;
-  const int64_t row_elems = rows ? static_cast<int64_t>(result->element_count()) / rows * per : 0;
-  JAXCOMM_CUDA_CHECK(c.ctx, LaunchRaggedOneRank(
-      static_cast<int>(a.mode), operand.untyped_data(), result->untyped_data(), a.src_rows,
-      a.dst_rows, row_bytes, row_elems, elem, input_offsets.untyped_data(),
-      send_sizes.untyped_data(), output_offsets.untyped_data(), recv_sizes.untyped_data(), n,
-      idx_type == ffi::DataType::S64 ? 8 : 4, stream));
-  return ffi::Error::Success();
+  return Watched(c, operand, [&]() -> ffi::Error {
+    JAXCOMM_TRY(CopyOnStream(c, result->untyped_data(), output.untyped_data(), result->size_bytes()));
+    const int64_t row_bytes = rows ? static_cast<int64_t>(result->size_bytes()) / rows : 0;
+    const int64_t row_elems = rows ? static_cast<int64_t>(result->element_count()) / rows * per : 0;
+    JAXCOMM_CUDA_CHECK(c.ctx, LaunchRaggedOneRank(
+        static_cast<int>(a.mode), operand.untyped_data(), result->untyped_data(), a.src_rows,
+        a.dst_rows, row_bytes, row_elems, elem, input_offsets.untyped_data(),
+        send_sizes.untyped_data(), output_offsets.untyped_data(), recv_sizes.untyped_data(), n,
+        idx_type == ffi::DataType::S64 ? 8 : 4, c.stream));
+    return ffi::Error::Success();
+  });
 }
 
-// ------------------------------------------------------------------------ moe_transport
+ffi::Error Moe(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
+               ffi::ScratchAllocator scratch, ffi::AnyBuffer src, ffi::AnyBuffer dest, ffi::AnyBuffer pos,
+               ffi::AnyBuffer w, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> result) {
+  JAXCOMM_BEGIN(c);
+  if (c.route() == Route::kNccl) {
+    return Reject(c, "the CUDA MoE transport runs on jaxcomm's own kernels, which this group's "
+                     "layout does not allow (JAXCOMM_CUDA_ONE_RANK=nccl?)");
+  }
+  return Watched(c, src, [&] { return MoeTransport(c, scratch, src, dest, pos, w, g, *result); });
+}
 
-ffi::Error MoeTransport(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
-                        ffi::ScratchAllocator scratch, ffi::AnyBuffer src, ffi::AnyBuffer dest,
-                        ffi::AnyBuffer pos, ffi::AnyBuffer w, ffi::AnyBuffer g,
-                        ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary) {
-  Call c;
-  JAXCOMM_TRY(Begin(st, stream, ordinal, &c));
-  if (c.size != 1 && !c.events) {
-    return Reject(c, "the CUDA MoE transport serves groups inside one process; groups spanning "
-                     "processes take the composed transport");
+#undef JAXCOMM_BEGIN
+
+// ----------------------------------------------------------------------- instantiate
+
+// The attributes every jaxcomm custom call carries (jaxcomm/_src/primitive.py).
+struct CommonAttrs {
+  std::string_view call_site, axis;
+  int64_t timeout_ms;
+  ffi::Span<const int64_t> groups;
+  int64_t group_size;
+  ffi::Span<const int64_t> partition_devices;
+};
+
+bool OneRankNccl() {
+  const char* env = std::getenv("JAXCOMM_CUDA_ONE_RANK");
+  return env != nullptr && std::string_view(env) == "nccl";
+}
+
+std::string Who(std::string_view op, const CommonAttrs& a) {
+  return "jaxcomm." + std::string(op) + " (CUDA) at " + std::string(a.call_site);
+}
+
+ffi::Error BadAttr(std::string_view op, const CommonAttrs& a, const std::string& why) {
+  return ffi::Error::InvalidArgument(Who(op, a) + ": " + why);
+}
+
+ffi::ErrorOr<std::unique_ptr<CudaState>> MakeState(std::string_view op, const CommonAttrs& a, OpAttrs attrs) {
+  auto groups = MakeGroupAttrs(a.groups, a.group_size, a.partition_devices, Who(op, a));
+  if (groups.has_error()) return ffi::Unexpected(groups.error());
+  if (a.timeout_ms <= 0) {
+    return ffi::Unexpected(BadAttr(op, a, "timeout_ms must be positive, got " + std::to_string(a.timeout_ms)));
   }
-  if (c.size > kMaxPeers) return Reject(c, "more ranks than the MoE kernels address (16)");
-  const int64_t mode = st->attrs().mode;
-  cpu::MoeOperandShape checked;
-  if (std::string why = cpu::CheckMoeOperands(mode, src, dest, pos, w, g, *result, &checked);
-      !why.empty()) {
-    return Reject(c, why);
+  return std::make_unique<CudaState>(std::string(op), std::string(a.call_site), std::string(a.axis),
+                                     std::move(*groups), Registry::Get().process_index(),
+                                     std::chrono::milliseconds(a.timeout_ms), std::move(attrs),
+                                     OneRankNccl(), InstructionKey(a.call_site, a.axis, a.groups));
+}
+
+ffi::ErrorOr<logic::ReduceOp> ReduceCode(std::string_view op, const CommonAttrs& a, int64_t code) {
+  if (!logic::IsReduceOp(code)) {
+    return ffi::Unexpected(BadAttr(op, a, "unknown reduction code " + std::to_string(code) +
+                                              " (jaxcomm/_src/ops/reduce.py's REDUCE_OPS: sum 0, "
+                                              "prod 1, min 2, max 3)"));
   }
-  MoeShape s;
-  s.T = checked.T;
-  s.K = checked.K;
-  s.H = checked.H;
-  s.rows = checked.rows;
-  s.row_bytes = checked.row_bytes;
-  const bool gather = checked.gather;
-  if (s.K > kMaxSlots) return Reject(c, "more than 64 experts per token (top-k)");
-  if (result->size_bytes() == 0) return ffi::Error::Success();
-  uint8_t* written = nullptr;
-  if (gather) {
-    auto flags = Scratch(c, scratch, static_cast<size_t>(std::max<int64_t>(s.rows, 1)));
-    if (flags.has_error()) return flags.error();
-    written = reinterpret_cast<uint8_t*>(*flags);
+  return static_cast<logic::ReduceOp>(code);
+}
+
+ffi::Error NonNegative(std::string_view op, const CommonAttrs& a, const char* name, int64_t v) {
+  return v >= 0 ? ffi::Error::Success()
+                : BadAttr(op, a, std::string(name) + " must be non-negative, got " + std::to_string(v));
+}
+
+#define JAXCOMM_COMMON_PARAMS                                                            \
+  std::string_view call_site, std::string_view axis, int64_t timeout_ms,                 \
+      ffi::Span<const int64_t> groups, int64_t group_size, ffi::Span<const int64_t> partition_devices
+#define JAXCOMM_COMMON_ARGS \
+  CommonAttrs { call_site, axis, timeout_ms, groups, group_size, partition_devices }
+#define JAXCOMM_ATTR_TRY(expr)                                  \
+  do {                                                          \
+    ::xla::ffi::Error jaxcomm_e_ = (expr);                      \
+    if (jaxcomm_e_.failure()) return ffi::Unexpected(jaxcomm_e_); \
+  } while (0)
+
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstAllReduce(JAXCOMM_COMMON_PARAMS, int64_t reduce_op) {
+  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
+  auto code = ReduceCode("all_reduce", a, reduce_op);
+  if (code.has_error()) return ffi::Unexpected(code.error());
+  OpAttrs o;
+  o.reduce_op = *code;
+  return MakeState("all_reduce", a, std::move(o));
+}
+
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstAllGather(JAXCOMM_COMMON_PARAMS, int64_t axis_index) {
+  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
+  JAXCOMM_ATTR_TRY(NonNegative("all_gather", a, "axis_index", axis_index));
+  OpAttrs o;
+  o.axis_index = axis_index;
+  return MakeState("all_gather", a, std::move(o));
+}
+
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstReduceScatter(JAXCOMM_COMMON_PARAMS, int64_t reduce_op,
+                                                           int64_t scatter_dimension) {
+  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
+  auto code = ReduceCode("reduce_scatter", a, reduce_op);
+  if (code.has_error()) return ffi::Unexpected(code.error());
+  JAXCOMM_ATTR_TRY(NonNegative("reduce_scatter", a, "scatter_dimension", scatter_dimension));
+  OpAttrs o;
+  o.reduce_op = *code;
+  o.scatter_dimension = scatter_dimension;
+  return MakeState("reduce_scatter", a, std::move(o));
+}
+
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstAllToAll(JAXCOMM_COMMON_PARAMS, int64_t split_axis,
+                                                      int64_t concat_axis) {
+  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
+  JAXCOMM_ATTR_TRY(NonNegative("all_to_all", a, "split_axis", split_axis));
+  JAXCOMM_ATTR_TRY(NonNegative("all_to_all", a, "concat_axis", concat_axis));
+  OpAttrs o;
+  o.split_axis = split_axis;
+  o.concat_axis = concat_axis;
+  return MakeState("all_to_all", a, std::move(o));
+}
+
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstPermute(JAXCOMM_COMMON_PARAMS, ffi::Span<const int64_t> sources) {
+  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
+  if (static_cast<int64_t>(sources.size()) != group_size) {
+    return ffi::Unexpected(BadAttr("ppermute", a, "sources has " + std::to_string(sources.size()) +
+                                                      " entries for a group of " + std::to_string(group_size)));
   }
-  if (s.T == 0) {
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(result->untyped_data(), 0, result->size_bytes(), stream));
-    return ffi::Error::Success();
-  }
-  const int r = c.where.rank;
-  s.self = r;
-  // Rank r computes its own result, reading the peers' rows and slot tables in place
-  // (one GPU per rank; with one rank, its own buffers).
-  auto launch = [&](const std::vector<PeerInfo>& all) -> ffi::Error {
-    MoePeers p;
-    p.R = c.size;
-    for (int d = 0; d < c.size; ++d) {
-      p.src[d] = all[d].ptr[0];
-      p.out[d] = const_cast<void*>(all[d].ptr[1]);
-      p.dest[d] = static_cast<const int32_t*>(all[d].ptr[2]);
-      p.pos[d] = static_cast<const int32_t*>(all[d].ptr[3]);
-      p.w[d] = static_cast<const float*>(all[d].ptr[4]);
-      p.g[d] = static_cast<const float*>(all[d].ptr[5]);
+  for (int64_t s : sources) {
+    if (s < -1 || s >= group_size) {
+      return ffi::Unexpected(BadAttr("ppermute", a, "source rank " + std::to_string(s) + " is outside the group"));
     }
-    p.written[r] = written;
-    if (gather) JAXCOMM_CUDA_CHECK(c.ctx, MoeZeroWritten(p, s, stream));
-    JAXCOMM_CUDA_CHECK(c.ctx, LaunchMoe(static_cast<int>(mode), p, s, stream));
-    return ffi::Error::Success();
-  };
-  PeerInfo mine;
-  mine.ptr = {src.untyped_data(), result->untyped_data(), dest.untyped_data(), pos.untyped_data(),
-              w.untyped_data(), g.untyped_data()};
-  if (c.size == 1) return launch({mine});
-  // Every rank may read every other's buffers: wait for all, and all wait for everyone.
-  const std::vector<int> everyone = AllRanks(c.size);
-  return PeerCall(c, run, mine, [&](const std::vector<PeerInfo>&) { return everyone; }, launch,
-                  everyone);
+  }
+  OpAttrs o;
+  o.sources.assign(sources.begin(), sources.end());
+  return MakeState("ppermute", a, std::move(o));
 }
 
-// --------------------------------------------------------------------------- bindings
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstBroadcast(JAXCOMM_COMMON_PARAMS, int64_t root) {
+  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
+  if (root < 0 || root >= group_size) {
+    return ffi::Unexpected(BadAttr("broadcast", a, "root " + std::to_string(root) + " is outside the group"));
+  }
+  OpAttrs o;
+  o.root = root;
+  return MakeState("broadcast", a, std::move(o));
+}
 
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstRagged(JAXCOMM_COMMON_PARAMS, int64_t mode, int64_t src_rows,
+                                                    int64_t dst_rows) {
+  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
+  if (!logic::IsRaggedMode(mode)) {
+    return ffi::Unexpected(BadAttr("ragged_all_to_all", a, "unknown mode " + std::to_string(mode) +
+                                                               " (jaxcomm/_src/ops/ragged.py: forward 0, "
+                                                               "transpose 1, zero 2)"));
+  }
+  JAXCOMM_ATTR_TRY(NonNegative("ragged_all_to_all", a, "src_rows", src_rows));
+  JAXCOMM_ATTR_TRY(NonNegative("ragged_all_to_all", a, "dst_rows", dst_rows));
+  OpAttrs o;
+  o.mode = mode;
+  o.src_rows = src_rows;
+  o.dst_rows = dst_rows;
+  return MakeState("ragged_all_to_all", a, std::move(o));
+}
+
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoe(JAXCOMM_COMMON_PARAMS, int64_t mode) {
+  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
+  if (!IsMoeMode(mode)) {
+    return ffi::Unexpected(BadAttr("moe_transport", a, "unknown mode " + std::to_string(mode) +
+                                                           " (jaxcomm/_src/moe/fused.py: gather-copy 0, "
+                                                           "gather-scaled 1, reduce 2, dot 3)"));
+  }
+  OpAttrs o;
+  o.mode = mode;
+  return MakeState("moe_transport", a, std::move(o));
+}
+
+#undef JAXCOMM_ATTR_TRY
+#undef JAXCOMM_COMMON_ARGS
+#undef JAXCOMM_COMMON_PARAMS
+
+// The execute stage's context: stream, state, device, run, (scratch).
 template <typename B>
 auto Exec(B&& b) {
   return std::move(b)
       .template Ctx<ffi::PlatformStream<cudaStream_t>>()
       .template Ctx<ffi::State<CudaState>>()
-      .template Ctx<ffi::DeviceOrdinal>();
+      .template Ctx<ffi::DeviceOrdinal>()
+      .template Ctx<ffi::RunId>();
 }
 
 template <int N, typename B>
@@ -603,63 +457,64 @@ auto Buffers(B&& b) {
   }
 }
 
+ffi::Error Initialize(CudaState* st, int32_t ordinal) { return st->Initialize(ordinal); }
+
 }  // namespace
 
-#define JAXCOMM_CUDA_INSTANTIATE(sym, name)                                                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(sym, [](ffi::Dictionary attrs) { return MakeState(name, attrs); }, \
-                                ffi::Ffi::BindInstantiate().Attrs<ffi::Dictionary>());
-
-JAXCOMM_CUDA_INSTANTIATE(jaxcomm_cuda_InstAllReduce, "all_reduce")
-JAXCOMM_CUDA_INSTANTIATE(jaxcomm_cuda_InstAllGather, "all_gather")
-JAXCOMM_CUDA_INSTANTIATE(jaxcomm_cuda_InstReduceScatter, "reduce_scatter")
-JAXCOMM_CUDA_INSTANTIATE(jaxcomm_cuda_InstAllToAll, "all_to_all")
-JAXCOMM_CUDA_INSTANTIATE(jaxcomm_cuda_InstPermute, "ppermute")
-JAXCOMM_CUDA_INSTANTIATE(jaxcomm_cuda_InstBroadcast, "broadcast")
-JAXCOMM_CUDA_INSTANTIATE(jaxcomm_cuda_InstRagged, "ragged_all_to_all")
-JAXCOMM_CUDA_INSTANTIATE(jaxcomm_cuda_InstMoe, "moe_transport")
-#undef JAXCOMM_CUDA_INSTANTIATE
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstAllReduce, InstAllReduce,
+                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("reduce_op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstAllGather, InstAllGather,
+                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("axis_index"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstReduceScatter, InstReduceScatter,
+                              BindCallAttrs(ffi::Ffi::BindInstantiate())
+                                  .Attr<int64_t>("reduce_op")
+                                  .Attr<int64_t>("scatter_dimension"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstAllToAll, InstAllToAll,
+                              BindCallAttrs(ffi::Ffi::BindInstantiate())
+                                  .Attr<int64_t>("split_axis")
+                                  .Attr<int64_t>("concat_axis"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstPermute, InstPermute,
+                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<ffi::Span<const int64_t>>("sources"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstBroadcast, InstBroadcast,
+                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstRagged, InstRagged,
+                              BindCallAttrs(ffi::Ffi::BindInstantiate())
+                                  .Attr<int64_t>("mode")
+                                  .Attr<int64_t>("src_rows")
+                                  .Attr<int64_t>("dst_rows"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstMoe, InstMoe,
+                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("mode"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Initialize, Initialize,
-                              ffi::Ffi::BindInitialize()
-                                  .Ctx<ffi::State<CudaState>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attrs<ffi::Dictionary>());
+                              ffi::Ffi::BindInitialize().Ctx<ffi::State<CudaState>>().Ctx<ffi::DeviceOrdinal>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_AllReduce, AllReduce,
-                              Buffers<1>(Exec(ffi::Ffi::Bind())).Attrs<ffi::Dictionary>());
+                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_AllGather, AllGather,
-                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>())
-                                  .Attrs<ffi::Dictionary>());
+                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_ReduceScatter, ReduceScatter,
-                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>())
-                                  .Attrs<ffi::Dictionary>());
+                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_AllToAll, AllToAll,
-                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>())
-                                  .Attrs<ffi::Dictionary>());
+                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Permute, Permute,
-                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::RunId>()).Attrs<ffi::Dictionary>());
+                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Broadcast, Broadcast,
-                              Buffers<1>(Exec(ffi::Ffi::Bind())).Attrs<ffi::Dictionary>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Ragged, RaggedAllToAll,
-                              Buffers<6>(Exec(ffi::Ffi::Bind())).Attrs<ffi::Dictionary>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Moe, MoeTransport,
-                              Buffers<5>(Exec(ffi::Ffi::Bind()).Ctx<ffi::RunId>().Ctx<ffi::ScratchAllocator>())
-                                  .Attrs<ffi::Dictionary>());
+                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Ragged, RaggedAllToAll, Buffers<6>(Exec(ffi::Ffi::Bind())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Moe, Moe,
+                              Buffers<5>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
 
 const Stages* AllStages() {
-  // Scratch allocation happens on the execute path, so ops that may need it stay out of
-  // command buffers; the others only enqueue NCCL calls or copies, which CUDA graphs record.
   static const Stages kStages[] = {
-      {"all_reduce", jaxcomm_cuda_InstAllReduce, jaxcomm_cuda_Initialize, jaxcomm_cuda_AllReduce, true},
-      {"all_gather", jaxcomm_cuda_InstAllGather, jaxcomm_cuda_Initialize, jaxcomm_cuda_AllGather, false},
-      {"reduce_scatter", jaxcomm_cuda_InstReduceScatter, jaxcomm_cuda_Initialize, jaxcomm_cuda_ReduceScatter, false},
-      {"all_to_all", jaxcomm_cuda_InstAllToAll, jaxcomm_cuda_Initialize, jaxcomm_cuda_AllToAll, false},
-      // The peer path of ppermute meets its peers on the host: not recordable into a graph.
-      {"ppermute", jaxcomm_cuda_InstPermute, jaxcomm_cuda_Initialize, jaxcomm_cuda_Permute, false},
-      {"broadcast", jaxcomm_cuda_InstBroadcast, jaxcomm_cuda_Initialize, jaxcomm_cuda_Broadcast, true},
-      {"ragged_all_to_all", jaxcomm_cuda_InstRagged, jaxcomm_cuda_Initialize, jaxcomm_cuda_Ragged, true},
-      {"moe_transport", jaxcomm_cuda_InstMoe, jaxcomm_cuda_Initialize, jaxcomm_cuda_Moe, false},
-      {nullptr, nullptr, nullptr, nullptr, false},
+      {"all_reduce", jaxcomm_cuda_InstAllReduce, jaxcomm_cuda_Initialize, jaxcomm_cuda_AllReduce},
+      {"all_gather", jaxcomm_cuda_InstAllGather, jaxcomm_cuda_Initialize, jaxcomm_cuda_AllGather},
+      {"reduce_scatter", jaxcomm_cuda_InstReduceScatter, jaxcomm_cuda_Initialize, jaxcomm_cuda_ReduceScatter},
+      {"all_to_all", jaxcomm_cuda_InstAllToAll, jaxcomm_cuda_Initialize, jaxcomm_cuda_AllToAll},
+      {"ppermute", jaxcomm_cuda_InstPermute, jaxcomm_cuda_Initialize, jaxcomm_cuda_Permute},
+      {"broadcast", jaxcomm_cuda_InstBroadcast, jaxcomm_cuda_Initialize, jaxcomm_cuda_Broadcast},
+      {"ragged_all_to_all", jaxcomm_cuda_InstRagged, jaxcomm_cuda_Initialize, jaxcomm_cuda_Ragged},
+      {"moe_transport", jaxcomm_cuda_InstMoe, jaxcomm_cuda_Initialize, jaxcomm_cuda_Moe},
+      {nullptr, nullptr, nullptr, nullptr},
   };
   return kStages;
 }

@@ -1,6 +1,10 @@
 // XLA FFI handlers of the CUDA backend (platform "CUDA"), three stages per op:
-// instantiate (parse the attributes into a CudaState), initialize (create this device's
-// NCCL communicator when its group needs one) and execute (enqueue on XLA's stream).
+// instantiate (bind and check the attributes, make the CudaState), initialize (decide the
+// group's route and prepare it for this device) and execute (enqueue on XLA's stream).
+//
+// Registered without custom-call traits: jaxlib's GPU plugin refuses any (see
+// jaxcomm/_src/cuda_runtime.py), so XLA never records these calls into CUDA graphs,
+// which suits them (the peer routes meet their peers on the host at every call).
 #pragma once
 
 #include "xla/ffi/api/c_api.h"
@@ -12,9 +16,6 @@ struct Stages {
   XLA_FFI_Handler* instantiate;
   XLA_FFI_Handler* initialize;
   XLA_FFI_Handler* execute;
-  // Whether XLA may record the op into a CUDA graph (command buffer): no host work and
-  // no scratch allocation on the execute path.
-  bool command_buffer_compatible;
 };
 
 // Every op's stages, ending with an entry whose `op` is nullptr.

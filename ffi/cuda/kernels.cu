@@ -3,6 +3,8 @@
 // where the host code rounds twice.
 #include "cuda/kernels.h"
 
+#include "cuda/kernel_logic.h"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -56,9 +58,9 @@ __global__ void RankKernel(const int32_t* ids, int64_t TK, int E, RoutingWork w)
     int e = E;
     if (in) {
       const int v = my[i];
-      if (v >= 0 && v < E) {
+      if (logic::IsExpert(v, E)) {
         e = v;
-      } else if (v != -1) {
+      } else if (logic::IsInvalidId(v, E)) {
         atomicAdd(&invalid, 1);
       }
     }
@@ -82,7 +84,6 @@ __global__ void RankKernel(const int32_t* ids, int64_t TK, int E, RoutingWork w)
 __global__ void PlanKernel(int R, int E, int64_t rows, bool padded, RoutingWork w,
                            int32_t* sizes, int32_t* stats) {
   const int El = E / R;
-  const int64_t slab = rows / El;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int run = 0;
     for (int r = 0; r < R; ++r) {
@@ -93,9 +94,7 @@ __global__ void PlanKernel(int R, int E, int64_t rows, bool padded, RoutingWork 
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int start = 0;
-    for (int f = (e / El) * El; f < e; ++f) start += w.total[f];
-    w.start[e] = start;
+    w.start[e] = static_cast<int32_t>(logic::ExpertStart(w.total, e, El));
   }
   __syncthreads();
   for (int d = threadIdx.x; d < R; d += blockDim.x) {
@@ -103,15 +102,7 @@ __global__ void PlanKernel(int R, int E, int64_t rows, bool padded, RoutingWork 
     for (int el = 0; el < El; ++el) {
       const int e = d * El + el;
       const int64_t mine = w.total[e];
-      int64_t size;
-      if (padded) {
-        size = mine < slab ? mine : slab;
-      } else {
-        const int64_t st = w.start[e];
-        const int64_t hi = st + mine < rows ? st + mine : rows;
-        const int64_t lo = st < rows ? st : rows;
-        size = hi - lo;
-      }
+      const int64_t size = logic::KeptRows(padded, mine, w.start[e], rows, El);
       sizes[d * El + el] = static_cast<int32_t>(size);
       arrived += mine;
       kept += size;
@@ -130,25 +121,12 @@ __global__ void PositionKernel(const int32_t* ids, int R, int64_t TK, int E, int
   const int El = E / R;
   const int v = ids[idx];
   int d = -1, p = -1;
-  if (v >= 0 && v < E) {
-    const int64_t lr = w.local_rank[idx];
-    const int64_t before = w.before[r * E + v];
-    bool kept;
-    int64_t row;
-    if (padded) {
-      const int64_t slab = rows / El, slot = before + lr;
-      row = (v % El) * slab + slot;
-      kept = slot < slab;
-    } else {
-      row = w.start[v] + before + lr;
-      kept = row < rows;
-    }
-    if (kept) {
-      d = v / El;
-      p = static_cast<int>(row);
-    } else {
-      atomicAdd(&stats[r * 3 + 0], 1);
-    }
+  if (logic::IsExpert(v, E)) {
+    const logic::Place place = logic::PlaceAssignment(v, E, El, w.local_rank[idx], w.before[r * E + v],
+                                                      w.start[v], rows, padded);
+    d = place.dest;
+    p = place.row;
+    if (place.dropped) atomicAdd(&stats[r * 3 + 0], 1);
   }
   dest[idx] = d;
   pos[idx] = p;
@@ -164,8 +142,8 @@ struct Slots {
   float a[kMaxK];
   // The raw slot table of the token, loaded by K threads at once (one global load each
   // instead of a chain of K dependent loads by one thread).
-  int raw_d[kMaxK];
-  int raw_row[kMaxK];
+  int32_t raw_d[kMaxK];
+  int32_t raw_row[kMaxK];
   float raw_a[kMaxK];
 };
 
@@ -179,24 +157,13 @@ __device__ void LoadSlots(const MoePeers& p, const MoeShape& s, int src, int64_t
   __syncthreads();
 }
 
-__device__ __forceinline__ bool SlotOk(const MoePeers& p, const MoeShape& s, int d, int row) {
-  return d >= 0 && d < p.R && row >= 0 && row < s.rows;
-}
-
-// The slots of rank `src`'s token t that go to a rank (only to `s.self` when set), in k order.
+// The slots of rank `src`'s token t that go to a rank (only to `s.self` when set), in k
+// order (logic::StageSlots).
 __device__ void StageSlots(const MoePeers& p, const MoeShape& s, int src, int64_t t, Slots* sl) {
   LoadSlots(p, s, src, t, sl);
   if (threadIdx.x == 0) {
-    int n = 0;
-    for (int k = 0; k < s.K; ++k) {
-      const int d = sl->raw_d[k], row = sl->raw_row[k];
-      if (!SlotOk(p, s, d, row) || (s.self >= 0 && d != s.self)) continue;
-      sl->d[n] = d;
-      sl->row[n] = row;
-      sl->a[n] = sl->raw_a[k];
-      ++n;
-    }
-    sl->n = n;
+    sl->n = logic::StageSlots(sl->raw_d, sl->raw_row, sl->raw_a, s.K, p.R, s.rows, s.self, sl->d,
+                              sl->row, sl->a);
   }
   __syncthreads();
 }
@@ -273,18 +240,7 @@ __global__ void ReduceKernel(MoePeers p, MoeShape s) {
   const int64_t t = blockIdx.x;
   LoadSlots(p, s, src, t, &sl);
   if (threadIdx.x == 0) {
-    int n = 0;
-    for (int d = 0; d < p.R; ++d) {
-      for (int k = 0; k < s.K; ++k) {
-        const int row = sl.raw_row[k];
-        if (sl.raw_d[k] != d || row < 0 || row >= s.rows) continue;
-        sl.d[n] = d;
-        sl.row[n] = row;
-        sl.a[n] = sl.raw_a[k];
-        ++n;
-      }
-    }
-    sl.n = n;
+    sl.n = logic::StageSlotsByRank(sl.raw_d, sl.raw_row, sl.raw_a, s.K, p.R, s.rows, sl.d, sl.row, sl.a);
   }
   __syncthreads();
   Tout* out = static_cast<Tout*>(p.out[src]) + t * s.H;
@@ -332,7 +288,7 @@ __global__ void DotKernel(MoePeers p, MoeShape s) {
   float* out = static_cast<float*>(p.out[src]) + t * s.K;
   for (int k = 0; k < s.K; ++k) {
     const int d = p.dest[src][t * s.K + k], row = p.pos[src][t * s.K + k];
-    const bool ok = d >= 0 && d < p.R && row >= 0 && row < s.rows;
+    const bool ok = logic::SlotOk(d, row, p.R, s.rows);
     float acc = 0.f;
     if (ok) {
       const float* x = static_cast<const float*>(p.src[d]) + row * s.H;
@@ -352,53 +308,31 @@ __global__ void DotKernel(MoePeers p, MoeShape s) {
 
 // ------------------------------------------------------------------------------- ragged
 
-__device__ __forceinline__ int64_t Ld(const void* p, int bytes, int64_t i) {
-  return bytes == 8 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
-}
-
 struct RaggedArgs {
-  const void* io;
-  const void* ss;
-  const void* oo;
-  const void* rs;
+  logic::IndexView io, ss, oo, rs;
   int64_t n, src_rows, dst_rows, row_bytes, row_elems;
-  int idx_bytes;
 };
 
 // Whether every slice of the call is in bounds; computed by the whole block.
 __device__ bool CallValid(const RaggedArgs& a) {
   bool ok = true;
   for (int64_t i = threadIdx.x; i < a.n; i += blockDim.x) {
-    const int64_t io = Ld(a.io, a.idx_bytes, i), ss = Ld(a.ss, a.idx_bytes, i);
-    const int64_t oo = Ld(a.oo, a.idx_bytes, i), rs = Ld(a.rs, a.idx_bytes, i);
-    ok = ok && ss >= 0 && io >= 0 && io <= a.src_rows - ss && oo >= 0 && oo <= a.dst_rows - ss &&
-         rs == ss;
+    ok = ok && logic::SliceValid(a.io[i], a.ss[i], a.oo[i], a.rs[i], a.src_rows, a.dst_rows);
   }
   return __syncthreads_and(ok) != 0;
-}
-
-// The last slice (in order) that writes destination row j, or -1.
-__device__ int64_t LastCover(const RaggedArgs& a, int64_t j) {
-  int64_t last = -1;
-  for (int64_t i = 0; i < a.n; ++i) {
-    const int64_t ss = Ld(a.ss, a.idx_bytes, i), oo = Ld(a.oo, a.idx_bytes, i);
-    if (ss > 0 && oo <= j && j < oo + ss) last = i;
-  }
-  return last;
 }
 
 __global__ void RaggedForwardKernel(RaggedArgs a, const char* operand, char* result, bool zero) {
   if (!CallValid(a)) return;
   for (int64_t j = blockIdx.x; j < a.dst_rows; j += gridDim.x) {
-    const int64_t i = LastCover(a, j);
+    const int64_t i = logic::LastCover(a.ss, a.oo, a.n, j);
     if (i < 0) continue;
     char* out = result + j * a.row_bytes;
     if (zero) {
       for (int64_t b = threadIdx.x; b < a.row_bytes; b += blockDim.x) out[b] = 0;
       continue;
     }
-    const int64_t src = Ld(a.io, a.idx_bytes, i) + j - Ld(a.oo, a.idx_bytes, i);
-    const char* in = operand + src * a.row_bytes;
+    const char* in = operand + logic::SourceRow(a.io, a.oo, i, j) * a.row_bytes;
     for (int64_t b = threadIdx.x; b < a.row_bytes; b += blockDim.x) out[b] = in[b];
   }
 }
@@ -431,13 +365,59 @@ __global__ void RaggedTransposeKernel(RaggedArgs a, const T* cot, T* acc) {
   if (!CallValid(a)) return;
   for (int64_t r = blockIdx.x; r < a.src_rows; r += gridDim.x) {
     for (int64_t i = 0; i < a.n; ++i) {
-      const int64_t io = Ld(a.io, a.idx_bytes, i), ss = Ld(a.ss, a.idx_bytes, i);
+      const int64_t io = a.io[i], ss = a.ss[i];
       if (ss <= 0 || r < io || r >= io + ss) continue;
-      const int64_t j = Ld(a.oo, a.idx_bytes, i) + r - io;
-      if (LastCover(a, j) != i) continue;
+      const int64_t j = a.oo[i] + r - io;
+      if (logic::LastCover(a.ss, a.oo, a.n, j) != i) continue;
       AddRow(acc + r * a.row_elems, cot + j * a.row_elems, a.row_elems);
       __syncthreads();
     }
+  }
+}
+
+// ------------------------------------------------------------------------ peer reduce
+
+template <typename T>
+struct Acc {
+  using Type = T;
+  __device__ static T Load(const T& x) { return x; }
+  __device__ static T Store(T x) { return x; }
+};
+template <>
+struct Acc<__half> {
+  using Type = float;
+  __device__ static float Load(const __half& x) { return __half2float(x); }
+  __device__ static __half Store(float x) { return __float2half_rn(x); }
+};
+template <>
+struct Acc<__nv_bfloat16> {
+  using Type = float;
+  __device__ static float Load(const __nv_bfloat16& x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 Store(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <typename A>
+__device__ __forceinline__ A Combine(logic::ReduceOp op, A a, A b) {
+  switch (op) {
+    case logic::ReduceOp::kSum: return a + b;
+    case logic::ReduceOp::kProd: return a * b;
+    case logic::ReduceOp::kMin: return b < a ? b : a;
+    case logic::ReduceOp::kMax: return a < b ? b : a;
+  }
+  return a;
+}
+
+template <typename T>
+__global__ void PeerReduceKernel(logic::ReduceOp op, T* out, PeerOperands srcs, int64_t outer,
+                                 int64_t inner, int64_t stride, int64_t offset) {
+  using A = typename Acc<T>::Type;
+  const int64_t n = outer * inner;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t at = (j / inner) * stride + offset + j % inner;
+    A acc = Acc<T>::Load(static_cast<const T*>(srcs.src[0])[at]);
+    for (int d = 1; d < srcs.R; ++d) acc = Combine(op, acc, Acc<T>::Load(static_cast<const T*>(srcs.src[d])[at]));
+    out[j] = Acc<T>::Store(acc);
   }
 }
 
@@ -521,13 +501,45 @@ cudaError_t LaunchMoe(int mode, const MoePeers& peers, const MoeShape& shape, cu
   return cudaGetLastError();
 }
 
+cudaError_t LaunchPeerReduce(logic::ReduceOp op, Elem elem, void* out, const PeerOperands& srcs,
+                             int64_t outer, int64_t inner, int64_t stride, int64_t offset,
+                             cudaStream_t stream) {
+  if (srcs.R <= 0 || srcs.R > kMaxPeers) return cudaErrorInvalidValue;
+  const int64_t n = outer * inner;
+  if (n == 0) return cudaSuccess;
+  const unsigned blocks = Blocks((n + 255) / 256, 8192);
+  switch (elem) {
+#define JAXCOMM_PEER_REDUCE(E, T)                                                                   \
+  case Elem::E:                                                                                     \
+    PeerReduceKernel<T><<<blocks, 256, 0, stream>>>(op, static_cast<T*>(out), srcs, outer, inner, \
+                                                    stride, offset);                               \
+    break;
+    JAXCOMM_PEER_REDUCE(kF32, float)
+    JAXCOMM_PEER_REDUCE(kF64, double)
+    JAXCOMM_PEER_REDUCE(kF16, __half)
+    JAXCOMM_PEER_REDUCE(kBF16, __nv_bfloat16)
+    JAXCOMM_PEER_REDUCE(kS8, int8_t)
+    JAXCOMM_PEER_REDUCE(kS16, int16_t)
+    JAXCOMM_PEER_REDUCE(kS32, int32_t)
+    JAXCOMM_PEER_REDUCE(kS64, int64_t)
+    JAXCOMM_PEER_REDUCE(kU8, uint8_t)
+    JAXCOMM_PEER_REDUCE(kU16, uint16_t)
+    JAXCOMM_PEER_REDUCE(kU32, uint32_t)
+    JAXCOMM_PEER_REDUCE(kU64, uint64_t)
+#undef JAXCOMM_PEER_REDUCE
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchRaggedOneRank(int mode, const void* operand, void* result, int64_t src_rows,
                                 int64_t dst_rows, int64_t row_bytes, int64_t row_elems,
                                 Elem elem, const void* input_offsets, const void* send_sizes,
                                 const void* output_offsets, const void* recv_sizes, int64_t n,
                                 int idx_bytes, cudaStream_t stream) {
-  RaggedArgs a{input_offsets, send_sizes, output_offsets, recv_sizes, n,
-               src_rows, dst_rows, row_bytes, row_elems, idx_bytes};
+  RaggedArgs a{{input_offsets, idx_bytes}, {send_sizes, idx_bytes}, {output_offsets, idx_bytes},
+               {recv_sizes, idx_bytes}, n, src_rows, dst_rows, row_bytes, row_elems};
   if (row_bytes == 0 || n == 0) return cudaSuccess;
   if (mode == 0 || mode == 2) {
     RaggedForwardKernel<<<Blocks(dst_rows, 8192), 128, 0, stream>>>(

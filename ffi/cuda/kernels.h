@@ -2,12 +2,16 @@
 // synchronize. Shared by the XLA handlers (handlers.cc: one rank, the peers table holds
 // this device's own buffers) and the loopback mode (loopback.cc: R logical ranks whose
 // "peer" buffers are regions of one device's memory). Semantics follow the host backend
-// exactly: ffi/cpu/moe_kernels.cc (MoeMode) and ffi/cpu/ragged.cc (RaggedMode).
+// exactly: ffi/cpu/moe_kernels.cc (MoeMode) and ffi/cpu/ragged.cc (RaggedMode). Their
+// index computations live in kernel_logic.h, where the host tests reach them.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+
+#include "core/moe_modes.h"
+#include "cuda/kernel_logic.h"
 
 namespace jaxcomm::cuda {
 
@@ -32,9 +36,9 @@ struct MoePeers {
   uint8_t* written[kMaxPeers] = {};     // [rows] scratch: rows a gather wrote (gather modes)
 };
 
-// ffi/cpu/moe_kernels.cc's modes. Value types: kGatherCopy moves rows of `row_bytes`
-// bytes; the others take float32 (src of kReduce may also be bfloat16 in the loopback).
-enum MoeMode : int { kGatherCopy = 0, kGatherScaled = 1, kReduce = 2, kDot = 3 };
+// The transports are core/moe_modes.h's MoeMode. Value types: kGatherCopy moves rows of
+// `row_bytes` bytes; the others take float32 (src of kReduce may also be bfloat16 in the
+// loopback).
 
 struct MoeShape {
   int64_t T = 0, K = 0, H = 0, rows = 0, row_bytes = 0;
@@ -67,5 +71,18 @@ cudaError_t LaunchRaggedOneRank(int mode, const void* operand, void* result, int
                                 Elem elem, const void* input_offsets, const void* send_sizes,
                                 const void* output_offsets, const void* recv_sizes, int64_t n,
                                 int idx_bytes, cudaStream_t stream);
+
+// Reductions of a group whose ranks read each other's operands (peers.h: several
+// processes on one GPU, which NCCL refuses): this rank's result, reduced in rank order,
+// out[o * inner + i] = op over d < R of srcs[d][o * stride + offset + i] (elements), for
+// o < outer and i < inner. Half precision accumulates in float32 and rounds once; kU8
+// also serves bool (sum excluded: bool sums reach here as int32).
+struct PeerOperands {
+  int R = 0;
+  const void* src[kMaxPeers] = {};
+};
+cudaError_t LaunchPeerReduce(logic::ReduceOp op, Elem elem, void* out, const PeerOperands& srcs,
+                             int64_t outer, int64_t inner, int64_t stride, int64_t offset,
+                             cudaStream_t stream);
 
 }  // namespace jaxcomm::cuda

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -58,7 +59,7 @@ std::string Load(NcclApi* api) {
   std::string missing;
   Sym(h, "ncclGetVersion", &api->GetVersion, &missing);
   Sym(h, "ncclGetUniqueId", &api->GetUniqueId, &missing);
-  Sym(h, "ncclCommInitRank", &api->CommInitRank, &missing);
+  Sym(h, "ncclCommInitRankConfig", &api->CommInitRankConfig, &missing);
   Sym(h, "ncclCommDestroy", &api->CommDestroy, &missing);
   Sym(h, "ncclCommAbort", &api->CommAbort, &missing);
   Sym(h, "ncclCommGetAsyncError", &api->CommGetAsyncError, &missing);
@@ -83,6 +84,18 @@ std::string Load(NcclApi* api) {
 }
 
 }  // namespace
+
+ncclConfig_t NcclConfig(int blocking) {
+  constexpr int kUndef = std::numeric_limits<int>::min();  // NCCL_CONFIG_UNDEF_INT
+  ncclConfig_t c;
+  c.size = sizeof(ncclConfig_t);
+  c.magic = 0xcafebeef;  // NCCL_API_MAGIC
+  c.version = 21700;     // NCCL_VERSION(2, 17, 0): the fields above
+  c.blocking = blocking;
+  c.cgaClusterSize = c.minCTAs = c.maxCTAs = c.splitShare = kUndef;
+  c.netName = nullptr;
+  return c;
+}
 
 void NcclApi::SetSearchPath(std::string path) {
   std::lock_guard<std::mutex> lock(Mu());

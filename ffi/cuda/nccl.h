@@ -43,11 +43,29 @@ enum ncclDataType_t : int {
 
 enum ncclRedOp_t : int { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3 };
 
+// ncclConfig_t as of NCCL 2.17 (nccl.h's ncclConfig_v21700). NCCL reads `size` bytes of it
+// and takes the fields that `version` has (newer ones keep their defaults), so this prefix
+// of the current struct stays valid. NcclConfig() fills it as NCCL_CONFIG_INITIALIZER.
+struct ncclConfig_t {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  int blocking;
+  int cgaClusterSize;
+  int minCTAs;
+  int maxCTAs;
+  const char* netName;
+  int splitShare;
+};
+// A configuration with NCCL's defaults, but `blocking` as given: jaxcomm creates every
+// communicator non-blocking (0), so that no call ever waits inside NCCL without a deadline.
+ncclConfig_t NcclConfig(int blocking);
+
 // The loaded library's entry points. All pointers are set once Load() succeeded.
 struct NcclApi {
   ncclResult_t (*GetVersion)(int*) = nullptr;
   ncclResult_t (*GetUniqueId)(ncclUniqueId*) = nullptr;
-  ncclResult_t (*CommInitRank)(ncclComm_t*, int, ncclUniqueId, int) = nullptr;
+  ncclResult_t (*CommInitRankConfig)(ncclComm_t*, int, ncclUniqueId, int, ncclConfig_t*) = nullptr;
   ncclResult_t (*CommDestroy)(ncclComm_t) = nullptr;
   ncclResult_t (*CommAbort)(ncclComm_t) = nullptr;
   ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t*) = nullptr;

@@ -3,6 +3,8 @@
 #include <sstream>
 #include <string>
 
+#include "cuda/device_guard.h"
+
 namespace jaxcomm::cuda {
 
 DeviceEvents::~DeviceEvents() {
@@ -10,76 +12,71 @@ DeviceEvents::~DeviceEvents() {
   if (done_ != nullptr) cudaEventDestroy(done_);
 }
 
-std::string DeviceEvents::Create(int device) {
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaError_t e = cudaSetDevice(device);
-  if (e == cudaSuccess && ready_ == nullptr) e = cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming);
-  if (e == cudaSuccess && done_ == nullptr) e = cudaEventCreateWithFlags(&done_, cudaEventDisableTiming);
-  cudaSetDevice(previous);
+std::string DeviceEvents::Create(int device, bool interprocess) {
+  DeviceGuard guard(device);
+  if (!guard.ok()) return guard.error();
+  const unsigned flags = cudaEventDisableTiming | (interprocess ? cudaEventInterprocess : 0u);
+  cudaError_t e = cudaSuccess;
+  if (ready_ == nullptr) e = cudaEventCreateWithFlags(&ready_, flags);
+  if (e == cudaSuccess && done_ == nullptr) e = cudaEventCreateWithFlags(&done_, flags);
   return e == cudaSuccess ? "" : std::string("creating events on device ") + std::to_string(device) +
                                      ": " + cudaGetErrorString(e);
 }
 
 std::string EnablePeerAccess(int device, const std::vector<int>& peers) {
-  int previous = 0;
-  cudaGetDevice(&previous);
-  std::string why;
-  cudaError_t e = cudaSetDevice(device);
+  DeviceGuard guard(device);
+  if (!guard.ok()) return guard.error();
   for (int p : peers) {
-    if (e != cudaSuccess || p == device) continue;
+    if (p == device) continue;  // its own memory: no peer access (enabling it fails)
     int can = 0;
-    e = cudaDeviceCanAccessPeer(&can, device, p);
+    cudaError_t e = cudaDeviceCanAccessPeer(&can, device, p);
     if (e == cudaSuccess && !can) {
-      why = "device " + std::to_string(device) + " cannot access device " + std::to_string(p) +
-            " directly (no P2P)";
-      break;
+      return "device " + std::to_string(device) + " cannot access device " + std::to_string(p) +
+             " directly (no P2P)";
     }
-    if (e == cudaSuccess) {
-      e = cudaDeviceEnablePeerAccess(p, 0);
-      if (e == cudaErrorPeerAccessAlreadyEnabled) {
-        cudaGetLastError();  // not an error here; clear it
-        e = cudaSuccess;
-      }
+    if (e == cudaSuccess) e = cudaDeviceEnablePeerAccess(p, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();  // not an error here; clear it
+      e = cudaSuccess;
+    }
+    if (e != cudaSuccess) {
+      return std::string("enabling peer access from device ") + std::to_string(device) + " to " +
+             std::to_string(p) + ": " + cudaGetErrorString(e);
     }
   }
-  if (why.empty() && e != cudaSuccess) {
-    why = std::string("enabling peer access from device ") + std::to_string(device) + ": " +
-          cudaGetErrorString(e);
-  }
-  cudaSetDevice(previous);
-  return why;
+  return "";
 }
 
-ffi::Error PeerExchange::Wait(std::unique_lock<std::mutex>& lock, const Key& key, bool phase2,
-                              std::chrono::milliseconds timeout, const CallContext& ctx) {
+ffi::Error LocalPeers::Wait(std::unique_lock<std::mutex>& lock, const PeerCallKey& key, bool phase2,
+                            std::chrono::milliseconds timeout, const CallContext& ctx) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto round = rounds_.at(key);
   const int size = static_cast<int>(round->infos.size());
   auto all = [&] { return (phase2 ? round->n_finished : round->n_published) == size; };
   if (cv_.wait_until(lock, deadline, all)) return ffi::Error::Success();
   std::ostringstream msg;
-  msg << ctx.Describe() << ": timed out after " << timeout.count() << " ms waiting for ranks [";
+  msg << ctx.Describe() << ": timed out after " << timeout.count() / 1000.0
+      << " s (timeout_s / JAXCOMM_TIMEOUT_S) waiting for ranks [";
   bool first = true;
   for (int r = 0; r < size; ++r) {
     if (phase2 ? round->finished[r] : round->published[r]) continue;
     msg << (first ? "" : " ") << r;
     first = false;
   }
-  msg << "] to " << (phase2 ? "finish enqueueing their reads" : "arrive");
+  msg << "] to " << (phase2 ? "finish enqueueing their reads" : "arrive at this call");
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg.str());
 }
 
-void PeerExchange::Leave(const Key& key) {
+void LocalPeers::Leave(const PeerCallKey& key) {
   auto it = rounds_.find(key);
   if (it != rounds_.end() && --it->second->n_left == 0) rounds_.erase(it);
 }
 
-ffi::ErrorOr<std::vector<PeerInfo>> PeerExchange::Exchange(
-    int64_t run_id, int group, int rank, int size, const PeerInfo& mine,
-    std::chrono::milliseconds timeout, const CallContext& ctx) {
+ffi::ErrorOr<std::vector<PeerInfo>> LocalPeers::Exchange(const PeerCallKey& key, int rank, int size,
+                                                         const PeerInfo& mine,
+                                                         std::chrono::milliseconds timeout,
+                                                         const CallContext& ctx) {
   std::unique_lock<std::mutex> lock(mu_);
-  const Key key{run_id, group};
   auto& slot = rounds_[key];
   if (!slot) {
     slot = std::make_shared<Round>(size);
@@ -101,10 +98,9 @@ ffi::ErrorOr<std::vector<PeerInfo>> PeerExchange::Exchange(
   return round->infos;
 }
 
-ffi::Error PeerExchange::Finish(int64_t run_id, int group, int rank,
-                                std::chrono::milliseconds timeout, const CallContext& ctx) {
+ffi::Error LocalPeers::Finish(const PeerCallKey& key, int rank, std::chrono::milliseconds timeout,
+                              const CallContext& ctx) {
   std::unique_lock<std::mutex> lock(mu_);
-  const Key key{run_id, group};
   auto it = rounds_.find(key);
   if (it == rounds_.end()) return ffi::Error::Internal(ctx.Describe() + ": call not found");
   std::shared_ptr<Round> round = it->second;

@@ -7,14 +7,25 @@ so a jax upgrade touches one file.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Sequence
 
 import jax
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src.interpreters import pxla as _pxla
+from jax._src.lax import parallel as _parallel
 
 NamedAxisEffect = _core.NamedAxisEffect
+
+#: The collectives jax.lax defines, as the installed jax defines them. jaxcomm's own
+#: fallbacks call these, never ``jax.lax.<name>``: ``jaxcomm.use_for_lax()`` rebinds the
+#: names in ``jax.lax`` to jaxcomm, and a fallback through them would come back here.
+LAX_COLLECTIVES = ("psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all",
+                   "pswapaxes", "ppermute", "pshuffle", "pbroadcast", "ragged_all_to_all")
+jax_lax = types.SimpleNamespace(
+    **{name: getattr(_parallel, name) for name in LAX_COLLECTIVES},
+    axis_index=_parallel.axis_index, axis_size=_parallel.axis_size)
 
 
 def check_vma_enabled() -> bool:
@@ -36,6 +47,33 @@ def with_vma(aval: Any, varying: frozenset) -> Any:
     if mat is not None:
         return aval.update(manual_axis_type=mat.update(varying=frozenset(varying)))
     return aval.update(vma=frozenset(varying))
+
+
+def unreduced(aval: Any) -> frozenset:
+    """The mesh axes over which ``aval`` holds partial sums still to be added up
+    (explicit sharding's ``unreduced``; empty on jax versions without it)."""
+    return frozenset(getattr(getattr(aval, "mat", None), "unreduced", ()))
+
+
+def reduced(aval: Any) -> frozenset:
+    """The mesh axes over which ``aval`` is typed ``reduced`` (the cotangent type of an
+    operand that was unreduced there)."""
+    return frozenset(getattr(getattr(aval, "mat", None), "reduced", ()))
+
+
+def without_unreduced(aval: Any, axes: Sequence[Any]) -> Any:
+    """``aval`` no longer unreduced over ``axes`` (a collective summed them)."""
+    left = unreduced(aval) - frozenset(axes)
+    if left == unreduced(aval):
+        return aval
+    return aval.update(manual_axis_type=aval.mat.update(unreduced=left))
+
+
+def preduced(x: jax.Array, axes: Sequence[Any]) -> jax.Array:
+    """Cast an invariant ``x`` to ``reduced`` over ``axes`` (no data movement): the
+    cotangent type of an operand that was ``unreduced`` there."""
+    axes = tuple(axes)
+    return _parallel.pcast(x, axes, to="reduced") if axes else x
 
 
 def pvary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
@@ -84,3 +122,51 @@ def mesh_axis_names() -> frozenset:
     """Axis names of the mesh in context (empty outside any mesh)."""
     from jax._src import mesh as _mesh
     return frozenset(_mesh.get_abstract_mesh().axis_names)
+
+
+def skip_size_one_axes(axes: tuple) -> tuple:
+    """``axes`` without the size-1 mesh axes where jax drops them from types (a jax flag)."""
+    skip = getattr(_parallel, "_maybe_skip_one_sized_axes", None)
+    return tuple(skip(axes)) if skip is not None else axes
+
+
+def axes_state(aval: Any, axes: tuple) -> set[str]:
+    """How ``aval`` relates to each axis: {"varying", "unreduced", "reduced", "invarying"}.
+
+    jax.lax picks a collective's typing from this (``_get_from``); a mixture is an error
+    there. Without explicit-sharding types every axis is "varying" or "invarying".
+    """
+    out = set()
+    for a in axes:
+        if a in vma(aval):
+            out.add("varying")
+        elif a in unreduced(aval):
+            out.add("unreduced")
+        elif a in reduced(aval):
+            out.add("reduced")
+        else:
+            out.add("invarying")
+    return out
+
+
+def ppermute_rejects_unsorted_groups() -> bool:
+    """Whether jax.lax.ppermute raises over axes in an order other than the mesh's (newer
+    jax, ``jax_raise_on_ppermute_sort_diff``) instead of numbering each group sorted."""
+    flag = getattr(_config, "raise_on_ppermute_sort_diff", None)
+    return bool(flag.value) if flag is not None else False
+
+
+def mesh_axis_order() -> tuple:
+    """Axis names of the mesh in context, in the mesh's order."""
+    from jax._src import mesh as _mesh
+    return tuple(_mesh.get_abstract_mesh().axis_names)
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, _core.Tracer)
+
+
+def with_weak_type(x: jax.Array) -> jax.Array:
+    """``x`` typed weak (as a Python scalar is), with no computation."""
+    from jax._src.lax import lax as _lax_internal
+    return _lax_internal._convert_element_type(x, x.dtype, weak_type=True)

@@ -15,8 +15,16 @@ JAXCOMM_NONTEMPORAL_BYTES  4194304    results of at least this many bytes (per r
                                       with non-temporal stores, which bypass the caches: a
                                       large result is not read from memory before it is
                                       written; ``0``: never; read at start (C++ runtime)
+JAXCOMM_INLINE             1          a cross-process call whose group has one rank per process,
+                                      all on one host, runs on its device thread (no hand-off)
+                                      from its second round; ``0``: never; read at start (C++
+                                      runtime)
 JAXCOMM_TRANSPORT          auto       between processes: ``auto``: shared memory on one host, TCP
                                       across hosts; ``tcp``: TCP everywhere
+JAXCOMM_TCP_ADDRESS        unset      the IPv4 address of this host's interface that jaxcomm's TCP
+                                      listener takes and peers connect to; unset: the one that
+                                      routes to the coordinator (the job's network);
+                                      ``0.0.0.0``: every interface (not advised)
 JAXCOMM_TRACE_ENTRIES      2048       flight recorder: calls kept per rank (partition); ``0`` turns
                                       the recorder off (nothing recorded, no stats); read at start
 JAXCOMM_TRACE_DIR          unset      where flight recorder dumps go: set, each process writes
@@ -69,6 +77,19 @@ def transport() -> str:
     if value not in _TRANSPORTS:
         raise ValueError(f"JAXCOMM_TRANSPORT must be one of {_TRANSPORTS}, got {value!r}")
     return value
+
+
+def tcp_address() -> str:
+    """JAXCOMM_TCP_ADDRESS, validated: an IPv4 address, or "" when unset."""
+    import ipaddress
+
+    raw = os.environ.get("JAXCOMM_TCP_ADDRESS", "").strip()
+    if not raw:
+        return ""
+    try:
+        return str(ipaddress.IPv4Address(raw))
+    except ValueError:
+        raise ValueError(f"JAXCOMM_TCP_ADDRESS must be an IPv4 address, got {raw!r}") from None
 
 
 def _count(name: str, default: int, unit: str) -> int:

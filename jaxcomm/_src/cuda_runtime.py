@@ -1,11 +1,18 @@
 """The CUDA backend's Python side: detection, NCCL discovery, FFI registration for
-platform "CUDA", and the NCCL unique-id exchange for groups that span processes.
+platform "CUDA", and what a program needs before its groups can meet across processes.
 
 jaxcomm serves platform CUDA with its own handlers only when the extension was built
 with them (``JAXCOMM_CUDA``, see CMakeLists.txt) *and* this process has a GPU backend;
 otherwise its ops lower to jax.lax there, as before. A CPU-only install never imports or
 loads anything CUDA: the extension links the CUDA runtime statically and loads NCCL with
 dlopen only when a group of more than one rank first needs a communicator.
+
+Each group takes one route (ffi/cuda/routes.h): a copy (one rank), NCCL, or its ranks
+reading each other's buffers in place (within a process through peer access; between the
+processes of one host, one rank each, through CUDA IPC). When a program is lowered, every
+process publishes once, in the jax.distributed key-value store, its host and its GPUs
+(UUIDs); then, per group spanning processes, the processes either exchange an NCCL unique
+id or link jaxcomm's host transport, over which the CUDA IPC route sends its handles.
 
 Every function here is safe to call without a GPU (and is tested so on CPU).
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import logging
 import os
 from typing import Any, Iterable, Sequence
@@ -30,7 +38,12 @@ log = logging.getLogger("jaxcomm")
 #: Dtypes NCCL cannot reduce (jaxcomm lowers those reductions to jax.lax on CUDA).
 _NCCL_UNREDUCIBLE = frozenset(np.dtype(d) for d in (np.int16, np.uint16, np.complex64, np.complex128))
 
-_KV_PREFIX = "jaxcomm/nccl_unique_id/"
+_KV_UNIQUE_ID = "jaxcomm/nccl_unique_id/"
+_KV_PROCESS = "jaxcomm/cuda/process/{}"
+
+#: ffi/cuda/routes.cc's RouteName of the routes Python acts on.
+ROUTE_NCCL = "nccl"
+ROUTE_IPC = "cuda ipc across processes"
 
 
 def built_with_cuda() -> bool:
@@ -77,19 +90,26 @@ def nccl_library_path() -> str | None:
     return None
 
 
+def one_rank_nccl() -> bool:
+    """JAXCOMM_CUDA_ONE_RANK=nccl: one-rank groups go through NCCL too (to test NCCL on one
+    GPU); the C++ handlers read the same variable when a program is instantiated."""
+    return os.environ.get("JAXCOMM_CUDA_ONE_RANK", "") == "nccl"
+
+
 def serves(op: str, group_size: int | None) -> bool:
     """Whether the CUDA handler of ``op`` serves a group of ``group_size`` ranks.
 
     ragged_all_to_all: one-rank groups only (larger ones lower to its pure-JAX form). The
-    MoE transport: groups whose GPUs are all in this process (peer access; groups across
-    processes take the composed transport). Every other op: any group.
+    MoE transport: groups whose GPUs are all in this process (peer access), or, in a job
+    whose processes all share one host with one GPU each, across them (CUDA IPC); other
+    layouts take the composed transport. Every other op: any group.
     """
     if group_size in (None, 1):
         return True
     if op == "ragged_all_to_all":
         return False
     if op == "moe_transport":
-        return jax.process_count() == 1
+        return jax.process_count() == 1 or _one_gpu_per_process_on_one_host()
     return True
 
 
@@ -99,19 +119,31 @@ def nccl_reducible(dtype: Any) -> bool:
 
 
 def group_key(group: Sequence[int], partition_devices: np.ndarray) -> str:
-    """A group's identity across processes; must equal CudaState::GroupKey (ffi/cuda/comms.cc).
+    """A group's identity across processes; must equal CudaState::GroupKey (ffi/cuda/state.cc).
 
     Args:
       group: partition ids of the members, in rank order.
-      partition_devices: flattened (process index, local device id) per partition.
+      partition_devices: flattened (process index, local device ordinal) per partition.
     """
     pd = np.asarray(partition_devices, dtype=np.int64).reshape(-1, 2)
     return "nccl:" + ",".join(f"{int(pd[p, 0])}/{int(pd[p, 1])}" for p in group)
 
 
+def _mark_batch_partitionable(name: str) -> None:
+    from jaxcomm._src import runtime  # late: runtime imports this module
+    runtime.mark_batch_partitionable(name)
+
+
 @functools.cache
 def ensure_registered() -> None:
-    """Registers the CUDA handlers and their state type with XLA's CUDA backend, once."""
+    """Registers the CUDA handlers and their state type with XLA's CUDA backend, once.
+
+    jaxlib's GPU plugin refuses custom-call traits (``RegisterCustomCallTarget`` in
+    jaxlib/gpu/gpu_plugin_extension.cc: "The plugin does not support custom call traits"),
+    so the targets are registered without any; and a target is marked batch-partitionable
+    once per name, whichever platform registers it first (a second marking makes XLA log
+    "Failed to register custom call partitioner").
+    """
     if not available():
         raise RuntimeError("jaxcomm: the CUDA handlers need a build with JAXCOMM_CUDA and a GPU backend")
     from jaxcomm._src import runtime  # late: runtime imports this module
@@ -120,14 +152,10 @@ def ensure_registered() -> None:
         _jaxcomm.cuda_set_nccl_path(path)
     jax.ffi.register_ffi_type("jaxcomm_cuda_instruction_state", _jaxcomm.cuda_state_type(),
                               platform="CUDA")
-    from jax._src.lib import xla_client  # CustomCallTargetTraits has no public home
-    traits = xla_client.CustomCallTargetTraits
-    for op, (stages, graph_ok) in _jaxcomm.cuda_targets().items():
+    for op, stages in _jaxcomm.cuda_targets().items():
         name = runtime.target_name(op)
-        jax.ffi.register_ffi_target(
-            name, stages, platform="CUDA",
-            traits=traits.COMMAND_BUFFER_COMPATIBLE if graph_ok else traits.DEFAULT)
-        jax.ffi.register_ffi_target_as_batch_partitionable(name)
+        jax.ffi.register_ffi_target(name, stages, platform="CUDA")
+        _mark_batch_partitionable(name)
     _jaxcomm.set_process_index(jax.process_index())
 
 
@@ -140,37 +168,153 @@ def _kv_client() -> Any:
     return client
 
 
+# ------------------------------------------------------------------ processes of the job
+
+def _host_identity() -> str:
+    from jaxcomm._src import transport  # late: transport imports the extension's host links
+    return transport.host_identity()
+
+
+@functools.cache
+def _publish_self() -> dict[str, Any]:
+    """Publishes this process's host and GPUs in the key-value store, once."""
+    devices = []
+    for d in jax.local_devices(backend="gpu"):
+        ordinal = d.local_hardware_id if d.local_hardware_id is not None else d.id
+        devices.append(dict(id=int(d.id), ordinal=int(ordinal),
+                            uuid=str(_jaxcomm.cuda_device_uuid(int(ordinal)))))
+    info = dict(host=_host_identity(), devices=devices)
+    me = jax.process_index()
+    _kv_client().key_value_set(_KV_PROCESS.format(me), json.dumps(info), allow_overwrite=True)
+    _set_process_info(me, info)
+    return info
+
+
+_processes: dict[int, dict[str, Any]] = {}
+
+
+def _set_process_info(process: int, info: dict[str, Any]) -> None:
+    """Caches ``info`` and hands it to the C++ route decision."""
+    _processes[process] = info
+    uuids = [""] * (1 + max((d["ordinal"] for d in info["devices"]), default=-1))
+    for d in info["devices"]:
+        uuids[d["ordinal"]] = d["uuid"]
+    _jaxcomm.cuda_set_process_info(process, info["host"], uuids)
+
+
+def process_info(processes: Iterable[int], timeout_ms: int) -> dict[int, dict[str, Any]]:
+    """What each of ``processes`` published: {process: {host, devices: [{id, ordinal, uuid}]}}.
+
+    Blocks until each has published (it lowers the same program), at most ``timeout_ms``.
+    """
+    mine = _publish_self()
+    me = jax.process_index()
+    out = {me: mine}
+    for p in sorted(set(processes) - {me}):
+        if p not in _processes:
+            try:
+                raw = _kv_client().blocking_key_value_get(_KV_PROCESS.format(p), int(timeout_ms))
+            except Exception as e:  # the coordination service reports a timeout as an error
+                raise RuntimeError(
+                    f"jaxcomm: process {me} waited {timeout_ms / 1000:g} s for process {p} to "
+                    f"publish its GPUs (does it run the same program?): {e}") from e
+            _set_process_info(p, json.loads(raw))
+        out[p] = _processes[p]
+    return out
+
+
+@functools.cache
+def _one_gpu_per_process_on_one_host() -> bool:
+    """Whether every process of the job runs on this host with one GPU (where the MoE
+    transport's own kernels reach every peer through CUDA IPC)."""
+    from jaxcomm._src import config
+    infos = process_info(range(jax.process_count()), config.timeout_ms())
+    hosts = {info["host"] for info in infos.values()}
+    return len(hosts) == 1 and all(len(info["devices"]) == 1 for info in infos.values())
+
+
+# ------------------------------------------------------------------------ at lowering
+
+def partition_devices(axis_context: Any, infos: dict[int, dict[str, Any]] | None = None) -> np.ndarray:
+    """(process index, local device ordinal) per partition of the program, flattened.
+
+    Devices of other processes have no local ordinal here; ``infos`` (process_info) fills
+    it in, so that every process names a group's members alike (group_key). Unknown: -1.
+    """
+    ordinals = {d["id"]: d["ordinal"] for info in (infos or {}).values() for d in info["devices"]}
+    out = []
+    for d in np.asarray(axis_context.mesh.devices).reshape(-1):
+        ordinal = d.local_hardware_id
+        if ordinal is None:
+            ordinal = ordinals.get(int(d.id), -1)
+        out.append((d.process_index, ordinal))
+    return np.asarray(out, dtype=np.int64).reshape(-1)
+
+
+def route(op: str, group: Sequence[int], pd: np.ndarray, infos: dict[int, dict[str, Any]]) -> tuple[str, str]:
+    """(route name, error or "") of ``group`` (partitions) for ``op``: ffi/cuda/routes.cc."""
+    pd = np.asarray(pd, dtype=np.int64).reshape(-1, 2)
+    members = []
+    for p in group:
+        process, ordinal = int(pd[p, 0]), int(pd[p, 1])
+        info = infos.get(process, {})
+        uuid = next((d["uuid"] for d in info.get("devices", ()) if d["ordinal"] == ordinal), "")
+        members.append((process, ordinal, info.get("host", ""), uuid))
+    return tuple(_jaxcomm.cuda_route(op, members, jax.process_index(), one_rank_nccl()))
+
+
+def prepare_lowering(op: str, replica_groups: Sequence[Sequence[int]], axis_context: Any,
+                     timeout_ms: int) -> np.ndarray:
+    """Readies this process's groups of a CUDA custom call; returns its partition_devices.
+
+    Runs when a program is lowered, on every process in the same order. In one process,
+    nothing is needed. Across processes: each group spanning processes gets, per its route,
+    its NCCL unique id (made by the process holding rank 0, published in the key-value
+    store) or this process's host links to the group's other processes (CUDA IPC).
+    """
+    if jax.process_count() == 1:
+        return partition_devices(axis_context)
+    from jaxcomm._src import groups as groups_mod, transport
+    peers = groups_mod.peer_processes(axis_context, tuple(tuple(g) for g in replica_groups))
+    infos = process_info(peers, timeout_ms)
+    pd = partition_devices(axis_context, infos)
+    table = pd.reshape(-1, 2)
+    me = jax.process_index()
+    for group in replica_groups:
+        procs = {int(table[p, 0]) for p in group}
+        if len(group) < 2 or procs == {me} or me not in procs:
+            continue
+        name, error = route(op, group, pd, infos)
+        if error:
+            raise RuntimeError(f"jaxcomm.{op} on CUDA: {error}")
+        if name == ROUTE_IPC:
+            transport.ensure_linked(procs)
+        elif name == ROUTE_NCCL:
+            _exchange_unique_id(group, pd, timeout_ms)
+    return pd
+
+
 _exchanged: set[str] = set()
 
 
-def exchange_unique_ids(groups: Iterable[Sequence[int]], partition_devices: np.ndarray,
-                        timeout_ms: int) -> None:
-    """Gives the C++ registry the NCCL unique id of every multi-process group of a call.
-
-    Runs when a program is lowered (on every process, in the same order): the process
-    holding a group's rank 0 makes the id and publishes it in the jax.distributed
-    key-value store; the others wait for it (with the collective's deadline). Groups
-    inside one process need nothing: their id is made locally at initialization.
-    """
-    pd = np.asarray(partition_devices, dtype=np.int64).reshape(-1, 2)
-    me = jax.process_index()
-    for group in groups:
-        procs = {int(pd[p, 0]) for p in group}
-        if len(group) < 2 or procs == {me} or me not in procs:
-            continue
-        key = group_key(group, partition_devices)
-        if key in _exchanged:
-            continue
-        client = _kv_client()
-        if int(pd[group[0], 0]) == me:
-            uid = _jaxcomm.cuda_nccl_unique_id()
-            client.key_value_set_bytes(_KV_PREFIX + key, uid)
-        else:
-            uid = client.blocking_key_value_get_bytes(_KV_PREFIX + key, int(timeout_ms))
-        _jaxcomm.cuda_set_unique_id(key, bytes(uid))
-        _exchanged.add(key)
+def _exchange_unique_id(group: Sequence[int], pd: np.ndarray, timeout_ms: int) -> None:
+    """Gives the C++ registry the NCCL unique id of a group spanning processes: the
+    process holding its rank 0 makes it and publishes it; the others wait for it."""
+    key = group_key(group, pd)
+    if key in _exchanged:
+        return
+    table = np.asarray(pd, dtype=np.int64).reshape(-1, 2)
+    client = _kv_client()
+    if int(table[group[0], 0]) == jax.process_index():
+        uid = _jaxcomm.cuda_nccl_unique_id()
+        client.key_value_set_bytes(_KV_UNIQUE_ID + key, uid)
+    else:
+        uid = client.blocking_key_value_get_bytes(_KV_UNIQUE_ID + key, int(timeout_ms))
+    _jaxcomm.cuda_set_unique_id(key, bytes(uid))
+    _exchanged.add(key)
 
 
 def communicators() -> list[dict[str, Any]]:
-    """NCCL communicators created so far: group, rank, size, create_ms, memory_bytes."""
+    """NCCL communicators created so far: group, rank, size, create_ms, memory_bytes,
+    failure (why it was aborted, or "")."""
     return list(_jaxcomm.cuda_communicators()) if built_with_cuda() else []

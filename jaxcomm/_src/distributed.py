@@ -8,7 +8,11 @@ the launcher, :func:`init` and the multi-process transports):
 variable                   meaning
 =========================  ==================================================================
 JAXCOMM_COORDINATOR        ``host:port`` of the jax.distributed coordination service
-                           (process 0 starts it)
+JAXCOMM_COORDINATION_SERVICE
+                           ``external``: the service runs outside the workers (the
+                           launcher's own process, :mod:`jaxcomm.launch.coordinator`),
+                           so process 0 does not start one and may die like any other;
+                           unset: process 0 starts it, as JAX does
 JAXCOMM_NUM_PROCESSES      processes in the job
 JAXCOMM_PROCESS_ID         this process's index, 0 .. JAXCOMM_NUM_PROCESSES-1
                            (= ``jax.process_index()`` after :func:`init`)
@@ -19,6 +23,10 @@ JAXCOMM_JOB_ID             identifies the job: letters and digits only. Shared-m
                            :func:`shm_prefix`); the launcher removes any left over
 JAXCOMM_LAUNCHER_PID       the launcher's pid; :func:`init` asks Linux to terminate the
                            process when its parent (the launcher) dies
+JAXCOMM_JOB_SECRET         64 hex digits drawn by the launcher: a TCP connection to a
+                           jaxcomm process proves it belongs to the job with it (see
+                           :func:`job_secret`; without the launcher, agreed through the
+                           key-value store)
 =========================  ==================================================================
 
 Settings :func:`init` reads (keyword arguments take precedence):
@@ -38,8 +46,13 @@ JAXCOMM_SHUTDOWN_TIMEOUT_S     60         how long an exiting process waits in J
 How processes of a jax.distributed job end (jax 0.10.2, checked): at exit each process
 waits in a shutdown barrier until all have reached it. A process that dies (crash,
 SIGKILL, ``os._exit``) stops sending heartbeats; once the coordination service notices
-(the heartbeat timeout), it aborts all the others with SIGABRT, wherever they are. When
-process 0, which hosts the service, dies, the others abort at once. So after
+(the heartbeat timeout), it aborts all the others with SIGABRT, wherever they are
+(unless the service is recoverable: ``--keep-going``). Where process 0 hosts the
+service (SLURM, mpirun: JAX's default), the others abort at once when it dies; under
+``jaxcomm.launch`` the service runs in a process of its own, so process 0's death is
+like any other's: its peers get jaxcomm's error naming it well before the heartbeat
+timeout. (A Python ``missed_heartbeat_callback`` for the client, which would let a
+process outlive the service, throws ``std::bad_cast`` in jaxlib 0.10.2.) So after
 :func:`init`, a process ending with an uncaught exception skips the barrier and exits at
 once (status 1; 130 for KeyboardInterrupt): the launcher sees the failure where it
 happened, instead of all processes aborting together a barrier timeout later. A
@@ -54,6 +67,7 @@ through); it imports jax only when called, so the launcher can use its names wit
 from __future__ import annotations
 
 import atexit
+import contextlib
 import time
 import inspect
 import logging
@@ -62,7 +76,7 @@ import re
 import secrets
 import signal
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 log = logging.getLogger("jaxcomm")
 
@@ -76,16 +90,24 @@ ENV_LAUNCHER_PID = "JAXCOMM_LAUNCHER_PID"
 #: :func:`init` turns on JAX's recoverability (survivors are not aborted).
 ENV_KEEP_GOING = "JAXCOMM_KEEP_GOING"
 
+#: ``external``: the coordination service runs outside the workers (the launcher's own
+#: process): process 0 connects to it like the others instead of starting one.
+ENV_SERVICE = "JAXCOMM_COORDINATION_SERVICE"
+#: The per-job secret (64 hex digits) a TCP connection between processes starts with.
+ENV_SECRET = "JAXCOMM_JOB_SECRET"
+
 #: Every variable the launcher sets for its processes.
 LAUNCH_ENV = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DEVICES,
-              ENV_JOB_ID, ENV_LAUNCHER_PID)
+              ENV_JOB_ID, ENV_LAUNCHER_PID, ENV_SERVICE, ENV_SECRET)
 
 #: Shared-memory segment names start with ``SHM_PREFIX + job id + "-"``.
 SHM_PREFIX = "jaxcomm-"
 
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9]{1,64}$")
+_SECRET_RE = re.compile(r"^[0-9a-f]{64}$")
 #: Key in the coordination service's store under which the job id is agreed.
 _JOB_ID_KEY = "jaxcomm/job_id"
+_SECRET_KEY = "jaxcomm/job_secret"
 
 _DEFAULT_INIT_TIMEOUT_S = 60
 # JAX aborts every surviving process once the coordination service has missed a dead
@@ -112,6 +134,11 @@ def new_job_id() -> str:
     return secrets.token_hex(6)
 
 
+def new_job_secret() -> str:
+    """A fresh per-job secret: 32 random bytes as 64 hex digits."""
+    return secrets.token_hex(32)
+
+
 def shm_prefix(job_id: str | None = None) -> str:
     """The prefix of every shared-memory segment name of this job: ``jaxcomm-<id>-``.
 
@@ -134,8 +161,8 @@ def _env_int(name: str, env: dict[str, str] | os._Environ) -> int:
                          f"python -m jaxcomm.launch; was the environment edited?)") from None
 
 
-def _env_seconds(name: str, default: int) -> int:
-    raw = os.environ.get(name)
+def _env_seconds(name: str, default: int, env: dict[str, str] | None = None) -> int:
+    raw = (os.environ if env is None else env).get(name)
     if raw is None or not raw.strip():
         return default
     try:
@@ -282,6 +309,12 @@ def _install_fail_fast() -> None:
         global _failed_with
         _failed_with = 128 + int(signal.SIGINT) if issubclass(tp, KeyboardInterrupt) else 1
         previous(tp, value, tb)
+        text = str(value)
+        if "jaxcomm" in text and "Error dispatching computation" in text:
+            # JAX wrapped the error once per computation the failed one fed: the first
+            # failure, on a line of its own.
+            from jaxcomm.trace import causes
+            print(f"jaxcomm: the first failure: {causes.clean(text)}", file=sys.stderr)
 
     def exit_now() -> None:
         if _failed_with is None:
@@ -379,7 +412,9 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
         jax.config.update("jax_enable_preemption_service", False)
         if os.environ.get(ENV_KEEP_GOING) == "1":
             # Survivors of a dead process keep running (jaxcomm.ft); JAX's coordination
-            # service would otherwise abort them at its heartbeat timeout.
+            # service would otherwise abort them at its heartbeat timeout. (This only
+            # matters where process 0 hosts the service; the launcher's own service is
+            # started recoverable for --keep-going.)
             jax.config.update("jax_enable_recoverability", True)
         # "deactivate": everything is given; do not let a surrounding SLURM/MPI
         # environment (say, pytest run inside an allocation) override the launcher's.
@@ -390,8 +425,12 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
     else:
         kwargs = _initialize_kwargs(
             cluster_detection_method=cluster if cluster == "mpi4py" else None, **timeouts)
+    external = os.environ.get(ENV_SERVICE, "").strip().lower()
+    if external not in ("", "external"):
+        raise ValueError(f"{ENV_SERVICE} must be 'external' or unset, got {external!r}")
     try:
-        jax.distributed.initialize(**kwargs)
+        with _no_service_in_this_process(external == "external"):
+            jax.distributed.initialize(**kwargs)
     except Exception as exc:
         where = (f"process {spec['process_id']} of {spec['num_processes']}, coordinator "
                  f"{spec['coordinator']}" if spec is not None else f"{cluster} job")
@@ -399,10 +438,53 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
                            f"{exc}") from exc
     if fail_fast:
         _install_fail_fast()
-    if jax.config.jax_enable_recoverability and jax.process_index() == 0:
+    if jax.config.jax_enable_recoverability and _hosts_the_service():
         _outlive_the_others(timeouts["shutdown_timeout_seconds"])
     _ensure_job_id()
     return True
+
+
+@contextlib.contextmanager
+def _no_service_in_this_process(external: bool) -> Iterator[None]:
+    """While ``external``, ``jax.distributed.initialize`` in process 0 connects to the
+    coordination service instead of starting it (it runs elsewhere: the launcher's).
+
+    JAX's ``State.initialize`` starts the service in process 0 through
+    ``_jax.get_distributed_runtime_service`` and keeps the result only to shut it down;
+    the module's ``_jax`` is swapped for the call with a view whose service is a no-op.
+    Everything else (client, timeouts, partition index, preemption) stays JAX's own.
+    """
+    if not external:
+        yield
+        return
+    from jax._src import distributed as jax_distributed
+
+    real = jax_distributed._jax
+
+    class _ExternalService:
+        def shutdown(self) -> None:
+            pass
+
+    class _View:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        @staticmethod
+        def get_distributed_runtime_service(*args: Any, **kwargs: Any) -> _ExternalService:
+            return _ExternalService()
+
+    jax_distributed._jax = _View()
+    try:
+        yield
+    finally:
+        jax_distributed._jax = real
+
+
+def _hosts_the_service() -> bool:
+    """Whether this process runs the job's coordination service (JAX's process 0)."""
+    from jax._src import distributed as jax_distributed
+    service = jax_distributed.global_state.service
+    return service is not None and type(service).__name__ != "_ExternalService"
 
 
 def _outlive_the_others(timeout_s: float) -> None:
@@ -456,6 +538,20 @@ def kv_client() -> Any:
 _job_id: str | None = None
 
 
+def _agree(key: str, proposal: str, timeout_s: float) -> str:
+    """One value for ``key`` in every process: each proposes one in the key-value store
+    and the first write wins (no process has to go first). ``proposal`` when there is
+    no store (a single process)."""
+    client = kv_client()
+    if client is None:
+        return proposal
+    try:
+        client.key_value_set(key, proposal)
+    except Exception:  # someone else's proposal was first: use theirs
+        pass
+    return client.blocking_key_value_get(key, int(timeout_s * 1000))
+
+
 def _ensure_job_id(timeout_s: float = 60.0) -> str:
     """Agrees one job id among all processes and puts it into ``JAXCOMM_JOB_ID``.
 
@@ -470,14 +566,7 @@ def _ensure_job_id(timeout_s: float = 60.0) -> str:
         return given
     if _job_id is not None:
         return _job_id
-    client = kv_client()
-    job_id = new_job_id()
-    if client is not None:
-        try:
-            client.key_value_set(_JOB_ID_KEY, job_id)
-        except Exception:  # someone else's proposal was first: use theirs
-            pass
-        job_id = client.blocking_key_value_get(_JOB_ID_KEY, int(timeout_s * 1000))
+    job_id = _agree(_JOB_ID_KEY, new_job_id(), timeout_s)
     _job_id = job_id
     os.environ[ENV_JOB_ID] = job_id
     return job_id
@@ -494,3 +583,35 @@ def get_job_id() -> str:
         get_job_id()   # '3f9a0c51d2e7'
     """
     return _ensure_job_id()
+
+
+_job_secret: bytes | None = None
+
+
+def job_secret(timeout_s: float = 60.0) -> bytes:
+    """This job's secret: 32 bytes every process of the job shares, and nobody else.
+
+    The launcher draws it (``JAXCOMM_JOB_SECRET``, 64 hex digits, in the workers'
+    environment only). Without the launcher (mpirun, srun), every process proposes a
+    random one in the coordination service's key-value store and the first write wins,
+    as for the job id: then it is as private as that store, which JAX does not
+    authenticate (anyone who can reach the coordinator's port can read it). A TCP
+    connection between jaxcomm processes must start with it (ffi/cpu/tcp_link.h).
+
+    Example::
+
+        len(job_secret())   # 32
+    """
+    global _job_secret
+    if _job_secret is not None:
+        return _job_secret
+    given = os.environ.get(ENV_SECRET, "").strip().lower()
+    if given:
+        if not _SECRET_RE.match(given):
+            raise ValueError(f"{ENV_SECRET} must be 64 hex digits (set by python -m "
+                             f"jaxcomm.launch; was the environment edited?)")
+        secret = given
+    else:
+        secret = _agree(_SECRET_KEY, new_job_secret(), timeout_s)
+    _job_secret = bytes.fromhex(secret)
+    return _job_secret

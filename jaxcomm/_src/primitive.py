@@ -21,8 +21,9 @@ from jax._src.interpreters import batching, mlir
 
 from jaxcomm._src import compat, groups, partitioning, runtime, transport
 
-# Params every collective primitive carries, besides the op's own.
-COMMON_PARAMS = ("axes", "call_site", "timeout_ms", "vma_checked")
+# Params every collective primitive carries, besides the op's own. ``axis_index_groups``
+# (None, or groups.IndexGroups) may be absent where a primitive's params are built by hand.
+COMMON_PARAMS = ("axes", "axis_index_groups", "call_site", "timeout_ms", "vma_checked")
 
 
 # A result that reuses its operand's buffer makes XLA copy the operand first whenever the
@@ -40,25 +41,29 @@ class CollectiveSpec:
     """What distinguishes one collective primitive from another.
 
     Attributes:
-      name: the public op name, e.g. ``"all_gather"``; the FFI target is ``jaxcomm_<name>``.
+      name: the primitive's name is ``jaxcomm_<name>``.
       out_shape: the result shape from the operand shape, the group size and the params.
       invariant_result: True when the result is the same on every member of the group
-        (all_reduce, broadcast): its type drops the group's axes from the varying set.
+        (all_reduce, broadcast): its type drops the group's axes from the varying set. A
+        function of the op's params where that depends on them.
       ffi_attrs: the op's own handler attributes, from the params.
       shift_axes: the params after a batch dimension is inserted in front (vmap).
       aliases: whether the result reuses the operand's buffer when the operand is at most
         ``ALIAS_MAX_BYTES`` (see there).
       batch_dims: how many leading dimensions XLA may split over auto mesh axes (in a
         partially manual shard_map): those the op treats independently.
+      handler: the op whose FFI handler it lowers to (target ``jaxcomm_<handler>``);
+        default ``name``. Two primitives may share a handler and differ in typing.
     """
 
     name: str
     out_shape: Callable[..., tuple[int, ...]]
-    invariant_result: bool
+    invariant_result: bool | Callable[..., bool]
     ffi_attrs: Callable[..., dict[str, Any]]
     shift_axes: Callable[[dict[str, Any]], dict[str, Any]] = lambda params: params
     aliases: bool = False
     batch_dims: Callable[..., int] = lambda ndim, **_: ndim
+    handler: str = ""
 
 
 def _outside_shard_map(name: str) -> Callable[..., Any]:
@@ -74,13 +79,17 @@ def define(spec: CollectiveSpec) -> core.Primitive:
 
     def abstract_eval(x: core.ShapedArray, **params: Any):
         axes = params["axes"]
-        shape = spec.out_shape(x.shape, groups.group_size(axes), **_own(params))
+        size = groups.group_size(axes, params.get("axis_index_groups"))
+        shape = spec.out_shape(x.shape, size, **_own(params))
         out = x.update(shape=tuple(shape), weak_type=False)
         if params["vma_checked"]:
-            varying = compat.vma(x)
-            if spec.invariant_result:
-                varying = varying - frozenset(axes)
-            out = compat.with_vma(out, varying)
+            # Over its axes the result is invariant (the same on every member) or varying;
+            # an operand unreduced there (partial sums) is summed, so the result is not.
+            invariant = spec.invariant_result
+            if callable(invariant):
+                invariant = invariant(**_own(params))
+            varying = compat.vma(x) - frozenset(axes) if invariant else compat.vma(x) | frozenset(axes)
+            out = compat.with_vma(compat.without_unreduced(out, axes), varying)
         return out, {compat.NamedAxisEffect(a) for a in axes}
 
     prim.def_effectful_abstract_eval(abstract_eval)
@@ -120,15 +129,19 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
     runtime.ensure_registered_for(platforms)
     axis_context = ctx.module_context.axis_context
     axes = params["axes"]
-    replica_groups = groups.replica_groups(axis_context, axes)
+    replica_groups = groups.replica_groups(axis_context, axes, params.get("axis_index_groups"))
     if "cpu" in platforms:
         peers = groups.peer_processes(axis_context, replica_groups)
         if peers:
             transport.ensure_linked(peers)
-    if "cuda" in platforms and jax.process_count() > 1:
+    partition_devices = groups.partition_devices(axis_context, platforms[0])
+    if "cuda" in platforms:
+        # The groups' routes across processes, and every partition's local ordinal as all
+        # processes name it (ffi/cuda/routes.h).
         from jaxcomm._src import cuda_runtime
-        cuda_runtime.exchange_unique_ids(replica_groups, groups.partition_devices(axis_context, "cuda"),
-                                         params["timeout_ms"])
+        cuda_devices = cuda_runtime.prepare_lowering(op, replica_groups, axis_context, params["timeout_ms"])
+        if platforms[0] == "cuda":
+            partition_devices = cuda_devices
     extra = None
     if batch_dims is not None and groups.is_partially_manual(axis_context):
         extra = partitioning.batch_partitioning_attributes(ctx, batch_dims)
@@ -141,18 +154,19 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
         timeout_ms=int(params["timeout_ms"]),
         groups=np.asarray(replica_groups, dtype=np.int64).reshape(-1),
         group_size=len(replica_groups[0]),
-        partition_devices=groups.partition_devices(axis_context, platforms[0]),
+        partition_devices=partition_devices,
         **attrs,
     )
 
 
 def _ffi_lowering(spec: CollectiveSpec) -> Callable[..., Any]:
     def lowering(ctx: mlir.LoweringRuleContext, x: Any, **params: Any) -> Any:
-        size = len(groups.replica_groups(ctx.module_context.axis_context, params["axes"])[0])
+        size = len(groups.replica_groups(ctx.module_context.axis_context, params["axes"],
+                                         params.get("axis_index_groups"))[0])
         x_aval = ctx.avals_in[0]
         attrs = spec.ffi_attrs(x_aval=x_aval, group_size=size, **_own(params))
         in_place = spec.aliases and x_aval.size * x_aval.dtype.itemsize <= ALIAS_MAX_BYTES
-        return lower_collective(ctx, spec.name, [x], params, attrs,
+        return lower_collective(ctx, spec.handler or spec.name, [x], params, attrs,
                                 aliases={0: 0} if in_place else None,
                                 batch_dims=spec.batch_dims(ctx.avals_in[0].ndim, **_own(params)))
     return lowering

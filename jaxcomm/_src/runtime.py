@@ -41,8 +41,15 @@ def ensure_registered() -> None:
     jax.ffi.register_ffi_type("jaxcomm_instruction_state", _jaxcomm.state_type(), platform="cpu")
     for op, stages in _jaxcomm.cpu_targets().items():
         jax.ffi.register_ffi_target(target_name(op), stages, platform="cpu")
-        jax.ffi.register_ffi_target_as_batch_partitionable(target_name(op))
+        mark_batch_partitionable(target_name(op))
     _jaxcomm.set_process_index(jax.process_index())
+
+
+@functools.cache
+def mark_batch_partitionable(name: str) -> None:
+    """Marks FFI target ``name`` batch-partitionable, once per name: the mark is not per
+    platform, and a second one makes XLA log "Failed to register custom call partitioner"."""
+    jax.ffi.register_ffi_target_as_batch_partitionable(name)
 
 
 def ensure_registered_for(platforms: tuple[str, ...]) -> None:

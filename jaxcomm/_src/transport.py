@@ -10,6 +10,11 @@ ephemeral port) and links each peer it needs.
 
 ``JAXCOMM_TRANSPORT=tcp`` makes every link TCP, so that the cross-host path runs on one
 machine.
+
+The TCP listener takes one address: the interface this host reaches the coordinator by
+(the job's network), or ``JAXCOMM_TCP_ADDRESS``; and it admits only connections that
+start with the job's secret (:func:`jaxcomm._src.distributed.job_secret`) and claim
+another process of the job (ffi/cpu/tcp_link.h, docs/multiprocess.md "Security").
 """
 
 from __future__ import annotations
@@ -83,13 +88,22 @@ def _endpoint() -> dict[str, Any]:
     """Opens this process's endpoint and publishes it through the key-value store."""
     from jax._src import distributed
 
+    from jaxcomm._src import distributed as jaxcomm_distributed
+
     tcp_only = config.transport() == "tcp"
     me = jax.process_index()
     # With TCP forced, no two processes share memory: each is its own "host".
     host = f"tcp-only process {me}" if tcp_only else host_identity()
-    endpoint = dict(_jaxcomm.transport_open(me, not tcp_only, host))
+    address = config.tcp_address() or _reachable_address(
+        distributed.global_state.coordinator_address)
+    endpoint = dict(_jaxcomm.transport_open(
+        me, not tcp_only, host, listen_address=address,
+        secret=jaxcomm_distributed.job_secret(), processes=jax.process_count(),
+        timeout_ms=config.timeout_ms()))
+    if address == "0.0.0.0":  # listening everywhere (asked for): publish a reachable one
+        address = _reachable_address(distributed.global_state.coordinator_address)
     endpoint.update(host=host, hostname=socket.gethostname(), tcp_only=tcp_only,
-                    address=_reachable_address(distributed.global_state.coordinator_address))
+                    address=address)
     # A restarted process (jaxcomm.ft.rejoin) replaces the endpoint of its previous life.
     _client().key_value_set(_KEY.format(me), json.dumps(endpoint), allow_overwrite=True)
     return endpoint

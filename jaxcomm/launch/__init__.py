@@ -6,14 +6,25 @@
 Each of the ``n`` processes gets its place in the job through environment variables
 (``JAXCOMM_COORDINATOR=127.0.0.1:<free port>``, ``JAXCOMM_NUM_PROCESSES``,
 ``JAXCOMM_PROCESS_ID``, ``JAXCOMM_LOCAL_DEVICES``, ``JAXCOMM_JOB_ID``,
-``JAXCOMM_LAUNCHER_PID``; see :mod:`jaxcomm._src.distributed`), which ``jaxcomm.init()``
-in the script turns into ``jax.distributed.initialize(...)``. ``XLA_FLAGS`` gets
+``JAXCOMM_LAUNCHER_PID``, ``JAXCOMM_COORDINATION_SERVICE``, ``JAXCOMM_JOB_SECRET``; see
+:mod:`jaxcomm._src.distributed`), which ``jaxcomm.init()`` in the script turns into
+``jax.distributed.initialize(...)``. ``XLA_FLAGS`` gets
 ``--xla_force_host_platform_device_count=<devices per process>``.
+
+JAX's coordination service (key-value store, heartbeats) runs in a process of the
+launcher's (:mod:`jaxcomm.launch.coordinator`), not in process 0: any process, process 0
+included, may die without JAX aborting the others, which then get jaxcomm's error naming
+it (and with ``keep_going``, ``jaxcomm.ft.all_reduce`` goes on without it).
 
 Every line a process prints is prefixed with its rank (``[1] ...``), on the stream it was
 printed to. When a process fails (non-zero exit or a signal), the others get a grace
-period to report their own errors, then are terminated (SIGTERM, then SIGKILL); the
-launcher exits with the first failing process's status (128 + N for signal N). Ctrl-C is
+period to report their own errors, then are terminated (SIGTERM, then SIGKILL); with
+``JAXCOMM_TRACE_DIR`` set, each is first asked for its flight recorder dump (SIGUSR1)
+and given a moment to write it. The launcher exits with the status of the failing
+process the others' errors lead back to, else of the first to fail (128 + N for signal
+N), and ends with a summary: each failed process's jaxcomm
+error (without what JAX's dispatch wraps around it), the process those errors lead back
+to first, and under ``JAXCOMM_TRACE_DIR`` the flight recorder's verdict. Ctrl-C is
 forwarded to the processes (twice: they are killed). Afterwards, shared-memory segments
 ``/dev/shm/jaxcomm-<job id>-*`` left by the job are removed and reported.
 
@@ -31,6 +42,7 @@ import contextlib
 import dataclasses
 import glob
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -41,6 +53,7 @@ from typing import IO, Iterator, Sequence
 
 import jaxcomm
 from jaxcomm._src import distributed as _dist
+from jaxcomm.trace import causes as _causes
 
 __all__ = ["LaunchResult", "free_port", "launch", "main", "run"]
 
@@ -50,6 +63,11 @@ DEFAULT_GRACE_S = 10.0
 TERM_TIMEOUT_S = 5.0
 #: Seconds to wait for output to drain and killed processes to be reaped.
 _DRAIN_TIMEOUT_S = 5.0
+#: Seconds a process asked for its flight recorder dump (SIGUSR1) gets to write it
+#: before it is terminated.
+DUMP_WAIT_S = 2.0
+#: Seconds the coordination service's process gets to start listening (it imports jaxlib).
+_SERVICE_START_S = 60.0
 _POLL_S = 0.05
 #: Exit status when the job ran past ``timeout_s`` (as coreutils ``timeout``).
 TIMEOUT_EXIT = 124
@@ -62,17 +80,25 @@ class LaunchResult:
     """What happened to a launched job.
 
     Attributes:
-      returncode: the launcher's exit status: 0 if every process exited 0; else the first
-        failing process's status (128 + N if it died of signal N), 124 if the job ran
-        past its timeout, 128 + N if the launcher was interrupted by signal N.
+      returncode: the launcher's exit status: 0 if every process exited 0; else the status
+        of the failing process the others' jaxcomm errors lead back to (``cause``), or
+        of the first to fail (128 + N if it died of signal N), 124 if the job ran past
+        its timeout, 128 + N if the launcher was interrupted by signal N.
       returncodes: each rank's ``Popen.returncode`` (negative: killed by that signal).
-      failed_rank: the first rank seen to fail, or None.
+      failed_rank: the failing rank the others' errors lead back to, else the first seen
+        to fail, or None.
       terminated: ranks the launcher had to terminate.
       timed_out: the job ran past ``timeout_s``.
       removed_shm: leftover shared-memory files the launcher removed.
       job_id: the job's ``JAXCOMM_JOB_ID``.
       lines: with ``capture=True``, every output line as (rank, "stdout"/"stderr", text),
         in the order received; rank -1 holds the launcher's own notes.
+      errors: each failed rank's last jaxcomm error, cleaned (:func:`causes.clean`).
+      cause: the processes those errors lead back to (:func:`causes.consequences`):
+        those that failed first, not those that gave up on them.
+      verdict: the flight recorder analyzer's verdict line over this job's records
+        (``JAXCOMM_TRACE_DIR`` set and the job failed), else "".
+      exit_times: when each rank was seen to end (``time.monotonic()``).
     """
 
     returncode: int
@@ -83,6 +109,10 @@ class LaunchResult:
     removed_shm: list[str] = dataclasses.field(default_factory=list)
     job_id: str = ""
     lines: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+    errors: dict[int, str] = dataclasses.field(default_factory=dict)
+    cause: list[int] = dataclasses.field(default_factory=list)
+    verdict: str = ""
+    exit_times: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def output(self, rank: int, stream: str | None = None) -> str:
         """Rank ``rank``'s captured lines (both streams, or ``"stdout"``/``"stderr"``)."""
@@ -131,7 +161,8 @@ def _command(argv: Sequence[str], module: bool) -> list[str]:
 
 
 def _rank_env(base: dict[str, str], n: int, rank: int, devices: int, coordinator: str,
-              job_id: str, keep_going: bool = False) -> dict[str, str]:
+              job_id: str, keep_going: bool = False, secret: str = "") -> dict[str, str]:
+    secret = secret or _dist.new_job_secret()
     env = dict(base)
     if keep_going:
         env[_dist.ENV_KEEP_GOING] = "1"
@@ -150,6 +181,8 @@ def _rank_env(base: dict[str, str], n: int, rank: int, devices: int, coordinator
         _dist.ENV_LOCAL_DEVICES: str(devices),
         _dist.ENV_JOB_ID: job_id,
         _dist.ENV_LAUNCHER_PID: str(os.getpid()),
+        _dist.ENV_SERVICE: "external",
+        _dist.ENV_SECRET: secret,
     })
     return env
 
@@ -166,6 +199,7 @@ class _Output:
         self.capture = capture
         self.sinks = {"stdout": stdout or sys.stdout, "stderr": stderr or sys.stderr}
         self.lines: list[tuple[int, str, str]] = []
+        self.errors: dict[int, str] = {}  # rank -> its last jaxcomm error line
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
 
@@ -189,6 +223,8 @@ class _Output:
 
     def emit(self, rank: int, stream_name: str, text: str) -> None:
         with self.lock:
+            if rank >= 0 and _causes.is_jaxcomm_error(text):
+                self.errors[rank] = text
             if self.capture:
                 self.lines.append((rank, stream_name, text))
                 return
@@ -262,6 +298,75 @@ def _remove_shm(job_id: str) -> list[str]:
         except OSError:
             pass  # not ours to remove (permissions): left, and not reported as removed
     return removed
+
+
+class _Service:
+    """JAX's coordination service for the job, in a process of its own (coordinator.py).
+
+    Started before the ranks, on the port given or a free one (retried if another
+    program takes a free one first), and stopped after every rank has ended: closing
+    its standard input stops it.
+    """
+
+    def __init__(self, n: int, port: int | None, env: dict[str, str], keep_going: bool,
+                 out: _Output) -> None:
+        from jaxcomm.launch import coordinator
+
+        heartbeat = _dist._env_seconds("JAXCOMM_HEARTBEAT_TIMEOUT_S",
+                                       _dist._DEFAULT_HEARTBEAT_TIMEOUT_S, env)
+        shutdown = _dist._env_seconds("JAXCOMM_SHUTDOWN_TIMEOUT_S",
+                                      _dist._DEFAULT_SHUTDOWN_TIMEOUT_S, env)
+        why = ""
+        for _ in range(1 if port else 3):
+            address = f"127.0.0.1:{port or free_port()}"
+            # Run as a script: it imports only jaxlib, not jaxcomm's package (nor jax).
+            cmd = [sys.executable, coordinator.__file__, "--address", address,
+                   "--processes", str(n), "--heartbeat-s", str(heartbeat),
+                   "--shutdown-s", str(shutdown)] + (["--recoverable"] if keep_going else [])
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         start_new_session=True)
+            line = self._first_line()
+            if line.startswith("ready "):
+                self.address = address
+                threading.Thread(target=self._forward, args=(out,), daemon=True,
+                                 name="jaxcomm-launch-service").start()
+                return
+            why = line or ("it exited" if self.proc.poll() is not None
+                           else f"it did not listen within {_SERVICE_START_S:g} s")
+            self.stop()
+        raise RuntimeError(f"could not start the job's coordination service on {address}: {why}")
+
+    def _first_line(self) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], _SERVICE_START_S)
+        if not ready:
+            return ""
+        return self.proc.stdout.readline().decode("utf-8", "replace").strip()
+
+    def _forward(self, out: _Output) -> None:
+        """The service's errors (glog lines "E..."/"F...": a process stopped sending
+        heartbeats) become launcher notes; the rest of its log is dropped."""
+        assert self.proc.stderr is not None
+        try:
+            for raw in iter(self.proc.stderr.readline, b""):
+                text = raw.decode("utf-8", "replace").rstrip()
+                if text[:1] in ("E", "F") and text[1:5].isdigit():
+                    out.note("coordination service: " + text.split("] ", 1)[-1])
+        except (OSError, ValueError):
+            pass
+
+    def stop(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()  # end of input: the service stops
+            self.proc.wait(TERM_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            try:
+                self.proc.wait(_DRAIN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def rank_cores(rank: int, n: int) -> set[int] | None:
@@ -358,9 +463,16 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
     if not _dist.is_valid_job_id(job_id):
         raise ValueError(f"job id {job_id!r} must be 1-64 letters or digits")
     cmd = _command(argv, module)
-    coordinator = f"127.0.0.1:{port or free_port()}"
     base = dict(os.environ if env is None else env)
     out = _Output(capture, stdout, stderr)
+    # A secret given in the environment is the job's (tests, or a scheduler that draws
+    # it); else a fresh one.
+    secret = base.get(_dist.ENV_SECRET) or _dist.new_job_secret()
+    if not _dist._SECRET_RE.match(secret):
+        raise ValueError(f"{_dist.ENV_SECRET} must be 64 lowercase hex digits")
+    service = _Service(n, port, {**base, _dist.ENV_JOB_ID: job_id}, keep_going, out)
+    coordinator = service.address
+    trace_dir = base.get("JAXCOMM_TRACE_DIR") or None
 
     procs: list[subprocess.Popen] = []
     interrupts: list[int] = []
@@ -387,7 +499,8 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
                 # and a terminal's Ctrl-C reaches the launcher only, which forwards it.
                 with _affinity(cores):
                     p = subprocess.Popen(cmd, env=_rank_env(base, n, rank, devices_per_process,
-                                                            coordinator, job_id, keep_going),
+                                                            coordinator, job_id, keep_going,
+                                                            secret),
                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, cwd=cwd, start_new_session=True)
             except OSError as exc:
@@ -397,11 +510,12 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
             procs.append(p)
             out.start(rank, "stdout", p.stdout)
             out.start(rank, "stderr", p.stderr)
-        result = _supervise(procs, out, grace_s, timeout_s, interrupts, keep_going)
+        result = _supervise(procs, out, grace_s, timeout_s, interrupts, keep_going, trace_dir)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         _kill_all(procs)  # only finds live processes if the launcher itself failed
+        service.stop()
 
     drained = out.join(time.monotonic() + _DRAIN_TIMEOUT_S)
     if not drained:
@@ -412,6 +526,9 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
         out.note("processes started by the job kept its output open after it ended; "
                  "killed them" + ("" if drained else " (some output may be lost)"))
     result.job_id = job_id
+    if trace_dir:
+        _remove_partial_dumps(trace_dir, [p.pid for p in procs])
+    _summarize(result, out, procs, trace_dir, interrupted=bool(interrupts))
     result.removed_shm = _remove_shm(job_id)
     if result.removed_shm:
         out.note(f"removed {len(result.removed_shm)} shared-memory segment(s) the job left "
@@ -420,25 +537,94 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
     return result
 
 
+def _remove_partial_dumps(trace_dir: str, pids: list[int]) -> None:
+    """Removes the half-written dumps (``*.json.tmp<pid>``) of processes that ended while
+    writing one; their records are in their ring files."""
+    for pid in pids:
+        for path in glob.glob(os.path.join(glob.escape(trace_dir),
+                                           f"jaxcomm-trace-p*-{pid}.json.tmp{pid}")):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _summarize(result: LaunchResult, out: _Output, procs: list[subprocess.Popen],
+               trace_dir: str | None, interrupted: bool = False) -> None:
+    """Notes, after a failed job, each failed rank's jaxcomm error (cleaned), the
+    processes they lead back to first, and the flight recorder's verdict.
+
+    The process the errors lead back to becomes the failed rank whose status the
+    launcher exits with: the first process seen to exit is often one that gave up on it.
+    """
+    failed = [r for r, c in enumerate(result.returncodes) if c not in (0, None)]
+    if not failed:
+        return
+    result.errors = {r: _causes.clean(out.errors[r]) for r in failed if r in out.errors}
+    # Ranks are processes here (one process per rank of the launcher).
+    failures = [_causes.Failure(r, result.exit_times.get(r, 0.0), _causes.blames(text))
+                for r, text in result.errors.items()]
+    secondary = _causes.consequences(failures)
+    named = {b.process for f in failures for b in f.blamed}
+    result.cause = sorted({q for p in named for q in _causes.root_of(p, secondary)})
+    order = sorted(result.errors, key=lambda r: (r not in result.cause, r in secondary,
+                                                 result.exit_times.get(r, 0.0)))
+    culprit = next((p for p in result.cause if p < len(procs)
+                    and result.returncodes[p] not in (0, None)), None)
+    if culprit is not None and result.failed_rank is not None and not interrupted:
+        result.failed_rank = culprit
+        result.returncode = _exit_status(result.returncodes[culprit])  # type: ignore[arg-type]
+    if result.cause:
+        what = []
+        for p in result.cause:
+            code = result.returncodes[p] if p < len(result.returncodes) else None
+            what.append(f"process {p}" + (f" ({_describe(code)})" if code is not None else ""))
+        out.note(f"the failure starts at {', '.join(what)}: the other processes' errors "
+                 f"lead back to it")
+    for r in order:
+        out.note(f"rank {r}: {result.errors[r]}")
+    if trace_dir:
+        try:
+            from jaxcomm.trace import analyzer
+            report = analyzer.analyze(trace_dir, pids={p.pid for p in procs})
+        except Exception as e:  # noqa: BLE001 - a summary must not fail the launcher
+            out.note(f"flight recorder analysis of {trace_dir} failed: {e}")
+            return
+        result.verdict = report.verdict
+        out.note(f"flight recorder ({trace_dir}): {report.verdict}")
+
+
 def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
                timeout_s: float | None, interrupts: list[int],
-               keep_going: bool = False) -> LaunchResult:
+               keep_going: bool = False, trace_dir: str | None = None) -> LaunchResult:
     """Waits for the processes; on a failure, grace, then terminates the rest (unless
     ``keep_going``: then it waits for the survivors)."""
     start = time.monotonic()
+    # One waiter per process records when it ended: failures seen in one poll are told
+    # apart by when they happened, not by rank.
+    exit_times: dict[int, float] = {}
+
+    def wait_for(rank: int, p: subprocess.Popen) -> None:
+        p.wait()
+        exit_times[rank] = time.monotonic()
+
+    for rank, p in enumerate(procs):
+        threading.Thread(target=wait_for, args=(rank, p), daemon=True,
+                         name=f"jaxcomm-launch-wait-{rank}").start()
     job_deadline = start + timeout_s if timeout_s is not None else None
     failed_rank: int | None = None
     grace_deadline: float | None = None
     timed_out = False
     seen_interrupts = 0
     while True:
-        codes = [p.poll() for p in procs]
+        codes = [p.returncode if r in exit_times else None for r, p in enumerate(procs)]
         now = time.monotonic()
         if seen_interrupts < len(interrupts):
             seen_interrupts = len(interrupts)
             out.note(f"got {signal.Signals(interrupts[-1]).name}; passed it on to the "
                      f"processes" + (" as SIGKILL" if seen_interrupts > 1 else ""))
-        for rank, code in enumerate(codes):
+        for rank in sorted(exit_times, key=exit_times.get):
+            code = codes[rank]
             if failed_rank is None and code is not None and code != 0:
                 failed_rank = rank
                 running = [r for r, c in enumerate(codes) if c is None]
@@ -459,7 +645,9 @@ def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
             break
         time.sleep(_POLL_S)
 
-    terminated = _terminate([p for p in procs if p.poll() is None], out)
+    terminated = _terminate([p for p in procs if p.poll() is None], out, trace_dir)
+    for rank, p in enumerate(procs):
+        exit_times.setdefault(rank, time.monotonic())
     codes = [p.returncode for p in procs]
     terminated_ranks = [procs.index(p) for p in terminated]
     if terminated_ranks:
@@ -475,13 +663,46 @@ def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
         bad = [r for r, c in enumerate(codes) if c not in (0, None)]
         status = _exit_status(codes[bad[0]]) if bad else 0  # type: ignore[arg-type]
     return LaunchResult(returncode=status, returncodes=codes, failed_rank=failed_rank,
-                        terminated=terminated_ranks, timed_out=timed_out)
+                        terminated=terminated_ranks, timed_out=timed_out,
+                        exit_times=dict(exit_times))
 
 
-def _terminate(live: list[subprocess.Popen], out: _Output) -> list[subprocess.Popen]:
-    """SIGTERM, then after TERM_TIMEOUT_S SIGKILL; returns the processes it signalled."""
+def _request_dumps(live: list[subprocess.Popen], out: _Output, trace_dir: str) -> None:
+    """Asks each process for its flight recorder dump (SIGUSR1, the process itself only)
+    and waits up to DUMP_WAIT_S for the dumps to appear (or the processes to end)."""
+    asked = time.time()
+    for p in live:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def dumped(p: subprocess.Popen) -> bool:
+        if p.poll() is not None:
+            return True
+        for path in glob.glob(os.path.join(glob.escape(trace_dir), f"jaxcomm-trace-p*-{p.pid}.json")):
+            try:
+                if os.stat(path).st_mtime >= asked - 0.05:
+                    return True
+            except OSError:
+                pass
+        return False
+
+    deadline = time.monotonic() + DUMP_WAIT_S
+    while time.monotonic() < deadline and not all(dumped(p) for p in live):
+        time.sleep(_POLL_S)
+    out.note(f"asked pids {[p.pid for p in live]} for their flight recorder dumps (SIGUSR1) "
+             f"before terminating them")
+
+
+def _terminate(live: list[subprocess.Popen], out: _Output,
+               trace_dir: str | None = None) -> list[subprocess.Popen]:
+    """SIGTERM, then after TERM_TIMEOUT_S SIGKILL; returns the processes it signalled.
+    With a trace directory, each process is first asked for its dump (SIGUSR1)."""
     if not live:
         return []
+    if trace_dir:
+        _request_dumps(live, out, trace_dir)
     for p in live:
         _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + TERM_TIMEOUT_S

@@ -16,11 +16,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Runs a script as N processes of one JAX job on this machine (the "
                     "script calls jaxcomm.init() first). Output lines are prefixed with "
                     "the rank; when one process fails the others get --grace seconds, "
-                    "then are terminated, and the launcher exits with the failing "
-                    "process's status.",
+                    "then are terminated, and the launcher exits with the status of the "
+                    "process the others' errors lead back to. JAX's coordination service "
+                    "runs in a process of the launcher's, so any process may die.",
         epilog="Environment given to each process: JAXCOMM_COORDINATOR, "
                "JAXCOMM_NUM_PROCESSES, JAXCOMM_PROCESS_ID, JAXCOMM_LOCAL_DEVICES, "
-               "JAXCOMM_JOB_ID, JAXCOMM_LAUNCHER_PID, and XLA_FLAGS with "
+               "JAXCOMM_JOB_ID, JAXCOMM_LAUNCHER_PID, JAXCOMM_COORDINATION_SERVICE, "
+               "JAXCOMM_JOB_SECRET, and XLA_FLAGS with "
                "--xla_force_host_platform_device_count.")
     p.add_argument("-n", "--nprocs", "--processes", dest="n", type=int, required=True,
                    help="number of processes")

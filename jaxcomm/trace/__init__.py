@@ -7,12 +7,17 @@ README.md, "Tracing and fault localization"). Files are written
 
 * by :func:`dump`;
 * automatically, when ``JAXCOMM_TRACE_DIR`` is set: on a collective timeout or transport
-  error (by a native thread, within about a second) and at interpreter exit;
+  error (by a native thread, within about a second) and at interpreter exit (a process
+  that recorded no call writes none);
 * on ``SIGUSR1`` (to ``JAXCOMM_TRACE_DIR``, else the current directory), unless the
   program installed its own handler for that signal first.
 
+Under ``JAXCOMM_TRACE_DIR`` the rings themselves live in a file mapping,
+``jaxcomm-ring-p<process index>-<pid>.bin``, which the kernel keeps however the process
+ends (SIGKILL, ``os._exit``, an abort by JAX): :mod:`jaxcomm.trace.ringfile` reads it.
+
 ``python -m jaxcomm.trace analyze DIR`` merges the files of all processes and says which
-rank is stuck, missing, mismatched or late; ``python -m jaxcomm.trace export DIR
+rank is stuck, missing, mismatched or late, cause first; ``python -m jaxcomm.trace export DIR
 --perfetto out.json --plot out.png`` draws the timeline.
 """
 
@@ -97,6 +102,10 @@ def analyze(directory: str | os.PathLike[str], **kwargs: Any) -> Any:
 
 
 def _dump_at_exit() -> None:
+    # A process that recorded no call (the launcher, a tool importing jaxcomm) leaves no
+    # dump: an empty one would look like one more process of the job.
+    if not _jaxcomm.trace_stats():  # no call site described: nothing was recorded
+        return
     try:
         dump(_jaxcomm.trace_dir(), reason="exit")
     except Exception as e:  # noqa: BLE001 - never turn an exit into a traceback

@@ -11,12 +11,23 @@ Findings, most serious first:
   the others (a ``lax.cond`` that differs by rank, or processes running different
   programs), or ranks that ran different ops/sizes at the same call.
 * ``dead``: a process died during a call (its peers saw it exit or its connection
-  close); it left no dump.
+  close).
 * ``hang``: ranks that never arrived at a call their peers waited in (and timed out in,
   or still wait in at dump time).
 * ``failed``: calls that failed for another reason (the error text is shown).
 * ``straggler``: completed calls whose ranks arrived far apart (arrival skew at least
   ``straggler_ms``): the late rank and by how much.
+
+Across processes, failures are ordered by cause (:mod:`jaxcomm.trace.causes`): a process
+whose own error named another process before anyone named it failed because of that
+process (it timed out waiting for it, then exited, and the others saw it exit). A
+finding names the processes at the root of such chains; the others are listed under it
+as its consequences. So the verdict names the process that hung, died or ran late, not
+the first one to give up on it.
+
+Every process's records are read: its JSON dumps and, under ``JAXCOMM_TRACE_DIR``, its
+file-backed rings (:mod:`jaxcomm.trace.ringfile`), which outlive a process killed by a
+signal or aborted by JAX; for each process the more complete of the two counts.
 
 The first line printed is one verdict; the exit status of ``python -m jaxcomm.trace
 analyze`` is 0 for a clean run, 1 for a fault, 2 when the only finding is stragglers.
@@ -33,15 +44,16 @@ import re
 import statistics
 from typing import Any, Iterable
 
+from jaxcomm.trace import causes, ringfile
+
 #: Dump format versions this analyzer reads.
 VERSIONS = (1,)
 
 _SEVERITY = {"mismatch": 0, "dead": 1, "hang": 2, "failed": 3, "straggler": 4}
 _UNFINISHED = ("pending", "active")
-# "process 1 (host h, pid 12) with ranks [2 3] (partitions [2 3]) failed: it exited ..."
-_DEAD_RE = re.compile(r"process (\d+) \(host [^,]*, pid (\d+)\) with ranks \[[^\]]*\] "
-                      r"\(partitions \[([^\]]*)\]\) failed: ([^;]*?)(?: after| before|$)")
-_MISMATCH_RE = re.compile(r"runs a different collective")
+_MISMATCH_RE = re.compile(r"runs a different collective|^MISMATCH:")
+# What a dead process's peers said of it: "failed: it exited before it arrived ...".
+_WHY_DEAD = re.compile(r"failed: (.*?)(?: after it arrived| before it arrived|;|$)")
 _LATE = "arrived too late"  # rendezvous.cc: a rank that came after its peers timed out
 
 
@@ -57,6 +69,9 @@ class Finding:
         mismatch).
       waiting: the ranks that waited for them.
       details: further lines.
+      processes: the processes at fault (across processes; empty within one).
+      consequences: what followed from it on other processes (lines), e.g. a process
+        that gave up waiting and exited, and what its peers then reported.
     """
 
     kind: str
@@ -69,6 +84,8 @@ class Finding:
     waiting: list[int] = dataclasses.field(default_factory=list)
     details: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0  # straggler: how late; others: when it started (sort key)
+    processes: list[int] = dataclasses.field(default_factory=list)
+    consequences: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -118,14 +135,26 @@ class Call:
         return f"{self.op} at {self.call_site} (axis {self.axis}, execution {self.key[2]})"
 
 
-def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The flight recorder dumps (parsed JSON) in ``directory``, newest per process."""
-    dumps: dict[tuple[int, int], dict[str, Any]] = {}
-    for path in sorted(glob.glob(os.path.join(os.fspath(directory), "*.json"))):
+def load(directory: str | os.PathLike[str],
+         pids: Iterable[int] | None = None) -> list[dict[str, Any]]:
+    """Each process's records in ``directory``: the most complete of its JSON dumps and
+    its ring file (most calls recorded; then the latest; then the JSON, whose error texts
+    are never cut). ``pids``: only the records of these processes (one job's, in a
+    directory that holds several)."""
+    wanted = None if pids is None else set(pids)
+    found: dict[tuple[int, int], dict[str, Any]] = {}
+    paths = sorted(glob.glob(os.path.join(os.fspath(directory), "*.json")))
+    rings = sorted(glob.glob(os.path.join(os.fspath(directory), "jaxcomm-ring-p*.bin")))
+    for path in paths + rings:
         try:
-            with open(path) as f:
-                d = json.load(f)
-        except (OSError, ValueError):
+            if ringfile.is_ring_file(path):
+                d = ringfile.read(path)
+            else:
+                with open(path) as f:
+                    d = json.load(f)
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            if isinstance(e, ValueError) and "version" in str(e):
+                raise
             continue
         if not isinstance(d, dict) or d.get("format") != "jaxcomm-trace":
             continue
@@ -133,10 +162,17 @@ def load(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
             raise ValueError(f"{path}: dump format version {d.get('version')} is not one of "
                              f"{VERSIONS}; use the jaxcomm that wrote it")
         d["path"] = path
+        if wanted is not None and d["pid"] not in wanted:
+            continue
         key = (d["process_index"], d["pid"])
-        if key not in dumps or d["dumped_at_us"] > dumps[key]["dumped_at_us"]:
-            dumps[key] = d
-    return sorted(dumps.values(), key=lambda d: (d["process_index"], d["pid"]))
+        if key not in found or _completeness(d) > _completeness(found[key]):
+            found[key] = d
+    return sorted(found.values(), key=lambda d: (d["process_index"], d["pid"]))
+
+
+def _completeness(d: dict[str, Any]) -> tuple[int, int, int]:
+    calls = sum(r["calls"] for r in d.get("ranks", []))
+    return calls, d["dumped_at_us"], d.get("reason") != "ring file"
 
 
 def merge(dumps: Iterable[dict[str, Any]]) -> tuple[dict[tuple[str, int, int], Call], dict[int, list]]:
@@ -170,20 +206,108 @@ def _is_stuck(e: dict[str, Any], stuck_s: float) -> bool:
 
 def _last_seen(entries: list[dict[str, Any]]) -> str:
     if not entries:
-        return "no entries from it in any dump"
+        return "no records from it"
     e = max(entries, key=lambda e: e["enqueue_us"])
     return (f"its last call was {e['op']} at {e['call_site']} (execution {e['execution']}), "
             f"{e['state']}")
 
 
+def _process_finding(c: Call, waiting: list[int], errors: list[str], base: dict[str, Any],
+                     process_of: dict[int, int], secondary: dict[int, tuple[float, list[int]]],
+                     recorded: set[int], by_rank: dict[int, list]) -> Finding | None:
+    """The finding of a stuck call whose fault lies in other processes, or None (the
+    ranks it waited for live in the waiting processes: a fault within one process)."""
+    reporters = {c.entries[r]["process"] for r in waiting}
+    said: dict[int, causes.Blame] = {}      # first thing said of each process
+    dead: dict[int, causes.Blame] = {}
+    told_by: dict[int, set[int]] = collections.defaultdict(set)
+    for e in c.entries.values():
+        for b in causes.blames(e.get("error")):
+            if b.kind == "mismatch":
+                continue
+            said.setdefault(b.process, b)
+            told_by[b.process].add(e["process"])
+            if b.kind == "dead":
+                dead.setdefault(b.process, b)
+    absent: dict[int, list[int]] = collections.defaultdict(list)  # its ranks missing here
+    for r in c.missing:
+        if r in process_of:
+            absent[process_of[r]].append(r)
+    candidates = set(said) | set(absent)
+    # A waiting process is at fault only for its own ranks that never came (the rest of
+    # it waits like everyone else); one whose ranks all came is waiting, not at fault.
+    candidates = {p for p in candidates if p not in reporters or absent.get(p)}
+    if not candidates or candidates <= reporters and not (set(said) - reporters):
+        return None
+    roots = sorted({q for p in candidates for q in causes.root_of(p, secondary)})
+    ranks_of = collections.defaultdict(set)
+    for r, p in process_of.items():
+        ranks_of[p].add(r)
+
+    def culprit_ranks(p: int) -> list[int]:
+        if p in reporters:
+            return sorted(absent.get(p, []))
+        if p in said:
+            return sorted(said[p].partitions)
+        return sorted(absent.get(p) or ranks_of.get(p) or [])
+
+    culprits = sorted({r for p in roots for r in culprit_ranks(p)})
+    timed_out = any("timed out" in x for x in errors)
+    dead_roots = [p for p in roots if p in dead]
+    details = []
+    if dead_roots:
+        kind = "dead"
+        parts = []
+        for p in dead_roots:
+            b = dead[p]
+            when = {True: " after it arrived", False: " before it arrived"}.get(b.arrived, "")
+            parts.append(f"process {p} (pid {b.pid}, ranks {_ranks(b.partitions)}) died during "
+                         f"{c.where()}{when}: {b.said or 'it exited'}"
+                         + ("" if p in recorded else "; it left no dump"))
+        summary = "; ".join(parts)
+    else:
+        kind = "hang"
+        named = " and ".join(f"process {p}" for p in roots)
+        if len(roots) == 1 and roots[0] in reporters:
+            named = f"ranks {_ranks(culprits)} (process {roots[0]})"
+        elif len(roots) == 1:
+            named += f" (ranks {_ranks(culprits)})"
+        else:
+            named = f"processes {_ranks(roots)} (ranks {_ranks(culprits)})"
+        arrived_late = [p for p in roots if p not in absent and p not in said]
+        summary = (f"{named} never arrived at {c.where()}; ranks {_ranks(waiting)} waited for "
+                   f"{'them' if len(culprits) > 1 else 'it'}" + (" and timed out" if timed_out else ""))
+        if arrived_late:
+            summary += f" (the errors here lead back to process(es) {_ranks(arrived_late)})"
+        for p in roots:
+            if p in recorded:
+                for r in culprit_ranks(p):
+                    details.append(f"rank {r}: {_last_seen(by_rank.get(r, []))}")
+            else:
+                details.append(f"process {p} left no dump")
+    consequences = []
+    for p in sorted((set(said) | candidates) - set(roots)):
+        first = secondary.get(p)
+        mine = said[p].partitions if p in said else ranks_of.get(p, ())
+        what = f"process {p} (ranks {_ranks(mine)})" + (
+            f" failed first, with an error naming process(es) {_ranks(first[1])}" if first else "")
+        if p in dead:
+            what += (f", then {dead[p].said or 'it exited'}; process(es) "
+                     f"{_ranks(told_by[p] - {p})} reported that")
+        consequences.append(what)
+    return Finding(kind, summary, culprits=culprits, processes=roots,
+                   consequences=consequences, **base, details=details + errors[:3])
+
+
 def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
-            stuck_s: float = 5.0) -> Report:
+            stuck_s: float = 5.0, pids: Iterable[int] | None = None) -> Report:
     """Analyzes the dumps in ``directory``.
 
     Args:
       straggler_ms: the arrival skew at which a completed call counts as a straggler.
       stuck_s: how long a call still pending at dump time must have waited to count as
         stuck (failed calls always count).
+      pids: only the records of these processes (one job's; default: all).
 
     Example::
 
@@ -191,7 +315,7 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
         print(report.verdict)
         assert report.exit_code == 0
     """
-    dumps = load(directory)
+    dumps = load(directory, pids)
     if not dumps:
         return Report(f"verdict: empty: no jaxcomm flight recorder dumps in {directory}", "empty",
                       [], [], [], 0, [], [])
@@ -211,6 +335,20 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
         for r, e in c.entries.items():
             if _is_stuck(e, stuck_s):
                 stuck_in.setdefault(r, c)
+
+    # Which process each rank lives in, and which processes' failures were consequences.
+    process_of: dict[int, int] = {}
+    failures: list[causes.Failure] = []
+    for c in calls.values():
+        for r, e in c.entries.items():
+            process_of[r] = e["process"]
+            said = causes.blames(e.get("error"))
+            for b in said:
+                for part in b.partitions:
+                    process_of.setdefault(part, b.process)
+            if said:
+                failures.append(causes.Failure(e["process"], e["end_us"] or e["enqueue_us"], said))
+    secondary = causes.consequences(failures)
 
     explained: set[tuple[str, int, int]] = set()
     for c in stuck:
@@ -252,20 +390,13 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
                 "different programs)", culprits=culprits, **base, details=errors[:3]))
             explained.add(c.key)
             continue
-        # A peer process died.
-        dead = {}
-        for x in errors:
-            for m in _DEAD_RE.finditer(x):
-                if "exited" in m.group(4) or "closed" in m.group(4) or "reset" in m.group(4):
-                    parts = [int(p) for p in m.group(3).split()]
-                    dead[int(m.group(1))] = (int(m.group(2)), parts, m.group(4).strip())
-        if dead:
-            for proc, (pid, parts, why) in sorted(dead.items()):
-                nodump = proc not in processes
-                findings.append(Finding(
-                    "dead", f"process {proc} (pid {pid}, ranks {_ranks(parts)}) died during "
-                    f"{c.where()}: {why}" + ("; it left no dump" if nodump else ""),
-                    culprits=parts, **base, details=errors[:3]))
+        # Processes that died, never arrived or ran late, as the errors of this call and
+        # the ranks missing from it say; the ones whose failure followed from another's
+        # (they gave up on it first) are its consequences.
+        finding = _process_finding(c, waiting, errors, base, process_of, secondary,
+                                   set(processes), by_rank)
+        if finding is not None:
+            findings.append(finding)
             explained.add(c.key)
             continue
         # Ranks that came after their peers had already given up (a straggler slower than
@@ -302,6 +433,18 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
             culprits=sorted(waiting), **base, details=errors[1:3]))
         explained.add(c.key)
 
+    # One fault seen from several calls (a dead process is named in each call it missed):
+    # once, from the first call.
+    seen_faults: set[tuple[str, tuple[int, ...]]] = set()
+    unique = []
+    for f in sorted(findings, key=lambda f: f.seconds):
+        key = (f.kind, tuple(f.processes))
+        if f.processes and key in seen_faults:
+            continue
+        seen_faults.add(key)
+        unique.append(f)
+    findings = unique
+
     # Fault-tolerant calls that went on without some ranks (their process died or was
     # late): name those ranks once, from the first call that left them out.
     gone = sorted(set(expected) - set(processes))
@@ -315,12 +458,17 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
         cs.sort(key=lambda c: min(e["enqueue_us"] for e in c.entries.values()))
         first = cs[0]
         start = min(e["enqueue_us"] for e in first.entries.values())
+        owners = sorted({process_of[r] for r in left if r in process_of})
+        who = (f"process{'es' if len(owners) > 1 else ''} "
+               f"{', '.join(map(str, owners))} (ranks {_ranks(list(left))})" if owners
+               else f"ranks {_ranks(list(left))}")
         findings.append(Finding(
-            "dead", f"ranks {_ranks(list(left))} were left out of {len(cs)} fault-tolerant "
-            f"call(s) from {first.where()} on; the others went on without them" +
+            "dead", f"{who} {'were' if len(left) > 1 else 'was'} left out of {len(cs)} "
+            f"fault-tolerant call(s) from {first.where()} on; the others went on without "
+            f"{'them' if len(left) > 1 else 'it'}" +
             (f"; process(es) {_ranks(gone)} left no dump (died or killed)" if gone else ""),
             op=first.op, call_site=first.call_site, axis=first.axis, execution=first.key[2],
-            culprits=list(left), waiting=first.arrived, seconds=start / 1e6,
+            culprits=list(left), waiting=first.arrived, seconds=start / 1e6, processes=owners,
             details=[f"rank {r}: {_last_seen(by_rank.get(r, []))}" for r in left]))
 
     # Arrival skew of completed calls whose every rank is in the dumps.
@@ -360,6 +508,7 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
     for f in findings:
         lines.append(f"- {f.kind}: {f.summary}")
         lines.extend(f"    {d}" for d in f.details)
+        lines.extend(f"    consequence: {d}" for d in f.consequences)
     if findings:
         top = findings[0]
         verdict = f"verdict: {top.kind.upper()}: {top.summary}"

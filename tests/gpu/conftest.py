@@ -2,7 +2,9 @@
 
 Run them on a GPU machine with both platforms visible, e.g.
 ``JAX_PLATFORMS=cuda,cpu pytest tests/gpu`` (tests/conftest.py defaults JAX_PLATFORMS to
-cpu, and gives the CPU platform the 8 devices the host-backend comparisons use).
+cpu). The GPU tests compare with jax.lax on the GPU and with NumPy references
+(moe_reference.py), never with jaxcomm's host backend. The CPU tests of this directory
+(test_cuda_host.py, test_kernel_logic.py) run everywhere.
 """
 
 from __future__ import annotations
@@ -31,18 +33,3 @@ def gpu_mesh() -> Mesh:
     if reason:
         pytest.skip(reason)
     return Mesh(np.array(jax.devices("gpu")[:1]), ("x",))
-
-
-@pytest.fixture(scope="session")
-def cpu_mesh() -> Mesh:
-    """A one-CPU-device mesh with axis "x": the host backend's single-device group."""
-    return Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
-
-
-@pytest.fixture(scope="session")
-def cpu_mesh8() -> Mesh:
-    """Eight CPU devices on axis "ep": the host backend for the loopback comparisons."""
-    devices = jax.devices("cpu")
-    if len(devices) < 8:
-        pytest.skip("needs 8 CPU devices (--xla_force_host_platform_device_count=8)")
-    return Mesh(np.array(devices[:8]), ("ep",))

@@ -1,10 +1,14 @@
 """Runs every jaxcomm collective over meshes that span processes, checked against NumPy.
 
 Run by tests/test_multiprocess.py as the body of a launched job (tests/mp_util.py's
-prologue defines RANK, NPROC, LOCAL, np, jax, jnp, P, jaxcomm). Each device holds a
-(4, 6) block of a global array X of shape (partitions, 4, 6) that every process can
-rebuild from the seed, so each process checks its own devices' results with NumPy.
-Prints "CHECKED <name>" per case and raises on the first mismatch.
+prologue defines RANK, NPROC, LOCAL, np, jax, jnp, P, jaxcomm). Device k of a mesh (in
+the order of its flattened devices) holds block X[k] of a global array X that every
+process rebuilds from the seed, so each process checks every element of its own devices'
+results against a NumPy reference computed from the global data. Prints "CHECKED <tag>
+<name>" per case and raises on the first mismatch.
+
+The cases of one mesh and axis run as one program (independent collectives, which XLA
+runs in any order on each device): one compilation per group instead of one per op.
 """
 
 import os
@@ -16,12 +20,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomm
 
+BLOCK = (4, 6)       # each device's block in the small cases
+BIG = (1000, 301)    # over 1 MiB of float32 per rank: streamed between 2 processes
+# Half-precision blocks of over 1 MiB too, rows divisible by every group size up to 8,
+# with more than 2048 elements in every rank's share of a reduce_scatter.
+BIG_HALF = (2016, 301)
+
 
 def groups_of(mesh, axes):
     """partition -> (group as partitions in rank order, rank), for a collective over axes."""
     ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
     names = list(mesh.axis_names)
-    order = [names.index(a) for a in axes] 
+    order = [names.index(a) for a in axes]
     rest = [i for i in range(len(names)) if i not in order]
     moved = np.transpose(ids, rest + order).reshape(-1, int(np.prod([ids.shape[i] for i in order])))
     where = {}
@@ -31,50 +41,173 @@ def groups_of(mesh, axes):
     return where
 
 
-def run_case(name, mesh, axes, f, expected, block=(4, 6), donate=False, rtol=1e-5):
-    """Runs f per device under shard_map; expected(X, group, rank) gives one block."""
+def global_data(n, block, seed=7):
+    """Multiples of 1/8 in [-128, 128): 2048 distinct values, whose sums (and the scaled
+    chunks of the cases below) are exact in float32 in any order and however XLA fuses the
+    arithmetic, so that data movement and sums compare exactly."""
+    return (np.random.default_rng(seed).integers(-1024, 1024, size=(n, *block)) / 8
+            ).astype(np.float32)
+
+
+def narrow_half(n, block, dtype, seed=8):
+    """Half-precision values of magnitude 0.5 to 8: the sum of up to 8 of them is exact in
+    float32 whatever the order, so a sum rounded once to ``dtype`` has one right answer."""
+    rng = np.random.default_rng(seed)
+    mag = rng.uniform(0.5, 8.0, size=(n, *block))
+    return (np.where(rng.random((n, *block)) < 0.5, -mag, mag)).astype(dtype)
+
+
+_programs = 0
+
+
+def compile_once(lowered):
+    """``lowered.compile()``, compiled by process 0 only: the others load its executable
+    (jax.experimental.serialize_executable, through the job's key-value store). Every
+    process compiles the same program, and with more processes than cores, compiling it
+    in each at once took most of the job's time."""
+    global _programs
+    _programs += 1
+    if NPROC == 1:
+        return lowered.compile()
+    from jax.experimental import serialize_executable
+    from jaxcomm._src import distributed
+    kv, key = distributed.kv_client(), f"check_ops/executable/{_programs}"
+    if RANK == 0:
+        compiled = lowered.compile()
+        payload, _, _ = serialize_executable.serialize(compiled)
+        kv.key_value_set_bytes(key, payload)
+        return compiled
+    payload = kv.blocking_key_value_get_bytes(key, 600_000)
+    return serialize_executable.deserialize_and_load(payload, lowered.in_tree, lowered.out_tree)
+
+
+def run_cases(tag, mesh, axes, X, cases, donate=False):
+    """Runs every case in one program; checks every element of every local result.
+
+    Args:
+      X: the global data, one block per device of ``mesh`` (flattened order).
+      cases: name -> (f, expected, tolerance): f maps a device's block to its result, or
+        to a tuple of results (each with at least one dimension); expected(X, group,
+        rank) gives the same in NumPy. Tolerance None compares exactly, a number is the
+        rtol (and atol) of a float comparison; a tuple gives one per result.
+    """
     n = mesh.devices.size
-    X = np.random.default_rng(7).standard_normal((n, *block)).astype(np.float32)
     spec = P(tuple(mesh.axis_names))
-    sharding = NamedSharding(mesh, spec)
     flat = list(mesh.devices.reshape(-1))
-    local = {d: X[flat.index(d)] for d in jax.local_devices() if d in flat}
+    local = [d for d in jax.local_devices() if d in flat]
     arr = jax.make_array_from_single_device_arrays(
-        (n * block[0], block[1]), sharding, [jax.device_put(local[d], d) for d in local])
-    out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False),
-                  donate_argnums=(0,) if donate else ())(arr)
+        (n * X.shape[1], *X.shape[2:]), NamedSharding(mesh, spec),
+        [jax.device_put(X[flat.index(d)], d) for d in local])
+    names = list(cases)
+    body = lambda x: tuple(cases[name][0](x) for name in names)
+    out = compile_once(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                                             check_vma=False),
+                               donate_argnums=(0,) if donate else ()).lower(arr))(arr)
     where = groups_of(mesh, axes)
-    for shard in out.addressable_shards:
-        p = flat.index(shard.device)
-        group, rank = where[p]
-        want = expected(X, group, rank)
-        np.testing.assert_allclose(np.asarray(shard.data), want, rtol=rtol, atol=1e-5,
-                                   err_msg=f"{name} on partition {p} (rank {rank} of {group})")
-    print("CHECKED", name, flush=True)
+    for name, results in zip(names, out):
+        _, expected, tols = cases[name]
+        several = isinstance(results, tuple)
+        results = results if several else (results,)
+        tols = tols if isinstance(tols, tuple) else (tols,) * len(results)
+        for shard_index in range(len(results[0].addressable_shards)):
+            device = results[0].addressable_shards[shard_index].device
+            p = flat.index(device)
+            group, rank = where[p]
+            wants = expected(X, group, rank)
+            wants = wants if several else (wants,)
+            for i, (result, want, tol) in enumerate(zip(results, wants, tols)):
+                shard = next(s for s in result.addressable_shards if s.device == device)
+                got, want = np.asarray(shard.data), np.asarray(want)
+                msg = (f"{tag} {name}" + (f" result {i}" if several else "") +
+                       f" on partition {p} (rank {rank} of {group})")
+                assert got.shape == want.shape and got.dtype == want.dtype, (
+                    msg, got.shape, want.shape, got.dtype, want.dtype)
+                if tol is None:
+                    np.testing.assert_array_equal(got, want, err_msg=msg)
+                else:
+                    np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=msg)
+        print("CHECKED", tag, name, flush=True)
 
 
-def check_all(mesh, axes, tag):
+def scaled(x, G, axis=0):
+    """G chunks of x along ``axis``, chunk k = x * (k + 1) + k."""
+    return jnp.concatenate([x * (k + 1) + k for k in range(G)], axis=axis)
+
+
+# ------------------------------------------------------------------------------- MoE
+
+T, K = BLOCK[0], 2
+
+
+def moe_routing(r, E, xp=np):
+    """Rank r's expert ids [T, K] (two distinct experts per token) and weights [T, K]
+    (distinct per token and slot)."""
+    t = xp.arange(T)
+    first = (t * 3 + r) % E
+    ids = xp.stack([first, (first + 1 + t % (E - 1)) % E], axis=1).astype(xp.int32)
+    w = ((1 + t[:, None] * K + xp.arange(K)[None, :] + r) / 8.0).astype(xp.float32)
+    return ids, w
+
+
+def expert(e, rows):
+    """Expert e's function: distinct per expert (rows: [..., H], e broadcast over them)."""
+    return rows * (e + 1.0) + 0.5 * e
+
+
+def moe_expected(X, g, d, E, padded):
+    """Rank d's dispatched rows (packed or padded layout) and combined output."""
+    G, El = len(g), E // len(g)
+    routes = [moe_routing(s, E) for s in range(G)]
+    slabs = []
+    for el in range(El):
+        e = d * El + el
+        slabs.append([X[g[s]][t] for s in range(G) for t in range(T) for k in range(K)
+                      if routes[s][0][t, k] == e])
+    H = X.shape[-1]
+    if padded:
+        ex = np.zeros((El, G * T, H), np.float32)
+        for el, rows in enumerate(slabs):
+            ex[el, :len(rows)] = rows
+    else:
+        ex = np.zeros((G * T * min(K, El), H), np.float32)
+        rows = [row for slab in slabs for row in slab]
+        ex[:len(rows)] = rows
+    ids, w = routes[d]
+    y = (w[:, :, None] * expert(ids[:, :, None].astype(np.float32), X[g[d]][:, None, :])).sum(1)
+    return ex, np.asarray([len(s) for s in slabs], np.int32), y
+
+
+def moe_cases(a, G):
+    E = 2 * G
+    El = E // G
+
+    def layer(x, padded):
+        r = jax.lax.axis_index(a)
+        ids, w = moe_routing(r, E, jnp)
+        if padded:
+            ex, sizes, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=E, axis_name=a)
+            e = (r * El + jnp.arange(El, dtype=jnp.float32))[:, None, None]
+            return ex, sizes, jaxcomm.moe.combine_padded(expert(e, ex), h, w)
+        ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name=a)
+        # Row i belongs to local expert el where the running sizes first exceed i.
+        el = jnp.sum(jnp.arange(ex.shape[0])[:, None] >= jnp.cumsum(sizes)[None, :], axis=1)
+        e = (r * El + el).astype(jnp.float32)[:, None]
+        return ex, sizes, jaxcomm.moe.combine(expert(e, ex), h, w)
+
+    return {f"moe {'padded' if padded else 'packed'}": (
+        lambda x, padded=padded: layer(x, padded),
+        lambda X, g, r, padded=padded: moe_expected(X, g, r, E, padded),
+        None) for padded in (False, True)}
+
+
+# ---------------------------------------------------------------------------- checks
+
+def check_all(mesh, axes, tag, moe=("packed", "padded")):
+    """Every op over ``axes`` of ``mesh``; the MoE transport in the ``moe`` layouts (its
+    programs take several times longer to compile than all the other ops together)."""
     a = axes if len(axes) > 1 else axes[0]
     G = int(np.prod([mesh.shape[x] for x in axes]))
-    run_case(f"{tag} all_reduce sum", mesh, axes, lambda x: jaxcomm.all_reduce(x, a),
-             lambda X, g, r: X[g].sum(0))
-    run_case(f"{tag} all_reduce max", mesh, axes, lambda x: jaxcomm.all_reduce(x, a, op="max"),
-             lambda X, g, r: X[g].max(0))
-    run_case(f"{tag} all_gather", mesh, axes,
-             lambda x: jaxcomm.all_gather(x, a, tiled=True).reshape(G, 4, 6).sum(0) + jaxcomm.all_gather(x, a, tiled=True)[:4],
-             lambda X, g, r: X[g].sum(0) + X[g[0]])
-    chunks = lambda x: jnp.concatenate([x * (k + 1) + k for k in range(G)])
-    run_case(f"{tag} reduce_scatter", mesh, axes,
-             lambda x: jaxcomm.reduce_scatter(chunks(x), a, scatter_dimension=0, tiled=True),
-             lambda X, g, r: (X[g] * (r + 1) + r).sum(0))
-    run_case(f"{tag} all_to_all", mesh, axes,
-             lambda x: jaxcomm.all_to_all(chunks(x), a, 0, 0, tiled=True).reshape(G, 4, 6)[::-1].sum(0) * 0 + jaxcomm.all_to_all(chunks(x), a, 0, 0, tiled=True)[-4:],
-             lambda X, g, r: X[g[-1]] * (r + 1) + r)
     perm = [(i, (i + 1) % G) for i in range(G)]
-    run_case(f"{tag} ppermute", mesh, axes, lambda x: jaxcomm.ppermute(x, a, perm),
-             lambda X, g, r: X[g[(r - 1) % G]])
-    run_case(f"{tag} broadcast", mesh, axes, lambda x: jaxcomm.broadcast(x, a, root=G - 1),
-             lambda X, g, r: X[g[-1]])
 
     # Rank s sends rows [0, (s + d) % 3 + 1) of its block to rank d, at rows 4 s of d's output.
     def ragged(x):
@@ -92,32 +225,40 @@ def check_all(mesh, axes, tag):
             out[4 * s:4 * s + n] = X[p][:n]
         return out
 
-    run_case(f"{tag} ragged_all_to_all", mesh, axes, ragged, ragged_expected)
+    # Chunk k of rank s's operand goes to rank k: rank r receives chunk r of every rank,
+    # scaled (r + 1) and shifted by r, in rank order.
+    def a2a_expected(X, g, r, axis):
+        return np.concatenate([X[p] * (r + 1) + r for p in g], axis=axis)
 
-    # MoE: each token goes to two experts (chosen from its values) with weights 0.25 and
-    # 0.5; with the identity as every expert, combine(dispatch(x)) is 0.75 x, in both
-    # layouts.
-    E = 2 * G
-
-    def routing(x):
-        r = jax.lax.axis_index(a)
-        t = jnp.arange(x.shape[0])
-        first = (t * 3 + r) % E
-        ids = jnp.stack([first, (first + 1 + t % (E - 1)) % E], axis=1).astype(jnp.int32)
-        return ids, jnp.broadcast_to(jnp.asarray([0.25, 0.5], x.dtype), ids.shape)
-
-    def moe_packed(x):
-        ids, w = routing(x)
-        ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name=a)
-        return jaxcomm.moe.combine(ex, h, w)
-
-    def moe_padded(x):
-        ids, w = routing(x)
-        ex, _, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=E, axis_name=a)
-        return jaxcomm.moe.combine_padded(ex, h, w)
-
-    run_case(f"{tag} moe dispatch/combine", mesh, axes, moe_packed, lambda X, g, r: 0.75 * X[g[r]])
-    run_case(f"{tag} moe padded", mesh, axes, moe_padded, lambda X, g, r: 0.75 * X[g[r]])
+    cases = {
+        "all_reduce sum": (lambda x: jaxcomm.all_reduce(x, a), lambda X, g, r: X[g].sum(0), None),
+        "all_reduce max": (lambda x: jaxcomm.all_reduce(x, a, op="max"),
+                           lambda X, g, r: X[g].max(0), None),
+        "all_reduce prod": (lambda x: jaxcomm.all_reduce(x, a, op="prod"),
+                            lambda X, g, r: X[g].prod(0), 1e-5),
+        "all_gather": (lambda x: jaxcomm.all_gather(x, a, tiled=True),
+                       lambda X, g, r: np.concatenate(X[g]), None),
+        "all_gather axis 1": (lambda x: jaxcomm.all_gather(x, a, axis=1),
+                              lambda X, g, r: np.stack(X[g], axis=1), None),
+        "reduce_scatter": (lambda x: jaxcomm.reduce_scatter(scaled(x, G), a, scatter_dimension=0,
+                                                            tiled=True),
+                           lambda X, g, r: (X[g] * (r + 1) + r).sum(0), None),
+        "reduce_scatter dim 1": (lambda x: jaxcomm.reduce_scatter(scaled(x, G, 1), a,
+                                                                  scatter_dimension=1, tiled=True),
+                                 lambda X, g, r: (X[g] * (r + 1) + r).sum(0), None),
+        "all_to_all": (lambda x: jaxcomm.all_to_all(scaled(x, G), a, 0, 0, tiled=True),
+                       lambda X, g, r: a2a_expected(X, g, r, 0), None),
+        "all_to_all split 1 concat 0": (
+            lambda x: jaxcomm.all_to_all(scaled(x, G, 1), a, 1, 0, tiled=True),
+            lambda X, g, r: a2a_expected(X, g, r, 0), None),
+        "ppermute": (lambda x: jaxcomm.ppermute(x, a, perm),
+                     lambda X, g, r: X[g[(r - 1) % G]], None),
+        "broadcast": (lambda x: jaxcomm.broadcast(x, a, root=G - 1),
+                      lambda X, g, r: X[g[-1]], None),
+        "ragged_all_to_all": (ragged, ragged_expected, None),
+        **{name: case for name, case in moe_cases(a, G).items() if name.split()[1] in moe},
+    }
+    run_cases(tag, mesh, axes, global_data(mesh.devices.size, BLOCK), cases)
 
 
 def check_streamed(mesh, axes, tag):
@@ -126,36 +267,41 @@ def check_streamed(mesh, axes, tag):
     and the reduce_scatter and all_to_all blocks, end mid-chunk."""
     a = axes if len(axes) > 1 else axes[0]
     G = int(np.prod([mesh.shape[x] for x in axes]))
-    rows, cols = 1000, 301
-    big = (rows, cols)
-    run_case(f"{tag} streamed all_reduce sum", mesh, axes, lambda x: jaxcomm.all_reduce(x, a),
-             lambda X, g, r: X[g].sum(0), big)
-    # Donated: too large to reuse the operand's buffer (primitive.ALIAS_MAX_BYTES), XLA
-    # must still keep the donated operand intact until the call has read it.
-    run_case(f"{tag} streamed all_reduce in place", mesh, axes, lambda x: jaxcomm.all_reduce(x, a),
-             lambda X, g, r: X[g].sum(0), big, donate=True)
-    run_case(f"{tag} streamed all_reduce max", mesh, axes, lambda x: jaxcomm.all_reduce(x, a, op="max"),
-             lambda X, g, r: X[g].max(0), big)
-    # Half precision is summed in float32 and rounded once, on every path.
-    bf16 = jnp.bfloat16
-    run_case(f"{tag} streamed all_reduce bfloat16", mesh, axes,
-             lambda x: jaxcomm.all_reduce(x.astype(bf16), a).astype(jnp.float32),
-             lambda X, g, r: X[g].astype(bf16).astype(np.float32).sum(0).astype(bf16).astype(np.float32),
-             big, rtol=8e-3)
-    run_case(f"{tag} streamed all_gather", mesh, axes,
-             lambda x: jaxcomm.all_gather(x, a, tiled=True).reshape(G, rows, cols).sum(0),
-             lambda X, g, r: X[g].sum(0), big)
-    scaled = lambda x: jnp.concatenate([x * (k + 1) + k for k in range(G)])
-    run_case(f"{tag} streamed reduce_scatter", mesh, axes,
-             lambda x: jaxcomm.reduce_scatter(scaled(x), a, scatter_dimension=0, tiled=True),
-             lambda X, g, r: (X[g] * (r + 1) + r).sum(0), big)
-    run_case(f"{tag} streamed all_to_all", mesh, axes,
-             lambda x: jaxcomm.all_to_all(scaled(x), a, 0, 0, tiled=True).reshape(G, rows, cols)[0],
-             lambda X, g, r: X[g[0]] * (r + 1) + r, big)
+    n = mesh.devices.size
+    X = global_data(n, BIG)
     # Rank 0 receives from nobody: zeros.
     perm = [(i, i + 1) for i in range(G - 1)]
-    run_case(f"{tag} streamed ppermute", mesh, axes, lambda x: jaxcomm.ppermute(x, a, perm),
-             lambda X, g, r: X[g[r - 1]] if r > 0 else np.zeros(big, np.float32), big)
+    run_cases(f"{tag} streamed", mesh, axes, X, {
+        "all_reduce sum": (lambda x: jaxcomm.all_reduce(x, a), lambda X, g, r: X[g].sum(0), None),
+        "all_reduce max": (lambda x: jaxcomm.all_reduce(x, a, op="max"),
+                           lambda X, g, r: X[g].max(0), None),
+        "all_gather": (lambda x: jaxcomm.all_gather(x, a, tiled=True),
+                       lambda X, g, r: np.concatenate(X[g]), None),
+        "reduce_scatter": (lambda x: jaxcomm.reduce_scatter(scaled(x, G), a, scatter_dimension=0,
+                                                            tiled=True),
+                           lambda X, g, r: (X[g] * (r + 1) + r).sum(0), None),
+        "all_to_all": (lambda x: jaxcomm.all_to_all(scaled(x, G), a, 0, 0, tiled=True),
+                       lambda X, g, r: np.concatenate([X[p] * (r + 1) + r for p in g]), None),
+        "ppermute": (lambda x: jaxcomm.ppermute(x, a, perm),
+                     lambda X, g, r: X[g[r - 1]] if r > 0 else np.zeros(BIG, np.float32), None),
+    })
+    # Donated: too large to reuse the operand's buffer (primitive.ALIAS_MAX_BYTES), XLA
+    # must still keep the donated operand intact until the call has read it.
+    run_cases(f"{tag} streamed donated", mesh, axes, X, {
+        "all_reduce in place": (lambda x: jaxcomm.all_reduce(x, a), lambda X, g, r: X[g].sum(0),
+                                None)}, donate=True)
+    # Half precision is summed in float32 and rounded once, on every path: exactly the
+    # correctly rounded sum for these values.
+    for dtype in (jnp.float16, jnp.bfloat16):
+        name = np.dtype(dtype).name
+        exact_sum = lambda X, g: X[g].astype(np.float64).sum(0).astype(X.dtype)
+        run_cases(f"{tag} streamed {name}", mesh, axes, narrow_half(n, BIG_HALF, dtype), {
+            "all_reduce": (lambda x: jaxcomm.all_reduce(x, a),
+                            lambda X, g, r: exact_sum(X, g), None),
+            "reduce_scatter": (
+                lambda x: jaxcomm.reduce_scatter(x, a, scatter_dimension=0, tiled=True),
+                lambda X, g, r: np.split(exact_sum(X, g), G)[r], None),
+        })
     # They did stream, unless TCP was forced, the processes play several hosts, or the
     # group has more processes than the host has cores (streams wait by spinning).
     streamed = {s.op for s in jaxcomm.stats() if s.algorithm == "shm stream"}
@@ -179,16 +325,17 @@ def check_streamed(mesh, axes, tag):
 
 devices = np.asarray(jax.devices()).reshape(NPROC, LOCAL)
 if LOCAL > 1:
-    # "p" crosses processes, "l" stays in one; the pair mixes both.
+    # "p" crosses processes, "l" stays in one; the pair mixes both. Each MoE layout runs
+    # over two of the groups that cross processes (within a process: tests/test_moe.py).
     mesh2 = jax.sharding.Mesh(devices, ("p", "l"))
-    check_all(mesh2, ("p",), "p")
-    check_all(mesh2, ("l",), "l")
-    check_all(mesh2, ("p", "l"), "pl")
+    check_all(mesh2, ("p",), "p", moe=("packed",))
+    check_all(mesh2, ("l",), "l", moe=())
+    check_all(mesh2, ("p", "l"), "pl", moe=("padded",))
     # Groups that hold one device of each process, in an order unlike the processes'.
     mesh_t = jax.sharding.Mesh(devices.T[:, ::-1], ("l", "p"))
-    check_all(mesh_t, ("p",), "transposed p")
+    check_all(mesh_t, ("p",), "transposed p", moe=("padded",))
     # Both axes, "l" first: each process's ranks are not adjacent in the group.
-    check_all(mesh_t, ("l", "p"), "transposed lp")
+    check_all(mesh_t, ("l", "p"), "transposed lp", moe=("packed",))
     check_streamed(mesh2, ("p", "l"), "pl")
     check_streamed(mesh_t, ("p",), "transposed p")
 else:

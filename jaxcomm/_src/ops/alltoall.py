@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.interpreters import ad
 
-from jaxcomm._src import groups, primitive
+from jaxcomm._src import compat, groups, primitive
 from jaxcomm._src.ops import common
 
 
@@ -41,28 +41,38 @@ def _all_to_all_transpose(ct: Any, x: Any, *, split_axis: int, concat_axis: int,
 ad.deflinear2(all_to_all_p, _all_to_all_transpose)
 
 
-def all_to_all(x: jax.Array, axis_name: Any, split_axis: int, concat_axis: int, *,
-               tiled: bool = False, timeout_s: float | None = None) -> jax.Array:
+def all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int, *,
+               tiled: bool = False, axis_index_groups: Any = None,
+               timeout_s: float | None = None) -> Any:
     """Splits ``x`` into R blocks along ``split_axis``, sends block j to rank j, and
     concatenates the received blocks along ``concat_axis``: ``jax.lax.all_to_all``.
 
     Args:
-      x: array; ``x.shape[split_axis]`` equals R (``tiled=False``) or is divisible by R.
+      x: array (or pytree of arrays); ``x.shape[split_axis]`` equals R (``tiled=False``)
+        or is divisible by R.
       split_axis, concat_axis: as in jax.lax (with ``tiled=False`` the split dimension is
         removed and a new dimension of size R appears at ``concat_axis``).
+      axis_index_groups: as in jax.lax; R is then the size of one group.
 
     Example::
 
         # x: f32[8, 16] on each of 8 ranks; block j (row j) goes to rank j
         jaxcomm.all_to_all(x, "x", 0, 0, tiled=True)
     """
+    return jax.tree.map(lambda leaf: _all_to_all(leaf, axis_name, split_axis, concat_axis, tiled,
+                                                 axis_index_groups, timeout_s), x)
+
+
+def _all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int, tiled: bool,
+                axis_index_groups: Any, timeout_s: float | None) -> jax.Array:
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError("jaxcomm.all_to_all: the operand must have at least one dimension")
     split_axis = common.canonical_axis("all_to_all", "split_axis", split_axis, x.ndim)
     concat_axis = common.canonical_axis("all_to_all", "concat_axis", concat_axis, x.ndim)
     axes = groups.normalize_axes("all_to_all", axis_name)
-    size = groups.group_size(axes)
+    index_groups = groups.normalize_index_groups("all_to_all", axis_index_groups, axes)
+    size = groups.group_size(axes, index_groups)
     n = x.shape[split_axis]
     if tiled and n % size:
         raise ValueError(f"jaxcomm.all_to_all: split_axis {split_axis} of size {n} is not divisible "
@@ -71,7 +81,8 @@ def all_to_all(x: jax.Array, axis_name: Any, split_axis: int, concat_axis: int, 
         raise ValueError(f"jaxcomm.all_to_all: with tiled=False x.shape[split_axis] must equal the "
                          f"group size {size} of axis {groups.describe(axes)}, got {n}")
     if common.use_xla("all_to_all", x.dtype):
-        return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)
+        return compat.jax_lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled,
+                                         axis_index_groups=index_groups)
     if not tiled:
         # As jax.lax: insert the new axis, run the tiled op, then drop the split axis.
         if split_axis < concat_axis:
@@ -80,7 +91,7 @@ def all_to_all(x: jax.Array, axis_name: Any, split_axis: int, concat_axis: int, 
         elif split_axis > concat_axis:
             x = jnp.expand_dims(x, concat_axis)
             split_axis += 1
-    x, params = common.prepare("all_to_all", x, axis_name, timeout_s)
+    x, params = common.prepare("all_to_all", x, axis_name, timeout_s, index_groups)
     y = all_to_all_p.bind(x, split_axis=split_axis, concat_axis=concat_axis, **params)
     if not tiled and split_axis != concat_axis:
         y = jnp.squeeze(y, split_axis)

@@ -13,20 +13,32 @@ import jax.numpy as jnp
 from jaxcomm._src import callsite, compat, config, groups, runtime
 
 
-def prepare(op: str, x: Any, axis_name: Any, timeout_s: float | None) -> tuple[jax.Array, dict[str, Any]]:
+def prepare(op: str, x: Any, axis_name: Any, timeout_s: float | None,
+            axis_index_groups: Any = None, *, sums: bool = False) -> tuple[jax.Array, dict[str, Any]]:
     """Validates the axes and returns (operand, common primitive params).
 
     Under ``check_vma`` an operand that is invariant over the group's axes is cast to
-    varying first, as jax.lax's collectives do.
+    varying first, as jax.lax's collectives do. One typed ``unreduced`` there (explicit
+    sharding: partial sums) is taken as it is by the ops that sum (``sums``); the others,
+    like jax.lax's, refuse it, and refuse ``reduced`` operands.
     """
     axes = groups.normalize_axes(op, axis_name)
+    index_groups = groups.normalize_index_groups(op, axis_index_groups, axes)
     x = jnp.asarray(x)
     vma_checked = compat.check_vma_enabled()
     if vma_checked:
-        missing = tuple(a for a in axes if a not in compat.vma(jax.typeof(x)))
+        state = compat.axes_state(jax.typeof(x), axes)
+        if "reduced" in state or ("unreduced" in state and not sums):
+            kind = "reduced" if "reduced" in state else "unreduced"
+            raise ValueError(f"jaxcomm.{op}: the operand ({jax.typeof(x).str_short(True)}) is {kind} "
+                             f"over axis {groups.describe(axes)}; only a sum (all_reduce, "
+                             f"reduce_scatter) takes an unreduced operand, and no collective a reduced one")
+        unreduced = compat.unreduced(jax.typeof(x))
+        missing = tuple(a for a in axes if a not in compat.vma(jax.typeof(x)) and a not in unreduced)
         x = compat.pvary(x, missing)
     params = dict(
         axes=axes,
+        axis_index_groups=index_groups,
         call_site=callsite.user_call_site(),
         timeout_ms=config.timeout_ms(timeout_s),
         vma_checked=vma_checked,

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.interpreters import ad
 
-from jaxcomm._src import groups, primitive
+from jaxcomm._src import compat, groups, primitive
 from jaxcomm._src.ops import common
 
 
@@ -57,21 +57,38 @@ def validate_perm(op: str, perm: Sequence[Sequence[int]], size: int) -> tuple[tu
     return pairs
 
 
-def ppermute(x: jax.Array, axis_name: Any, perm: Sequence[Sequence[int]], *,
-             timeout_s: float | None = None) -> jax.Array:
+def ppermute(x: Any, axis_name: Any, perm: Sequence[Sequence[int]], *,
+             axis_index_groups: Any = None, timeout_s: float | None = None) -> Any:
     """Sends ``x`` from rank ``s`` to rank ``d`` for each pair in ``perm``: ``jax.lax.ppermute``.
 
-    Ranks that no pair sends to receive zeros.
+    Ranks that no pair sends to receive zeros. Ranks are numbered as ``lax.axis_index``
+    numbers them (over a tuple of axes, the first axis is the major one).
+
+    Args:
+      x: array, or pytree of arrays (each leaf sent on its own).
+      axis_name: mesh axis name or tuple of names.
+      perm: (source, destination) pairs of ranks in ``[0, R)``.
+      axis_index_groups: groups of axis indices (equal sizes, covering the axis once);
+        ``perm`` then applies within each group, in its ranks (jax.lax has no such
+        parameter for ppermute; this is the same ``perm`` expanded over the groups).
 
     Example::
 
         # a ring shift over 8 ranks
         jaxcomm.ppermute(x, "x", [(i, (i + 1) % 8) for i in range(8)])
     """
-    x = jnp.asarray(x)
     axes = groups.normalize_axes("ppermute", axis_name)
-    pairs = validate_perm("ppermute", perm, groups.group_size(axes))
+    index_groups = groups.normalize_index_groups("ppermute", axis_index_groups, axes)
+    pairs = validate_perm("ppermute", perm, groups.group_size(axes, index_groups))
+    if index_groups:
+        pairs = tuple((g[s], g[d]) for g in index_groups for s, d in pairs)
+    return jax.tree.map(lambda leaf: _ppermute(leaf, axis_name, pairs, timeout_s), x)
+
+
+def _ppermute(x: Any, axis_name: Any, pairs: tuple[tuple[int, int], ...],
+              timeout_s: float | None) -> jax.Array:
+    x = jnp.asarray(x)
     if common.use_xla("ppermute", x.dtype):
-        return jax.lax.ppermute(x, axis_name, pairs)
+        return compat.jax_lax.ppermute(x, axis_name, pairs)
     x, params = common.prepare("ppermute", x, axis_name, timeout_s)
     return ppermute_p.bind(x, perm=pairs, **params)

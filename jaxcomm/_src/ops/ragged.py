@@ -143,16 +143,34 @@ batching.fancy_primitive_batchers[ragged_all_to_all_p] = _batcher
 
 
 def _index_dtype(arrays: list) -> Any:
-    for a in arrays:
-        if not jnp.issubdtype(a.dtype, jnp.integer):
-            raise TypeError(f"jaxcomm.ragged_all_to_all: offsets and sizes must be integers, got {a.dtype}")
     wide = any(jnp.dtype(a.dtype).itemsize > 4 for a in arrays) and jax.config.jax_enable_x64
     return jnp.int64 if wide else jnp.int32
 
 
+INDEX_NAMES = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+
+
+class IndexDtypeError(ValueError, TypeError):
+    """Offsets or sizes that are not integers: the ValueError jax.lax raises, and the
+    TypeError jaxcomm raised before it followed jax.lax."""
+
+
+def check_indices(idx: list) -> None:
+    """jax.lax's checks of the four index arrays, in its order and with its error type
+    (ValueError), so that a mistake fails the same way with either."""
+    for name, a in zip(INDEX_NAMES, idx):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise IndexDtypeError(f"jaxcomm.ragged_all_to_all: offsets and sizes must be integers; "
+                                  f"{name} has dtype {a.dtype}")
+    for name, a in zip(INDEX_NAMES, idx):
+        if a.ndim != 1 or a.shape[0] < 1:
+            raise ValueError(f"jaxcomm.ragged_all_to_all: {name} must be 1-D with at least one "
+                             f"entry, got shape {a.shape}")
+
+
 def ragged_xla(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
                send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array,
-               axis_name: Any) -> jax.Array:
+               axis_name: Any, axis_index_groups: groups.IndexGroups = None) -> jax.Array:
     """Pure-JAX ragged_all_to_all (all_gather + local gather), for backends with none.
 
     XLA:CPU has no ragged-all-to-all. This moves R times the operand and cannot raise at run
@@ -160,14 +178,15 @@ def ragged_xla(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
     Differentiable by JAX's own rules.
     """
     del recv_sizes  # implied by the senders' send_sizes
-    R = groups.group_size(groups.normalize_axes("ragged_all_to_all", axis_name))
+    axes = groups.normalize_axes("ragged_all_to_all", axis_name)
+    R = groups.group_size(axes, axis_index_groups)
     n_slices, n_op, n_out = input_offsets.shape[0], operand.shape[0], output.shape[0]
     m = n_slices // R
-    r = jax.lax.axis_index(axis_name)
-    every = jax.lax.all_gather(operand, axis_name)  # [R, n_op, ...]
+    r = groups.rank_in_group(axes, axis_index_groups)
+    gather = lambda a: compat.jax_lax.all_gather(a, axis_name, axis_index_groups=axis_index_groups)
+    every = gather(operand)  # [R, n_op, ...]
     pick = r * m + jnp.arange(m)
-    io, ss, oo = (jax.lax.all_gather(a, axis_name)[:, pick].reshape(-1)
-                  for a in (input_offsets, send_sizes, output_offsets))
+    io, ss, oo = (gather(a)[:, pick].reshape(-1) for a in (input_offsets, send_sizes, output_offsets))
     ok = (ss >= 0) & (io >= 0) & (io <= n_op - ss) & (oo >= 0) & (oo <= n_out - ss)
     rows = jnp.arange(n_out, dtype=oo.dtype)[:, None]
     cover = ok & (oo <= rows) & (rows < oo + ss)  # [n_out, R*m]
@@ -182,7 +201,8 @@ def ragged_xla(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
 
 def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
                       send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array, *,
-                      axis_name: Any, timeout_s: float | None = None) -> jax.Array:
+                      axis_name: Any, axis_index_groups: Any = None,
+                      timeout_s: float | None = None) -> jax.Array:
     """Sends ragged slices of ``operand`` to the ranks of ``axis_name``: ``jax.lax.ragged_all_to_all``.
 
     With R ranks and N = m*R slices per rank, slice i (rows ``input_offsets[i] :
@@ -196,13 +216,18 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
       output: [M, ...] (same trailing shape and dtype) the result starts from.
       input_offsets, send_sizes, output_offsets, recv_sizes: [N] integers, N a multiple of R.
       axis_name: shard_map mesh axis (or tuple of axes).
+      axis_index_groups: as in jax.lax: groups of axis indices exchanging among
+        themselves (equal sizes, covering the axis once); R is then one group's size.
 
     Returns:
       [M, ...] ``output`` with the received slices written in (source, slice) order.
 
-    Raises (at run time, from the program): an error naming the rank and slice when an offset
-    or size would read or write outside a buffer, or recv_sizes disagree with send_sizes;
-    nothing is written then.
+    Raises at trace time what jax.lax raises for the same mistake (ValueError for index
+    arrays that are not 1-D integers, NameError for an unbound axis), and ValueError for
+    mistakes jax.lax leaves to the compiler (operand and output disagreeing, a slice count
+    that is not a multiple of R). At run time (from the program): an error naming the rank
+    and slice when an offset or size would read or write outside a buffer, or recv_sizes
+    disagree with send_sizes; nothing is written then.
 
     Example (the jax.lax docstring's, axis of size 2)::
 
@@ -215,26 +240,28 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
     """
     operand, output = jnp.asarray(operand), jnp.asarray(output)
     idx = [jnp.asarray(a) for a in (input_offsets, send_sizes, output_offsets, recv_sizes)]
+    check_indices(idx)
     axes = groups.normalize_axes("ragged_all_to_all", axis_name)
-    R = groups.group_size(axes)
+    index_groups = groups.normalize_index_groups("ragged_all_to_all", axis_index_groups, axes)
+    R = groups.group_size(axes, index_groups)
     if operand.ndim < 1 or output.ndim < 1:
         raise ValueError("jaxcomm.ragged_all_to_all: operand and output need at least one dimension")
     if operand.shape[1:] != output.shape[1:] or operand.dtype != output.dtype:
         raise ValueError(f"jaxcomm.ragged_all_to_all: operand {operand.dtype}{list(operand.shape)} and "
                          f"output {output.dtype}{list(output.shape)} must agree in dtype and in all "
                          f"but the first dimension")
-    n = idx[0].shape[0] if idx[0].ndim == 1 else -1
-    if any(a.ndim != 1 or a.shape[0] != n for a in idx) or n < 1:
+    n = idx[0].shape[0]
+    if any(a.shape[0] != n for a in idx):
         raise ValueError("jaxcomm.ragged_all_to_all: input_offsets, send_sizes, output_offsets and "
-                         f"recv_sizes must be 1-D of one positive length, got {[a.shape for a in idx]}")
+                         f"recv_sizes must have one length, got {[a.shape for a in idx]}")
     if n % R:
         raise ValueError(f"jaxcomm.ragged_all_to_all: {n} slices is not a multiple of the group size "
                          f"{R} of axis {groups.describe(axes)}")
     dt = _index_dtype(idx)
     idx = [a.astype(dt) for a in idx]
     if common.use_xla("ragged_all_to_all", operand.dtype, group_size=R):
-        return ragged_xla(operand, output, *idx, axis_name=axis_name)
-    operand, params = common.prepare("ragged_all_to_all", operand, axis_name, timeout_s)
+        return ragged_xla(operand, output, *idx, axis_name=axis_name, axis_index_groups=index_groups)
+    operand, params = common.prepare("ragged_all_to_all", operand, axis_name, timeout_s, index_groups)
     if params["vma_checked"]:
         def vary(a):
             return compat.pvary(a, tuple(x for x in axes if x not in compat.vma(jax.typeof(a))))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax._src.interpreters import ad
 
 from jaxcomm._src import compat, groups, primitive
-from jaxcomm._src.ops import common
+from jaxcomm._src.ops import common, gather
 from jaxcomm._src.ops.gather import all_gather_p
 
 REDUCE_OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
@@ -67,7 +67,7 @@ def _all_reduce_jvp(primals: Any, tangents: Any, *, op: str, **params: Any):
     if op == "prod":
         # d(prod_k x_k) = sum_j t_j * prod_{k != j} x_k, exact also where some x_k == 0.
         gathered = all_gather_p.bind(x[None], **params, axis=0)
-        me = jax.lax.axis_index(params["axes"])
+        me = groups.rank_in_group(params["axes"], params.get("axis_index_groups"))
         others = jnp.where((jnp.arange(gathered.shape[0]) == me).reshape((-1,) + (1,) * x.ndim),
                            jnp.ones_like(gathered), gathered)
         return y, all_reduce_p.bind(t * jnp.prod(others, axis=0), op="sum", **params)
@@ -80,8 +80,12 @@ def _all_reduce_transpose(ct: Any, x: Any, *, op: str, **params: Any):
     if type(ct) is ad.Zero:
         return [ad.Zero(x.aval)]
     if params["vma_checked"]:
-        # psum with check_vma is variant -> invariant; its transpose is the varying cast.
-        return [compat.pvary(ct, params["axes"])]
+        # psum with check_vma is variant -> invariant; its transpose is the varying cast,
+        # or the reduced cast over axes where the operand was unreduced (as jax.lax's): the
+        # cotangent's type, x.aval here, says which.
+        partial = compat.reduced(x.aval)
+        ct = compat.pvary(ct, tuple(a for a in params["axes"] if a not in partial))
+        return [compat.preduced(ct, tuple(a for a in params["axes"] if a in partial))]
     return [all_reduce_p.bind(ct, op="sum", **params)]
 
 
@@ -89,20 +93,25 @@ ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
 ad.primitive_transposes[all_reduce_p] = _all_reduce_transpose
 
 
-def all_reduce(x: jax.Array, axis_name: Any, *, op: str = "sum",
-               timeout_s: float | None = None) -> jax.Array:
+def all_reduce(x: Any, axis_name: Any, *, op: str = "sum", axis_index_groups: Any = None,
+               timeout_s: float | None = None) -> Any:
     """Reduces ``x`` over the group: ``jax.lax.psum``/``pmax``/``pmin``/``pmean`` (and prod).
 
     Args:
-      x: array of any shape; numeric or bool dtype (bool sums to int32, as in psum).
+      x: an array of any shape, or a pytree of them (each leaf reduced on its own);
+        numeric or bool dtype (bool sums to int32, as in psum).
       axis_name: mesh axis name or tuple of names of the enclosing ``shard_map``.
       op: ``"sum" | "prod" | "min" | "max" | "mean"``.
+      axis_index_groups: as in jax.lax: groups of axis indices, each reduced on its own
+        (e.g. ``[[0, 1], [2, 3]]`` on an axis of 4); equal sizes, covering the axis once.
       timeout_s: deadline for the ranks to meet (default ``JAXCOMM_TIMEOUT_S``, 300 s).
 
     Returns:
-      An array of ``x``'s shape, equal on every member of the group (``mean`` of an
+      Arrays of ``x``'s shapes, equal on every member of the group (``mean`` of an
       integer input is float, as ``x / n`` is). Gradients: ``sum``/``mean`` as jax.lax;
       ``max``/``min`` split the tangent evenly among tied extrema; ``prod`` is exact.
+      ``max``/``min`` propagate NaN, as ``jnp.max`` does (``jaxcomm.lax.pmax``/``pmin``
+      give jax.lax's answer instead, see :func:`skip_nan`).
 
     Example::
 
@@ -111,24 +120,100 @@ def all_reduce(x: jax.Array, axis_name: Any, *, op: str = "sum",
                           in_specs=P("x"), out_specs=P())
         jax.jit(f)(jnp.arange(8.0))   # -> [28.]
     """
+    leaves, treedef = jax.tree.flatten(x)
+    return treedef.unflatten(reduce_leaves(leaves, axis_name, op, axis_index_groups, timeout_s))
+
+
+#: Leaves of a pytree up to COMBINE_LEAF_BYTES are reduced several per call, concatenated,
+#: up to COMBINE_CALL_BYTES a call (as XLA's all-reduce combiner does for jax.lax.psum of a
+#: pytree): one meeting of the group instead of one per leaf. Each element is still summed
+#: alone, in the same order, so the results are the same bits. With 8 leaves of 32 KiB,
+#: 8 devices on 2 loaded cores: 5.1 ms a pmean per leaf, XLA's combined 3.0 ms.
+COMBINE_LEAF_BYTES = 256 * 1024
+COMBINE_CALL_BYTES = 4 << 20
+
+
+def operand(x: Any, op: str) -> jax.Array:
+    """``x`` as all_reduce reduces it (bool sums as int32); TypeError/ValueError for an op
+    or dtype it cannot reduce."""
     x = jnp.asarray(x)
     _check_op("all_reduce", op, x.dtype, ALL_REDUCE_OPS)
-    if x.dtype == np.bool_ and op in ("sum", "mean"):
-        x = x.astype(np.int32)
+    return x.astype(np.int32) if x.dtype == np.bool_ and op in ("sum", "mean") else x
+
+
+def reduce_leaves(leaves: list, axis_name: Any, op: str, axis_index_groups: Any,
+                  timeout_s: float | None) -> list[jax.Array]:
+    """:func:`all_reduce` of each of ``leaves``; small ones of one type share a call."""
+    arrays = [operand(leaf, op) for leaf in leaves]
+    out: list[Any] = [None] * len(arrays)
+    for bucket in _buckets(arrays):
+        if len(bucket) == 1:
+            out[bucket[0]] = _all_reduce(arrays[bucket[0]], axis_name, op, axis_index_groups, timeout_s)
+            continue
+        flat = jnp.concatenate([arrays[i].reshape(-1) for i in bucket])
+        total = _all_reduce(flat, axis_name, op, axis_index_groups, timeout_s)
+        start = 0
+        for i in bucket:
+            out[i] = total[start:start + arrays[i].size].reshape(arrays[i].shape)
+            start += arrays[i].size
+    return out
+
+
+def _buckets(arrays: list[jax.Array]) -> list[list[int]]:
+    # Leaves share a call when one concatenated operand types like each of them.
+    buckets: list[list[int]] = []
+    open_: dict[tuple, tuple[list[int], int]] = {}
+    for i, a in enumerate(arrays):
+        nbytes = a.size * a.dtype.itemsize
+        if nbytes == 0 or nbytes > COMBINE_LEAF_BYTES:
+            buckets.append([i])
+            continue
+        aval = jax.typeof(a)
+        key = (a.dtype, aval.weak_type, compat.vma(aval), compat.unreduced(aval))
+        members, size = open_.get(key, (None, 0))
+        if members is None or size + nbytes > COMBINE_CALL_BYTES:
+            members, size = [], 0
+            buckets.append(members)
+        members.append(i)
+        open_[key] = (members, size + nbytes)
+    return buckets
+
+
+def _all_reduce(x: jax.Array, axis_name: Any, op: str, axis_index_groups: Any,
+                timeout_s: float | None) -> jax.Array:
     if common.use_xla("all_reduce", x.dtype):
-        return _lax_all_reduce(x, axis_name, op)
-    x, params = common.prepare("all_reduce", x, axis_name, timeout_s)
+        return lax_all_reduce(x, axis_name, op, axis_index_groups)
+    x, params = common.prepare("all_reduce", x, axis_name, timeout_s, axis_index_groups,
+                               sums=op in ("sum", "mean"))
     y = all_reduce_p.bind(x, op="sum" if op == "mean" else op, **params)
     if op == "mean":
-        y = y / groups.group_size(params["axes"])
+        y = y / groups.group_size(params["axes"], params["axis_index_groups"])
     return y
 
 
-def _lax_all_reduce(x: jax.Array, axis_name: Any, op: str) -> jax.Array:
-    if op == "prod":
-        return jnp.prod(jax.lax.all_gather(x, axis_name), axis=0)
-    return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin,
-            "mean": jax.lax.pmean}[op](x, axis_name)
+def skip_nan(x: jax.Array, op: str) -> jax.Array:
+    """``x`` with NaN replaced by the identity of ``op`` when it is max or min on the host.
+
+    XLA:CPU's all-reduce (one process) keeps the running extremum unless a value compares
+    greater (or less), starting from -inf (+inf): NaN never wins, and a group of NaN only
+    gives -inf (+inf). jaxcomm's kernels propagate NaN, as ``jnp.max`` does; applied to the
+    operand, this makes them give jax.lax's answer (``jaxcomm.lax.pmax``/``pmin``).
+    """
+    if op not in ("max", "min") or not jnp.issubdtype(x.dtype, jnp.floating) \
+            or jax.default_backend() != "cpu":
+        return x
+    return jnp.where(jnp.isnan(x), jnp.array(-np.inf if op == "max" else np.inf, x.dtype), x)
+
+
+def lax_all_reduce(x: jax.Array, axis_name: Any, op: str, axis_index_groups: Any = None) -> jax.Array:
+    lax = compat.jax_lax
+    if op == "prod" or (axis_index_groups is not None and op in ("sum", "mean")):
+        # jax.lax.psum refuses axis_index_groups inside shard_map; a gather does not.
+        every = lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups)
+        total = jnp.prod(every, axis=0) if op == "prod" else jnp.sum(every, axis=0)
+        return total / every.shape[0] if op == "mean" else total
+    return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin,
+            "mean": lax.pmean}[op](x, axis_name, axis_index_groups=axis_index_groups)
 
 
 # -------------------------------------------------------------------------- reduce_scatter
@@ -165,6 +250,9 @@ def _reduce_scatter_transpose(ct: Any, x: Any, *, op: str, scatter_dimension: in
     assert op == "sum"
     if type(ct) is ad.Zero:
         return [ad.Zero(x.aval)]
+    if params["vma_checked"] and compat.reduced(x.aval) & frozenset(params["axes"]):
+        # An unreduced operand's cotangent is reduced (jax.lax: all_gather(to="reduced")).
+        return [gather.all_gather_reduced(ct, scatter_dimension, params)]
     return [all_gather_p.bind(ct, axis=scatter_dimension, **params)]
 
 
@@ -172,23 +260,31 @@ ad.primitive_jvps[reduce_scatter_p] = _reduce_scatter_jvp
 ad.primitive_transposes[reduce_scatter_p] = _reduce_scatter_transpose
 
 
-def reduce_scatter(x: jax.Array, axis_name: Any, *, scatter_dimension: int = 0, op: str = "sum",
-                   tiled: bool = False, timeout_s: float | None = None) -> jax.Array:
+def reduce_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, op: str = "sum",
+                   tiled: bool = False, axis_index_groups: Any = None,
+                   timeout_s: float | None = None) -> Any:
     """Reduces ``x`` over the group and leaves rank ``i`` the ``i``-th block: ``lax.psum_scatter``.
 
     Args:
-      x: array with ``x.shape[scatter_dimension]`` equal to the group size R
-        (``tiled=False``) or divisible by it (``tiled=True``).
+      x: array (or pytree of arrays) with ``x.shape[scatter_dimension]`` equal to the
+        group size R (``tiled=False``) or divisible by it (``tiled=True``).
       axis_name: mesh axis name or tuple of names.
       scatter_dimension: the dimension split into R blocks.
       op: ``"sum" | "prod" | "min" | "max"`` (only ``"sum"`` is differentiable).
       tiled: keep the dimension (size divided by R) instead of removing it.
+      axis_index_groups: as in :func:`all_reduce`; R is then the size of one group.
 
     Example::
 
         # x: f32[8, 3] on each of 8 ranks of axis "x" -> f32[3] on each rank
         jaxcomm.reduce_scatter(x, "x")
     """
+    return jax.tree.map(lambda leaf: _reduce_scatter(leaf, axis_name, scatter_dimension, op, tiled,
+                                                     axis_index_groups, timeout_s), x)
+
+
+def _reduce_scatter(x: Any, axis_name: Any, scatter_dimension: int, op: str, tiled: bool,
+                    axis_index_groups: Any, timeout_s: float | None) -> jax.Array:
     x = jnp.asarray(x)
     _check_op("reduce_scatter", op, x.dtype, tuple(REDUCE_OPS))
     if x.ndim == 0:
@@ -197,7 +293,8 @@ def reduce_scatter(x: jax.Array, axis_name: Any, *, scatter_dimension: int = 0, 
     if x.dtype == np.bool_ and op == "sum":
         x = x.astype(np.int32)
     axes = groups.normalize_axes("reduce_scatter", axis_name)
-    size = groups.group_size(axes)
+    index_groups = groups.normalize_index_groups("reduce_scatter", axis_index_groups, axes)
+    size = groups.group_size(axes, index_groups)
     n = x.shape[dim]
     if tiled and n % size:
         raise ValueError(f"jaxcomm.reduce_scatter: dimension {dim} of size {n} is not divisible by "
@@ -207,12 +304,12 @@ def reduce_scatter(x: jax.Array, axis_name: Any, *, scatter_dimension: int = 0, 
                          f"group size {size} of axis {groups.describe(axes)}, got {n}")
     if common.use_xla("reduce_scatter", x.dtype):
         if op != "sum":
-            y = _lax_all_reduce(x, axis_name, op)
-            idx = jax.lax.axis_index(axis_name)
+            y = lax_all_reduce(x, axis_name, op, index_groups)
             blk = n // size
-            y = jax.lax.dynamic_slice_in_dim(y, idx * blk, blk, dim)
+            y = jax.lax.dynamic_slice_in_dim(y, groups.rank_in_group(axes, index_groups) * blk, blk, dim)
             return y if tiled else jnp.squeeze(y, dim)
-        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
-    x, params = common.prepare("reduce_scatter", x, axis_name, timeout_s)
+        return compat.jax_lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled,
+                                           axis_index_groups=index_groups)
+    x, params = common.prepare("reduce_scatter", x, axis_name, timeout_s, index_groups, sums=op == "sum")
     y = reduce_scatter_p.bind(x, op=op, scatter_dimension=dim, **params)
     return y if tiled else jnp.squeeze(y, dim)

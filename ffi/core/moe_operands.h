@@ -1,0 +1,29 @@
+// The operand contract of the MoE transport custom call (jaxcomm/_src/moe/fused.py), which
+// every backend checks alike: src, dest s32[T, K] (destination rank of each slot, or -1),
+// pos s32[T, K] (the slot's row on that rank, or -1), w f32[T, K], g, and the result, as
+// the mode (core/moe_modes.h) requires.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/moe_modes.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxcomm {
+
+// What a transport call's operands say: tokens T, slots K, hidden H, result rows, the
+// bytes of one moved row, and whether the mode gathers rows (kGatherCopy/kGatherScaled).
+struct MoeOperandShape {
+  int64_t T = 0, K = 0, H = 0, rows = 0, row_bytes = 0;
+  bool gather = false;
+};
+
+// Checks a transport call's operands against its mode; returns "" and fills `shape`, or
+// why the call is malformed.
+std::string CheckMoeOperands(int64_t mode, const xla::ffi::AnyBuffer& src,
+                             const xla::ffi::AnyBuffer& dest, const xla::ffi::AnyBuffer& pos,
+                             const xla::ffi::AnyBuffer& w, const xla::ffi::AnyBuffer& g,
+                             const xla::ffi::AnyBuffer& result, MoeOperandShape* shape);
+
+}  // namespace jaxcomm

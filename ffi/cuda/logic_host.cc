@@ -1,0 +1,190 @@
+#include "cuda/logic_host.h"
+
+#include <cstring>
+
+namespace jaxcomm::cuda::logic {
+
+Routing RouteOnHost(const std::vector<int32_t>& ids, int64_t R, int64_t T, int64_t K, int64_t E,
+                    int64_t rows, bool padded) {
+  const int64_t El = E / R, TK = T * K;
+  Routing out;
+  out.dest.assign(R * TK, -1);
+  out.pos.assign(R * TK, -1);
+  out.sizes.assign(R * El, 0);
+  out.stats.assign(R * 3, 0);
+  // RankKernel: each assignment's rank among its rank's assignments to the same expert.
+  std::vector<int64_t> counts(R * E, 0), local_rank(R * TK, -1);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < TK; ++i) {
+      const int64_t v = ids[r * TK + i];
+      if (IsExpert(v, E)) {
+        local_rank[r * TK + i] = counts[r * E + v]++;
+      } else if (IsInvalidId(v, E)) {
+        ++out.stats[r * 3 + 1];
+      }
+    }
+  }
+  // PlanKernel.
+  std::vector<int64_t> before(R * E), total(E), start(E);
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t run = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      before[r * E + e] = run;
+      run += counts[r * E + e];
+    }
+    total[e] = run;
+  }
+  for (int64_t e = 0; e < E; ++e) start[e] = ExpertStart(total, e, El);
+  for (int64_t d = 0; d < R; ++d) {
+    int64_t arrived = 0, kept = 0;
+    for (int64_t el = 0; el < El; ++el) {
+      const int64_t e = d * El + el;
+      const int64_t size = KeptRows(padded, total[e], start[e], rows, El);
+      out.sizes[d * El + el] = static_cast<int32_t>(size);
+      arrived += total[e];
+      kept += size;
+    }
+    out.stats[d * 3 + 2] = static_cast<int32_t>(arrived - kept);
+  }
+  // PositionKernel.
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < TK; ++i) {
+      const int64_t v = ids[r * TK + i];
+      if (!IsExpert(v, E)) continue;
+      const Place p = PlaceAssignment(v, E, El, local_rank[r * TK + i], before[r * E + v], start[v], rows, padded);
+      out.dest[r * TK + i] = p.dest;
+      out.pos[r * TK + i] = p.row;
+      if (p.dropped) ++out.stats[r * 3];
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> MoeOnHost(int mode, int64_t T, int64_t K, int64_t H, int64_t rows,
+                                   int64_t row_bytes, const std::vector<std::string>& src,
+                                   const std::vector<std::vector<int32_t>>& dest,
+                                   const std::vector<std::vector<int32_t>>& pos,
+                                   const std::vector<std::vector<float>>& w,
+                                   const std::vector<std::vector<float>>& g) {
+  const int64_t R = static_cast<int64_t>(src.size());
+  std::vector<std::string> out(R);
+  std::vector<int> sd(K), srow(K);
+  std::vector<float> sw(K);
+  for (int64_t me = 0; me < R; ++me) {
+    if (mode == 0 || mode == 1) {  // GatherKernel (self = me), then ZeroUnwrittenKernel
+      std::string& o = out[me];
+      o.assign(rows * row_bytes, '\0');
+      std::vector<char> written(rows, 0);
+      for (int64_t s = 0; s < R; ++s) {
+        for (int64_t t = 0; t < T; ++t) {
+          const int n = StageSlots(&dest[s][t * K], &pos[s][t * K], &w[s][t * K], K, R, rows, me,
+                                   sd.data(), srow.data(), sw.data());
+          for (int j = 0; j < n; ++j) {
+            written[srow[j]] = 1;
+            char* row = &o[srow[j] * row_bytes];
+            if (mode == 0) {
+              std::memcpy(row, &src[s][t * row_bytes], row_bytes);
+            } else {
+              const float* x = reinterpret_cast<const float*>(&src[s][t * row_bytes]);
+              float* y = reinterpret_cast<float*>(row);
+              for (int64_t h = 0; h < H; ++h) y[h] = sw[j] * x[h];
+            }
+          }
+        }
+      }
+      for (int64_t row = 0; row < rows; ++row) {
+        if (!written[row]) std::memset(&o[row * row_bytes], 0, row_bytes);
+      }
+    } else if (mode == 2) {  // ReduceKernel: slots by rank, each rank's in k order
+      std::vector<float> y(T * H, 0.f), part(H);
+      for (int64_t t = 0; t < T; ++t) {
+        const int n = StageSlotsByRank(&dest[me][t * K], &pos[me][t * K], &w[me][t * K], K, R, rows,
+                                       sd.data(), srow.data(), sw.data());
+        for (int64_t h = 0; h < H; ++h) {
+          float acc = 0.f, p = 0.f;
+          bool acc_set = false, part_set = false;
+          int cur = -1;
+          for (int j = 0; j < n; ++j) {
+            if (sd[j] != cur) {
+              if (part_set) {
+                acc = acc_set ? acc + p : p;
+                acc_set = true;
+                part_set = false;
+              }
+              cur = sd[j];
+            }
+            const float x = reinterpret_cast<const float*>(src[sd[j]].data())[srow[j] * H + h];
+            const float prod = sw[j] * x;
+            p = part_set ? p + prod : prod;
+            part_set = true;
+          }
+          if (part_set) acc = acc_set ? acc + p : p;
+          y[t * H + h] = acc;
+        }
+      }
+      out[me].assign(reinterpret_cast<const char*>(y.data()), y.size() * sizeof(float));
+    } else if (mode == 3) {  // DotKernel (summation order differs: compare with a tolerance)
+      std::vector<float> y(T * K, 0.f);
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t d = dest[me][t * K + k], row = pos[me][t * K + k];
+          if (!SlotOk(d, row, R, rows)) continue;
+          const float* x = reinterpret_cast<const float*>(src[d].data()) + row * H;
+          float acc = 0.f;
+          for (int64_t h = 0; h < H; ++h) acc += g[me][t * H + h] * x[h];
+          y[t * K + k] = acc;
+        }
+      }
+      out[me].assign(reinterpret_cast<const char*>(y.data()), y.size() * sizeof(float));
+    }
+  }
+  return out;
+}
+
+std::vector<float> RaggedOnHost(int mode, const std::vector<float>& operand, const std::vector<float>& output,
+                                int64_t row_elems, int64_t src_rows, int64_t dst_rows,
+                                const std::vector<int64_t>& input_offsets, const std::vector<int64_t>& send_sizes,
+                                const std::vector<int64_t>& output_offsets, const std::vector<int64_t>& recv_sizes) {
+  std::vector<float> result = output;
+  const int64_t n = static_cast<int64_t>(send_sizes.size());
+  const IndexView io{input_offsets.data(), 8}, ss{send_sizes.data(), 8}, oo{output_offsets.data(), 8};
+  for (int64_t i = 0; i < n; ++i) {  // CallValid
+    if (!SliceValid(input_offsets[i], send_sizes[i], output_offsets[i], recv_sizes[i], src_rows, dst_rows)) {
+      return result;
+    }
+  }
+  const auto mode_ = static_cast<RaggedMode>(mode);
+  if (mode_ == RaggedMode::kForward || mode_ == RaggedMode::kZero) {  // RaggedForwardKernel
+    for (int64_t j = 0; j < dst_rows; ++j) {
+      const int64_t i = LastCover(ss, oo, n, j);
+      if (i < 0) continue;
+      for (int64_t e = 0; e < row_elems; ++e) {
+        result[j * row_elems + e] = mode_ == RaggedMode::kZero ? 0.f : operand[SourceRow(io, oo, i, j) * row_elems + e];
+      }
+    }
+    return result;
+  }
+  for (int64_t r = 0; r < src_rows; ++r) {  // RaggedTransposeKernel: operand is the cotangent
+    for (int64_t i = 0; i < n; ++i) {
+      if (ss[i] <= 0 || r < io[i] || r >= io[i] + ss[i]) continue;
+      const int64_t j = oo[i] + r - io[i];
+      if (LastCover(ss, oo, n, j) != i) continue;
+      for (int64_t e = 0; e < row_elems; ++e) result[r * row_elems + e] += operand[j * row_elems + e];
+    }
+  }
+  return result;
+}
+
+std::vector<Copy2D> BlockCopies(const std::vector<int64_t>& dims, int64_t axis, int64_t R, int64_t item,
+                                bool to_block, int64_t block_stride, int64_t max_pitch) {
+  const Split s = SplitAlong(dims.data(), dims.size(), static_cast<size_t>(axis), static_cast<size_t>(R),
+                             static_cast<size_t>(item));
+  std::vector<Copy2D> out;
+  for (int64_t d = 0; d < R; ++d) {
+    PlanCopy(BlockCopy(s, R, d, d * block_stride, to_block), static_cast<size_t>(max_pitch),
+             [&](const Copy2D& c) { out.push_back(c); });
+  }
+  return out;
+}
+
+}  // namespace jaxcomm::cuda::logic

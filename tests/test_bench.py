@@ -1,0 +1,164 @@
+"""The benchmark's method (jaxcomm.bench.method) and its multi-process driver.
+
+The driver must run without mpi4jax (it is optional): the end-to-end cases here use the
+test environment's Python, where mpi4py and mpi4jax need not be installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import jaxcomm
+from jaxcomm.bench import method, multiprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The jaxcomm this test imported (installed, or a tree with its extension built in place):
+# a clean clone's source tree has no extension and must not shadow the installed package.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
+
+
+# ----------------------------------------------------------------------------- method
+
+def test_fit_recovers_the_fixed_and_per_collective_costs():
+    # t(n) = 250 + 1.5 n, with one disturbed round per length: medians ignore it.
+    a, b = 250.0, 1.5
+    samples = {n: [a + b * n, a + b * n + 0.2, a + b * n - 0.2, 50 * (a + b * n)]
+               for n in (1, 10, 100, 1000)}
+    f = method.fit(samples)
+    assert f.per_call_us == pytest.approx(a, abs=0.5)
+    assert f.per_collective_us == pytest.approx(b, abs=1e-3)
+    assert sorted(f.medians_us) == [1, 10, 100, 1000]
+
+
+def test_fit_of_one_length_is_its_time_per_collective():
+    f = method.fit({10: [30.0, 20.0, 40.0]})
+    assert (f.per_call_us, f.per_collective_us) == (0.0, 3.0)
+
+
+def test_fit_refuses_no_samples():
+    with pytest.raises(ValueError, match="no samples"):
+        method.fit({1: [], 10: []})
+
+
+def test_large_messages_keep_the_two_shortest_lengths():
+    assert method.lengths_for(4) == (1, 10, 100, 1000)
+    assert method.lengths_for(1 << 20) == (1, 10, 100)
+    assert method.lengths_for(16 << 20) == (1, 10)
+    assert method.lengths_for(1 << 30, [1000, 1, 10]) == (1, 10)
+    with pytest.raises(ValueError, match="positive"):
+        method.lengths_for(4, [0, 10])
+
+
+def test_sides_take_turns_in_alternating_order():
+    assert [method.turn_order("ABC", r) for r in range(3)] == [
+        ["A", "B", "C"], ["C", "B", "A"], ["A", "B", "C"]]
+
+
+def test_summary_names_every_case_where_jaxcomm_is_behind():
+    rows = [
+        {"op": "all_reduce", "bytes": 4, "jaxcomm_per_collective_us": 2.0,
+         "mpi4jax_per_collective_us": 1.0, "jaxcomm_per_call_us": 10.0, "mpi4jax_per_call_us": 300.0},
+        {"op": "all_to_all", "bytes": 1 << 20, "jaxcomm_per_collective_us": 100.0,
+         "mpi4jax_per_collective_us": 400.0, "jaxcomm_per_call_us": 12.0, "mpi4jax_per_call_us": 280.0},
+        {"op": "ppermute", "bytes": 1 << 20, "jaxcomm_per_collective_us": 50.0,
+         "mpi4jax_per_collective_us": None, "jaxcomm_per_call_us": 11.0, "mpi4jax_per_call_us": None},
+    ]
+    line = method.summary_line("mpi4jax", rows)
+    assert line.startswith("vs mpi4jax: jaxcomm faster per collective in 1 of 2 cases (up to 4.00x, "
+                           "all_to_all 1MiB)")
+    assert "behind in all_reduce 4B 0.50x" in line
+    assert "not measured: ppermute 1MiB" in line
+    assert "jaxcomm 11.0 us, mpi4jax 290.0 us" in line
+
+
+def test_table_states_placement_and_load():
+    rec = {"op": "all_reduce", "bytes": 4, "lengths": [1, 10], "processes": 2, "devices": 2,
+           "dtype": "float32", "bind": "cores", "error": None, "match": {"gloo": True},
+           "sides": {"jaxcomm": {}, "gloo": {}},
+           "jaxcomm_per_collective_us": 2.0, "gloo_per_collective_us": 200.0,
+           "jaxcomm_per_call_us": 9.0, "gloo_per_call_us": 50.0}
+    text = multiprocess.format_table([rec], "mpirun -n 2 --bind-to core", "1.00 2.00 3.00")
+    assert "bound: a core (share of the cores) per process (mpirun -n 2 --bind-to core)" in text
+    assert "load average 1.00 2.00 3.00" in text
+    row = text.splitlines()[-1].split()
+    assert row[:5] == ["4B", "1,10", "2.00", "200.00", "100.00"] and row[-1] == "yes"
+
+
+# ------------------------------------------------------------------------ command line
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               JAX_PLATFORMS="cpu", JAXCOMM_TIMEOUT_S="20")
+    return subprocess.run([sys.executable, "-m", "jaxcomm.bench", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=HERE)
+
+
+def test_help_lists_every_option():
+    proc = _run("--processes", "2", "--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--processes", "--devices", "--hosts", "--ops", "--sizes", "--latency",
+                   "--lengths", "--rounds", "--warmup", "--bind", "--no-mpi4jax", "--no-gloo", "--dtype",
+                   "--timeout", "--hugetlb", "--json", "--no-check", "--no-progress", "--grace"):
+        assert option in proc.stdout, option
+    assert "--worker" not in proc.stdout and "--emit-json" not in proc.stdout
+
+
+@pytest.mark.parametrize("hosts", ["0", "3"])
+def test_more_hosts_than_processes_is_refused(hosts):
+    proc = _run("--processes", "2", "--hosts", hosts, timeout=60)
+    assert proc.returncode == 2
+    assert f"need 1 <= --hosts <= --processes, got {hosts}" in proc.stderr
+
+
+def test_mpi4jax_comparison_is_skipped_without_mpi4jax(monkeypatch, capsys):
+    from jaxcomm.bench import mpi4jax_compare
+    monkeypatch.setattr(multiprocess.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(multiprocess.shutil, "which", lambda name: "/usr/bin/mpirun")
+    assert mpi4jax_compare.main(["--processes", "2"]) == 0
+    assert "mpi4jax comparison skipped: mpi4py is not installed" in capsys.readouterr().out
+
+
+def test_driver_measures_every_side_by_the_method(tmp_path):
+    # jaxcomm against gloo and a plain jit, without mpi4jax, one placement.
+    out = tmp_path / "records.json"
+    proc = _run("--processes", "2", "--no-mpi4jax", "--ops", "all_reduce,all_to_all",
+                "--sizes", "16B,256KiB", "--lengths", "1,10", "--rounds", "2", "--bind", "none",
+                "--no-progress", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = json.loads(out.read_text())
+    assert [(r["op"], r["bytes"]) for r in records] == [
+        ("all_reduce", 16), ("all_reduce", 256 << 10), ("all_to_all", 16), ("all_to_all", 256 << 10)]
+    for r in records:
+        assert r["error"] is None and r["match"] == {"gloo": True}, r
+        assert r["processes"] == 2 and r["bind"] == "none" and r["lengths"] == [1, 10]
+        assert sorted(r["sides"]) == ["gloo", "jaxcomm", "plain"]
+        for side in r["sides"].values():
+            assert all(t > 0 for t in side["medians_us"].values()), r
+            # a + b*n passes through both medians (two points).
+            m1, m10 = side["medians_us"]["1"], side["medians_us"]["10"]
+            assert side["per_call_us"] + side["per_collective_us"] == pytest.approx(m1)
+            assert side["per_call_us"] + 10 * side["per_collective_us"] == pytest.approx(m10)
+    assert "not bound: the scheduler places the processes (python -m jaxcomm.launch -n 2 --bind none)" \
+        in proc.stdout
+    assert "load average" in proc.stdout
+    assert "vs gloo: jaxcomm faster per collective in" in proc.stdout
+    assert "fixed cost per call (median over cases): jaxcomm" in proc.stdout
+
+
+def test_driver_plays_hosts(tmp_path):
+    # 4 processes as 2 hosts: shared memory within, TCP across, all_reduce in phases.
+    out = tmp_path / "records.json"
+    proc = _run("--processes", "4", "--hosts", "2", "--ops", "all_reduce", "--sizes", "16B,1MiB",
+                "--lengths", "1,10", "--rounds", "1", "--bind", "none", "--no-progress",
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = json.loads(out.read_text())
+    assert [(r["op"], r["bytes"], r["hosts"]) for r in records] == [
+        ("all_reduce", 16, 2), ("all_reduce", 1 << 20, 2)]
+    for r in records:
+        assert r["error"] is None and r["match"] == {"gloo": True}, r
