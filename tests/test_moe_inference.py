@@ -537,10 +537,18 @@ def test_split_low_latency_fp8_across_processes():
         assert "CHECKED split-phase" in res.output[rank], res.format()
 
 
-def test_paths_of_backends_without_the_host_dispatch(monkeypatch):
-    """The Python side of the CUDA backend's path (routing planned in XLA, the portable
-    transport modes in float32, FP8 quantized in jax.numpy, split halves fused at the
-    receive half, check_ids by callback), run here on the host kernels."""
+@pytest.mark.parametrize("form", FORMS)
+def test_paths_of_backends_without_the_host_dispatch(monkeypatch, form):
+    """The Python side of the CUDA backend's path, run here on the host kernels: routing
+    planned in XLA, FP8 quantized by the moe_fp8_quantize primitive (a kernel on CUDA, its
+    jax.numpy form here) and dequantized by the GATHER_DEQUANT transports, the low-latency
+    layout left unwritten past the counts (GATHER_SPARSE), the split halves through
+    moe_transport_send / moe_recv, half precision combine, check_ids by callback.
+
+    check_ids only inside shard_map: in the global view XLA:CPU runs the callback on the
+    jaxcomm thread that completed the collective before it, where jaxlib's CPU callback
+    handler crashed reading the execution context (a case only this CPU run of the CUDA
+    path reaches: on the host backend the check is in the dispatch kernel)."""
     from jaxcomm._src.moe import fused
     monkeypatch.setattr(fused, "on_host", lambda: False)
     T, K, E, H, MAX = 4, 3, 16, 140, 5
@@ -550,21 +558,72 @@ def test_paths_of_backends_without_the_host_dispatch(monkeypatch):
 
     def f(x, ids, w):
         pending = jaxcomm.moe.dispatch_send(x, ids, num_experts=E, axis_name="ep", layout="low_latency",
-                                            max_tokens=MAX, fp8="dequantize", check_ids=True)
+                                            max_tokens=MAX, fp8="dequantize", check_ids=form == "shard_map")
         ex, counts, h = jaxcomm.moe.dispatch_recv(pending)
         y = jaxcomm.moe.combine_recv(jaxcomm.moe.combine_send(ex, h, w))
+        packed, _, _ = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep", fp8="dequantize")
         (q, s), _, _ = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep", fp8="raw")
-        return ex, counts, y, q.view(jnp.uint8), s
+        return ex, counts, y, packed, q.view(jnp.uint8), s
 
-    ex, counts, y, q, s = per_device(f, _mesh(), x, ids, w)
+    ex, counts, y, packed, q, s = run(form, f, x, ids, w)
     ref_q, ref_s = np_quantize_fp8(x.astype(np.float32))
     want_q, sizes, row_of, _ = np_dispatch(ref_q.view(np.uint8), ids, E, padded=True, slab=R * MAX)
     want_s, _, _, _ = np_dispatch(ref_s, ids, E, padded=True, slab=R * MAX)
     want_ex = np_dequantize_fp8(want_q.view(ml_dtypes.float8_e4m3fn), want_s, jnp.bfloat16)
     np.testing.assert_array_equal(counts, sizes)
-    np.testing.assert_array_equal(ex, want_ex)  # this path writes zeros past the counts
+    np.testing.assert_array_equal(_ll_valid(ex.astype(np.float32), counts), want_ex.astype(np.float32))
     np.testing.assert_array_equal(y, np_combine_f32(want_ex, row_of, w, T, H, jnp.bfloat16))
     packed_q, _, _, _ = np_dispatch(ref_q.view(np.uint8), ids, E)
     packed_s, _, _, _ = np_dispatch(ref_s, ids, E)
     np.testing.assert_array_equal(q, packed_q)
     np.testing.assert_array_equal(s, packed_s)
+    # The packed layout's dequantizing gather writes zeros past the rows that arrive.
+    want_packed = np_dequantize_fp8(packed_q.view(ml_dtypes.float8_e4m3fn), packed_s, jnp.bfloat16)
+    np.testing.assert_array_equal(packed, want_packed)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_planned_split_fp8_gradient_is_straight_through(monkeypatch, form):
+    """On the CUDA backend's path, the split FP8 dispatch's derivative moves x's cotangent
+    as the plain dispatch's does (a bfloat16 combine of it), whatever FP8 rounded."""
+    from jaxcomm._src.moe import fused
+    monkeypatch.setattr(fused, "on_host", lambda: False)
+    T, K, E, H, MAX = 3, 2, 16, 130, 4
+    ids, x, w, ct = _bf16_case(T, K, E, H, seed=75)
+
+    def grads(split):
+        def layer(x, ids, w):
+            kw = dict(num_experts=E, axis_name="ep", layout="low_latency", max_tokens=MAX)
+            if split:
+                ex, _, h = jaxcomm.moe.dispatch_recv(jaxcomm.moe.dispatch_send(x, ids, fp8="dequantize", **kw))
+            else:
+                ex, _, h = jaxcomm.moe.dispatch_low_latency(x, ids, num_experts=E, axis_name="ep",
+                                                            max_tokens=MAX)
+            return jaxcomm.moe.combine_low_latency(ex * 2, h, w)
+        f, args = _differentiable(form, layer, x, ids, w)
+        ct_d = jax.device_put(ct.reshape(R * T, H), args[0].sharding)
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct_d.astype(jnp.float32)),
+                                argnums=0))(*args)
+
+    np.testing.assert_array_equal(np.asarray(grads(True), np.float32), np.asarray(grads(False), np.float32))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_planned_fp8_raw_is_not_differentiable(monkeypatch, split):
+    """fp8='raw' under jax.grad on the CUDA backend's path: the host dispatch's TypeError."""
+    from jaxcomm._src.moe import fused
+    monkeypatch.setattr(fused, "on_host", lambda: False)
+    T, K, E, H = 2, 2, 16, 8
+    ids, x, w, _ = _bf16_case(T, K, E, H, seed=76)
+
+    def layer(x, ids, w):
+        kw = dict(num_experts=E, axis_name="ep", fp8="raw")
+        if split:
+            (q, s), _, _ = jaxcomm.moe.dispatch_recv(jaxcomm.moe.dispatch_send(x, ids, **kw))
+        else:
+            (q, s), _, _ = jaxcomm.moe.dispatch(x, ids, **kw)
+        return q.astype(jnp.float32)[:T] * s[:T, :1]
+
+    f, args = _differentiable("shard_map", layer, x, ids, w)
+    with pytest.raises(TypeError, match="fp8='raw'"):
+        jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w)), argnums=0))(*args)

@@ -22,60 +22,24 @@
 namespace jaxcomm::cpu {
 namespace {
 
-// A transport call's operands as checked for the host kernels, which also take half
-// precision float operands and results (converted in the row loops, accumulated in
-// float32): CheckMoeOperands' shape plus the element types.
+// A transport call's operands as checked (CheckMoeOperands), with the host kernels'
+// element types.
 struct MoePlan : MoeOperandShape {
   int64_t mode = 0, R = 0;
   Real src = Real::kF32, out = Real::kF32, g = Real::kF32;
 };
 
-// CheckMoeOperands for the host kernels: the same shapes; kGatherScaled, kReduce and kDot
-// take float32, bfloat16 or float16 for src, g and the result (kDot's result is float32),
-// and kGatherSparse is kGatherCopy's shapes.
 std::string CheckHostMoeOperands(int64_t mode, const ffi::AnyBuffer& src, const ffi::AnyBuffer& dest,
                                  const ffi::AnyBuffer& pos, const ffi::AnyBuffer& w, const ffi::AnyBuffer& g,
                                  const ffi::AnyBuffer& result, MoePlan* p) {
-  const bool copy = mode == kGatherCopy || mode == kGatherSparse;
-  if (!copy && !(AsReal(src.element_type(), &p->src) && AsReal(result.element_type(), &p->out) &&
-                 AsReal(g.element_type(), &p->g))) {
-    return "float operands must be float32, bfloat16 or float16";
-  }
-  // CheckMoeOperands' shape rules, on float32 stand-ins for the half precision buffers.
-  auto dims = [](const ffi::AnyBuffer& b) { return b.dimensions(); };
-  auto sd = dims(src), td = dims(dest), od = dims(result);
-  if (sd.size() != 2 || td.size() != 2 || od.size() != 2 || pos.dimensions().size() != 2 ||
-      dest.element_type() != ffi::DataType::S32 || pos.element_type() != ffi::DataType::S32 ||
-      w.element_type() != ffi::DataType::F32 || w.element_count() != dest.element_count() ||
-      pos.element_count() != dest.element_count()) {
-    return "bad operand shapes or dtypes";
-  }
-  p->T = td[0];
-  p->K = td[1];
-  p->H = sd[1];
-  p->gather = copy || mode == kGatherScaled;
-  p->rows = p->gather ? od[0] : sd[0];
-  p->row_bytes = od[0] ? static_cast<int64_t>(result.size_bytes()) / od[0] : 0;
-  bool ok = false;
-  switch (mode) {
-    case kGatherCopy:
-    case kGatherSparse:
-      ok = sd[0] == p->T && od[1] == p->H && src.element_type() == result.element_type();
-      break;
-    case kGatherScaled:
-      ok = sd[0] == p->T && od[1] == p->H;
-      break;
-    case kReduce:
-      ok = od[0] == p->T && od[1] == p->H;
-      break;
-    case kDot:
-      ok = od[0] == p->T && od[1] == p->K && p->out == Real::kF32 &&
-           static_cast<int64_t>(g.element_count()) == p->T * p->H;
-      break;
-    default:
-      break;
-  }
-  return ok ? "" : "operands disagree with the mode";
+  if (std::string why = CheckMoeOperands(mode, src, dest, pos, w, g, result, p); !why.empty()) return why;
+  // The copies move bytes; the float modes' types are float32, bfloat16 or float16 (FP8
+  // codes for the dequantizing gathers' src).
+  if (mode == kGatherCopy || mode == kGatherSparse) return "";
+  AsReal(p->out_type, &p->out);
+  AsReal(p->g_type, &p->g);
+  if (!AsReal(p->src_type, &p->src)) p->src = Real::kE4M3;
+  return "";
 }
 
 // Receiver r's incoming rows: f(source s, slot i, row) for every slot of every source
@@ -100,28 +64,39 @@ std::pair<const int32_t*, const int32_t*> SlotTables(const Peer& p) {
 
 void RunGather(const MoePlan& p, const std::vector<Peer>& peers, int r) {
   char* out = static_cast<char*>(peers[r].out);
-  const bool zero = p.mode != kGatherSparse;
+  const bool zero = ZeroesUnwritten(p.mode);
+  const bool dequant = p.mode == kGatherDequant || p.mode == kGatherDequantSparse;
   std::vector<char> written(zero ? static_cast<size_t>(p.rows) : 0, 0);
   // The copies move rows of any dtype, src's the result's.
-  const int64_t in_row_bytes = p.mode == kGatherScaled ? p.H * RealBytes(p.src) : p.row_bytes;
+  const int64_t in_row_bytes = p.mode == kGatherScaled || dequant ? p.H * RealBytes(p.src) : p.row_bytes;
+  const int64_t nb = Fp8Blocks(p.H);
+  // copy(destination row, source token row, slot weight, the token's FP8 scales)
   auto rows = [&](auto copy) {
     ForEachArrival(r, p.R, p.T * p.K, p.rows, [&](int s) { return SlotTables(peers[s]); },
                    [&](int s, int64_t i, int64_t row) {
                      if (zero) written[row] = 1;
-                     const char* in = static_cast<const char*>(peers[s].in) + (i / p.K) * in_row_bytes;
-                     copy(out + row * p.row_bytes, in, static_cast<const float*>(peers[s].aux[2])[i]);
+                     const int64_t t = i / p.K;
+                     const char* in = static_cast<const char*>(peers[s].in) + t * in_row_bytes;
+                     copy(out + row * p.row_bytes, in, static_cast<const float*>(peers[s].aux[2])[i],
+                          static_cast<const float*>(peers[s].aux[3]) + t * nb);
                    });
   };
   if (p.mode == kGatherScaled) {
     WithReal(p.src, [&](auto in) {
       WithReal(p.out, [&](auto o) {
-        rows([&](char* dst, const char* src, float a) {
+        rows([&](char* dst, const char* src, float a, const float*) {
           ConvertRow<decltype(in), decltype(o)>(dst, src, a, p.H);
         });
       });
     });
+  } else if (dequant) {
+    WithReal(p.out, [&](auto o) {
+      rows([&](char* dst, const char* src, float, const float* scales) {
+        DequantizeRowE4M3<decltype(o)>(dst, reinterpret_cast<const uint8_t*>(src), scales, p.H);
+      });
+    });
   } else {
-    rows([&](char* dst, const char* src, float) { std::memcpy(dst, src, p.row_bytes); });
+    rows([&](char* dst, const char* src, float, const float*) { std::memcpy(dst, src, p.row_bytes); });
   }
   if (!zero) return;
   for (int64_t row = 0; row < p.rows; ++row) {
@@ -207,6 +182,8 @@ std::string RunMoe(const MoePlan& p, const std::vector<Peer>& peers, int r) {
     case kGatherCopy:
     case kGatherScaled:
     case kGatherSparse:
+    case kGatherDequant:
+    case kGatherDequantSparse:
       RunGather(p, peers, r);
       return "";
     case kReduce:

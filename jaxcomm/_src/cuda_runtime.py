@@ -156,6 +156,10 @@ def ensure_registered() -> None:
         name = runtime.target_name(op)
         jax.ffi.register_ffi_target(name, stages, platform="CUDA")
         _mark_batch_partitionable(name)
+    # Kernels outside any group (an execute stage alone): called inside shard_map or on
+    # one shard's rows, never partitioned by XLA.
+    for op, stages in getattr(_jaxcomm, "cuda_local_targets", dict)().items():
+        jax.ffi.register_ffi_target(runtime.target_name(op), stages, platform="CUDA")
     _jaxcomm.set_process_index(jax.process_index())
 
 

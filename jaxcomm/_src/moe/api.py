@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -223,28 +223,60 @@ def _global_dispatch(spec: DispatchSpec, x: jax.Array, expert_ids: jax.Array, ax
             Handle(arrays, axis_name, spec.padded, x.dtype, lay, view=view))
 
 
-def _global_dispatch_planned(spec: DispatchSpec, x: jax.Array, expert_ids: jax.Array, axis_name: Any,
-                             lay: impl.Layout, view: tuple):
-    """The fused transports' global view where the routing is planned in XLA (CUDA)."""
-    n, dim0, mesh = view
-    T, K = lay.T, lay.K
-
+def planned_routing(spec: DispatchSpec, expert_ids: jax.Array, axis_name: Any, lay: impl.Layout,
+                    view: tuple | None) -> tuple[dict, jax.Array]:
+    """(handle arrays, sizes) of a dispatch on the fused transports whose routing is planned
+    in XLA (CUDA): inside shard_map (``view`` None), or on the global view's shards."""
     def plan(ids):
         if spec.check_ids:
             ids = impl.checked_ids(ids, lay.E, axis_name)
-        h, sizes = impl.plan(ids, lay, axis_name, fused=True)
+        return impl.plan(ids, lay, axis_name, fused=True)
+
+    if view is None:
+        return plan(expert_ids)
+    n, dim0, mesh = view
+
+    def local(ids):
+        h, sizes = plan(ids)
         # Scalars gain a leading dimension so that every handle leaf is sharded on dim 0.
         return [h["dest"], h["pos"], *(h[k][None] for k in _SCALARS), sizes]
 
     i32 = jnp.int32
+    T, K = lay.T, lay.K
     shapes = ([jax.ShapeDtypeStruct((n * T, K), i32)] * 2 + [jax.ShapeDtypeStruct((n,), i32)] * 3
               + [jax.ShapeDtypeStruct((n * lay.El,), i32)])
-    dest, pos, *scalars, sizes = globalview.sharded_call(plan, [expert_ids], shapes, n, dim0, mesh)
-    arrays = dict(dest=dest, pos=pos, **dict(zip(_SCALARS, scalars)))
-    move = lambda v: fused.transport(fused.GATHER_COPY, v, dest, pos, axis_name,  # noqa: E731
-                                     rows=n * lay.rows, shards=n, dim0=dim0, mesh=mesh)
-    expert_x = move(x) if spec.fp8 is None else impl.fp8_rows(x, spec.fp8, move)
-    return expert_x, sizes, arrays
+    dest, pos, *scalars, sizes = globalview.sharded_call(local, [expert_ids], shapes, n, dim0, mesh)
+    return dict(dest=dest, pos=pos, **dict(zip(_SCALARS, scalars))), sizes
+
+
+def _global_dispatch_planned(spec: DispatchSpec, x: jax.Array, expert_ids: jax.Array, axis_name: Any,
+                             lay: impl.Layout, view: tuple):
+    """The fused transports' global view where the routing is planned in XLA (CUDA)."""
+    arrays, sizes = planned_routing(spec, expert_ids, axis_name, lay, view)
+    dest, pos = arrays["dest"], arrays["pos"]
+    n, dim0, mesh = view
+    common = dict(rows=n * lay.rows, shards=n, dim0=dim0, mesh=mesh)
+    move = lambda v: fused.transport(impl.gather_mode(lay), v, dest, pos, axis_name, **common)  # noqa: E731
+    if spec.fp8 is None:
+        return move(x), sizes, arrays
+    deliver = lambda q, s: fused.transport(impl.gather_mode(lay, fp8=True), q, dest, pos,  # noqa: E731
+                                           axis_name, g=s, out_dtype=x.dtype, **common)
+    return impl.fp8_rows(x, spec.fp8, move, deliver=deliver, local=on_shards(view)), sizes, arrays
+
+
+def on_shards(view: tuple | None) -> Callable:
+    """``local(f, *arrays)``: the per-rank function f applied to each dim-0 shard's rows of
+    global arrays (the global view ``view``), or to the arrays themselves (shard_map)."""
+    if view is None:
+        return lambda f, *arrays: f(*arrays)
+    n, dim0, mesh = view
+
+    def local(f, *arrays):
+        outs = jax.eval_shape(f, *(jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype)
+                                   for a in arrays))
+        shapes = [jax.ShapeDtypeStruct((o.shape[0] * n, *o.shape[1:]), o.dtype) for o in outs]
+        return tuple(globalview.sharded_call(lambda *a: list(f(*a)), list(arrays), shapes, n, dim0, mesh))
+    return local
 
 
 def _global_dispatch_shard_map(spec: DispatchSpec, x: jax.Array, expert_ids: jax.Array, axis_name: Any):

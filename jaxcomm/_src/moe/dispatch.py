@@ -39,7 +39,7 @@ differentiates it as it is.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -246,8 +246,17 @@ def _combine_rows(ey: jax.Array, weights: jax.Array, h: Handle, lay: Layout, axi
     return _reduce(ey, _send_weights(weights, h, lay, axis_name), h, lay, axis_name).astype(out_dtype)
 
 
+def gather_mode(lay: Layout, fp8: bool = False) -> int:
+    """The fused gather of a dispatch planned in XLA: the low-latency layout leaves the
+    rows past each expert's count unwritten (as the host dispatch does); FP8 values are
+    dequantized as they are delivered."""
+    if fp8:
+        return fused.GATHER_DEQUANT_SPARSE if lay.low_latency else fused.GATHER_DEQUANT
+    return fused.GATHER_SPARSE if lay.low_latency else fused.GATHER_COPY
+
+
 def _fused_dispatch_rows(x: jax.Array, h: Handle, lay: Layout, axis_name: Any) -> jax.Array:
-    return fused.transport(fused.GATHER_COPY, x, h["dest"], h["pos"], axis_name, rows=lay.rows)
+    return fused.transport(gather_mode(lay), x, h["dest"], h["pos"], axis_name, rows=lay.rows)
 
 
 def _fused_combine_rows(ey: jax.Array, weights: jax.Array, h: Handle, lay: Layout,
@@ -304,16 +313,33 @@ def host_outputs(x: jax.Array, outs: Sequence[jax.Array], lay: Layout, axis_name
     return ex, rt.sizes, arrays
 
 
-def fp8_rows(x: jax.Array, fp8: str, move) -> Any:
-    """FP8 dispatch on the transports without FP8 kernels: quantize, move values and scales
-    with ``move`` (a linear map of [T, C] rows), dequantize; straight-through derivative."""
+def fp8_rows(x: jax.Array, fp8: str, move: Callable, *, deliver: Callable | None = None,
+             local: Callable = lambda f, *a: f(*a)) -> Any:
+    """FP8 dispatch on the transports other than the host dispatch: quantize
+    (fp8.quantize_rows: the CUDA kernel where there is one), move values and scales with
+    ``move`` (a linear map of [T, C] rows) and dequantize; straight-through derivative
+    (x's tangent moved by ``move``).
+
+    ``deliver(values, scales)``, where given, moves and dequantizes in one call (the fused
+    transports' dequantizing gather). ``local(f, *arrays)`` applies a per-rank function
+    (the global view: on each shard's rows; inside shard_map: the function itself).
+    """
     if fp8 == "raw":
-        q, s = fp8_format.quantize(x)
-        return move(q), move(s)
+        @jax.custom_jvp
+        def raw(x):
+            q, s = local(fp8_format.quantize_rows, x)
+            return move(q), move(s)
+
+        def not_differentiable(primals, tangents):
+            raise TypeError(fused.RAW_NOT_DIFFERENTIABLE)
+        raw.defjvp(not_differentiable)
+        return raw(x)
 
     @jax.custom_jvp
     def rows(x):
-        q, s = fp8_format.quantize(x)
+        q, s = local(fp8_format.quantize_rows, x)
+        if deliver is not None:
+            return deliver(q, s)
         return fp8_format.dequantize(move(q), move(s), x.dtype)
 
     rows.defjvp(lambda primals, tangents: (rows(*primals), move(tangents[0])))
@@ -361,7 +387,12 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, lay: Layout, axis_name: Any, *
         handle, sizes = plan(expert_ids, lay, axis_name, fused=is_fused)
         rows = _fused_dispatch_rows if is_fused else _expand
         move = lambda v: rows(v, handle, lay, axis_name)  # noqa: E731
-        expert_x = move(x) if fp8 is None else fp8_rows(x, fp8, move)
+        deliver = None
+        if is_fused:
+            deliver = lambda q, s: fused.transport(  # noqa: E731
+                gather_mode(lay, fp8=True), q, handle["dest"], handle["pos"], axis_name, g=s,
+                rows=lay.rows, out_dtype=x.dtype)
+        expert_x = move(x) if fp8 is None else fp8_rows(x, fp8, move, deliver=deliver)
     return shape_expert_x(expert_x, lay), sizes, handle
 
 

@@ -1,5 +1,8 @@
-"""jaxcomm's FP8 token format in jax.numpy: for the transports other than the host backend's
-(which quantizes in its kernels, ffi/cpu/moe_convert.h, with the same arithmetic).
+"""jaxcomm's FP8 token format: in jax.numpy, and as the ``moe_fp8_quantize`` primitive, which
+the CUDA backend serves with its own kernel (ffi/cuda/kernels.cu, one warp per 128-channel
+block) and other platforms with the jax.numpy form. The host backend quantizes inside its
+fused dispatch (ffi/cpu/moe_convert.h). All three compute the same bits
+(core/number_formats.h).
 
 DeepEP's format: per token, one float32 scale per block of 128 channels (the last block may
 be shorter); with amax = max(max |x| over the block, 1e-4), the values are
@@ -13,6 +16,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src import core
+from jax._src.interpreters import batching, mlir
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -48,3 +53,50 @@ def dequantize(q: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
     N, H = q.shape
     v = _blocked(q.astype(jnp.float32)) * scales[..., None]
     return v.reshape(N, -1)[:, :H].astype(dtype)
+
+
+# ------------------------------------------------------------------------ the primitive
+
+quantize_p = core.Primitive("jaxcomm_moe_fp8_quantize")
+quantize_p.multiple_results = True
+
+
+def _quantize_abstract(x):
+    T, H = x.shape
+    # x's sharding and varying axes carry over (rows stay where they are).
+    return [x.update(shape=(T, H), dtype=jnp.dtype(jnp.float8_e4m3fn)),
+            x.update(shape=(T, blocks(H)), dtype=jnp.dtype(jnp.float32))]
+
+
+quantize_p.def_abstract_eval(_quantize_abstract)
+quantize_p.def_impl(lambda x: quantize(x))
+mlir.register_lowering(quantize_p, mlir.lower_fun(quantize, multiple_results=True))
+
+
+def _quantize_cuda(ctx, x):
+    from jaxcomm._src import cuda_runtime, runtime
+    if not cuda_runtime.available():
+        return mlir.lower_fun(quantize, multiple_results=True)(ctx, x)
+    runtime.ensure_registered_for(("cuda",))
+    return jax.ffi.ffi_lowering(runtime.target_name("moe_fp8_quantize"))(ctx, x)
+
+
+mlir.register_lowering(quantize_p, _quantize_cuda, platform="cuda")
+
+
+def _quantize_batch(vals, dims):
+    (x,), (d,) = vals, dims
+    x = jnp.moveaxis(x, d, 0)
+    q, s = quantize_p.bind(x.reshape(-1, x.shape[-1]))
+    return [q.reshape(x.shape), s.reshape(*x.shape[:-1], s.shape[-1])], [0, 0]
+
+
+batching.primitive_batchers[quantize_p] = _quantize_batch
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`quantize` as one kernel where the platform has one (CUDA): x [T, H] ->
+    (values float8_e4m3fn [T, H], scales float32 [T, ceil(H/128)]). Not differentiable:
+    the FP8 dispatches define their own derivative (straight through, moving x's tangent)
+    and quantize a stop_gradient of x."""
+    return tuple(quantize_p.bind(x))

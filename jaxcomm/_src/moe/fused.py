@@ -2,23 +2,26 @@
 here with one set of rules (:func:`_define`): typing of results and their varying mesh axes,
 the lowering (inside shard_map, or the global view through custom_partitioning), batching.
 
-* ``moe_transport``: the four transports of the routed rows (and a fifth, GATHER_SPARSE).
+* ``moe_transport``: the transports of the routed rows (core/moe_modes.h): the four
+  portable ones, GATHER_SPARSE (leaves the rows no slot writes), and the FP8 gathers that
+  dequantize as they deliver (GATHER_DEQUANT, GATHER_DEQUANT_SPARSE).
   Each rank reads its peers' token or expert rows in place, guided by every rank's
   (dest, pos) slot tables, so a dispatch is one copy per expert row and a combine one read
   per expert row. The modes are multilinear in their float operands (GATHER_COPY in src;
   GATHER_SCALED and REDUCE in src and w; DOT in src and g), and the transpose of each mode
   with respect to one of them is again one of them: the primitive has a JVP rule (the
   product rule) and a transpose rule, and forward mode, reverse mode and their
-  compositions all come from JAX, with no custom_vjp. On the host backend float operands
-  may be bfloat16 or float16 (converted in the kernels, accumulated in float32).
+  compositions all come from JAX, with no custom_vjp. Float operands may be bfloat16 or
+  float16 (converted in the kernels, accumulated in float32). The dequantizing gathers
+  are not differentiated here: the FP8 dispatch defines its own derivative.
 * ``moe_dispatch``: routing and the token copy in one call (host backend): the routing is
   computed from every rank's expert ids inside the call, so no count exchange precedes
   it; optionally FP8. Its tangent is a GATHER_COPY transport of x's tangent along the
   routing it returned (the derivative of FP8 rounding taken as 1: straight through).
 * ``moe_transport_send`` and ``moe_recv``: split-phase halves (moe_dispatch with
-  ``split=True`` is the dispatch's send half). The send returns at once with results the
-  data movement fills later; the receive half takes them (aliased: no copy) and completes
-  when it is done. The receive half's value equals the fused call on the operands it keeps
+  ``split=True`` is the host dispatch's send half; ffi/cpu/moe_split.h, ffi/cuda/split.h).
+  The send returns at once with results the data movement fills later; the receive half
+  takes them (aliased: no copy) and completes when it is done. The receive half's value equals the fused call on the operands it keeps
   alive, so its JVP is that call's, and the send half's results carry no tangent.
 
 Every call is a collective over the expert-parallel axis.
@@ -39,13 +42,17 @@ from jaxcomm._src import callsite, compat, config, primitive
 from jaxcomm._src.moe import globalview
 from jaxcomm._src.ops import common
 
-GATHER_COPY, GATHER_SCALED, REDUCE, DOT, GATHER_SPARSE = 0, 1, 2, 3, 4
+# core/moe_modes.h's MoeMode.
+GATHER_COPY, GATHER_SCALED, REDUCE, DOT, GATHER_SPARSE, GATHER_DEQUANT, GATHER_DEQUANT_SPARSE = range(7)
 # moe_dispatch's FP8 modes: none, delivered dequantized (in x's dtype), delivered as FP8.
 FP8_NONE, FP8_DEQUANTIZED, FP8_RAW = 0, 1, 2
-# One float32 scale per this many channels of a token (ffi/cpu/moe_convert.h kFp8Block).
+# One float32 scale per this many channels of a token (core/number_formats.h kFp8Block).
 FP8_BLOCK = 128
 # int32 words of a split call's status block (ffi/cpu/moe_split.h kStatusWords).
 STATUS_WORDS = 128
+RAW_NOT_DIFFERENTIABLE = ("jaxcomm.moe: a dispatch that delivers FP8 values (fp8='raw') is not "
+                          "differentiable; differentiate fp8='dequantize', whose gradient is a "
+                          "bfloat16 combine")
 # The route table's trailing counters (moe_dispatch.h): dropped, invalid, recv_dropped.
 COUNTERS = ("dropped", "invalid", "recv_dropped")
 
@@ -62,8 +69,8 @@ def available(dtype: Any, group_size: int | None = None) -> bool:
 
 def on_host() -> bool:
     """Whether the fused primitives run on the host backend, which also has the fused
-    dispatch, FP8, the split-phase halves, GATHER_SPARSE and half precision float operands
-    (the CUDA backend's handlers serve the four portable transport modes in float32)."""
+    dispatch (routing inside the call, FP8 quantized in it). The CUDA backend serves every
+    transport mode and the split halves; its routing is planned in XLA."""
     return jax.default_backend() == "cpu"
 
 
@@ -207,7 +214,7 @@ def _transport_avals(src, dest, pos, w, g, *, mode, rows, out_dtype, **_):
     H = src.shape[1]
     if mode in (GATHER_COPY, GATHER_SPARSE):
         return [((rows, H), src.dtype)]
-    if mode == GATHER_SCALED:
+    if mode in (GATHER_SCALED, GATHER_DEQUANT, GATHER_DEQUANT_SPARSE):
         return [((rows, H), out_dtype)]
     if mode == REDUCE:
         return [((T, H), out_dtype)]
@@ -220,7 +227,7 @@ moe_transport_p = _define("moe_transport", _transport_avals, multiple_results=Fa
 # Operand positions: src, dest, pos, w, g. The float operands each mode is linear in.
 _SRC, _W, _G = 0, 3, 4
 _LINEAR = {GATHER_COPY: (_SRC,), GATHER_SPARSE: (_SRC,), GATHER_SCALED: (_SRC, _W),
-           REDUCE: (_SRC, _W), DOT: (_SRC, _G)}
+           REDUCE: (_SRC, _W), DOT: (_SRC, _G), GATHER_DEQUANT: (), GATHER_DEQUANT_SPARSE: ()}
 
 
 def _transport_tangent(primals, tangents, *, mode, **params):
@@ -249,6 +256,9 @@ def _transport_transpose(ct, src, dest, pos, w, g, *, mode, rows, out_dtype, **p
     undefined = [ad.is_undefined_primal(a) for a in (src, dest, pos, w, g)]
     if undefined[1] or undefined[2]:
         raise ValueError("jaxcomm.moe: the routing tables are not differentiable")
+    if mode in (GATHER_DEQUANT, GATHER_DEQUANT_SPARSE):
+        raise ValueError("jaxcomm.moe: FP8 codes are not differentiable (the FP8 dispatch's "
+                         "derivative moves x's cotangent instead)")
     avals = [a.aval if ad.is_undefined_primal(a) else None for a in (src, dest, pos, w, g)]
     if type(ct) is ad.Zero:
         return [ad.Zero(a) if a is not None else None for a in avals]
@@ -290,7 +300,9 @@ def _transport_operands(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Arr
     # The unused g has T rows, so that in the global view it splits like every operand.
     g = jnp.zeros((T, 1), _F32) if g is None else g
     want = made = jnp.dtype(out_dtype)
-    if mode not in (GATHER_COPY, GATHER_SPARSE):
+    if mode in (GATHER_DEQUANT, GATHER_DEQUANT_SPARSE):  # src: FP8 codes, g: their scales
+        made = _kernel_float(made)
+    elif mode not in (GATHER_COPY, GATHER_SPARSE):
         src, g, made = _kernel_float(src), _kernel_float(g), _kernel_float(made)
     return [src, dest.astype(_I32), pos.astype(_I32), w, g], made, want
 
@@ -299,10 +311,10 @@ _KERNEL_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp
 
 
 def _kernel_float(v: Any) -> Any:
-    """A float operand (or result dtype) as the transport kernels take it: the host's take
-    float32, bfloat16 and float16; others (and float64 anywhere) go through float32."""
+    """A float operand (or result dtype) as the transport kernels take it: float32,
+    bfloat16 and float16; others (float64) go through float32."""
     dtype = jnp.dtype(getattr(v, "dtype", v))
-    if on_host() and dtype in _KERNEL_FLOATS or dtype == _F32:
+    if dtype in _KERNEL_FLOATS:
         return v
     return v.astype(_F32) if hasattr(v, "astype") else jnp.dtype(_F32)
 
@@ -317,16 +329,19 @@ def _transport_bind(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Array, 
 def transport(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Array, axis_name: Any, *,
               w: jax.Array | None = None, g: jax.Array | None = None, rows: int = 0,
               out_dtype: Any = None, shards: int = 0, dim0: tuple = (), mesh: Any = None) -> jax.Array:
-    """One fused transport (see MoeMode in ffi/cpu/moe_kernels.h for the modes).
+    """One fused transport (see MoeMode in core/moe_modes.h for the modes).
 
     Args:
-      mode: GATHER_COPY, GATHER_SCALED, REDUCE, DOT or GATHER_SPARSE (host backend).
-      src: [T, H] token rows (gathers) or [rows, H] expert rows (REDUCE, DOT), float32,
-        bfloat16 or float16 (any dtype for the copies).
+      mode: GATHER_COPY, GATHER_SCALED, REDUCE, DOT, GATHER_SPARSE, GATHER_DEQUANT or
+        GATHER_DEQUANT_SPARSE.
+      src: [T, H] token rows (gathers; FP8 codes for the dequantizing ones) or [rows, H]
+        expert rows (REDUCE, DOT), float32, bfloat16 or float16 (any dtype for the copies).
       dest, pos: [T, K] int32 slot tables (destination rank and row there, or -1).
-      w: [T, K] slot weights (GATHER_SCALED, REDUCE). g: [T, H] (DOT).
+      w: [T, K] slot weights (GATHER_SCALED, REDUCE). g: [T, H] (DOT), or the FP8 scales
+        [T, ceil(H/128)] (the dequantizing gathers).
       rows: expert rows of the gathers' result.
-      out_dtype: GATHER_SCALED's and REDUCE's result dtype (default float32).
+      out_dtype: the result dtype of GATHER_SCALED, REDUCE and the dequantizing gathers
+        (default float32).
       shards, dim0, mesh: 0 inside shard_map; in the global view (outside it) the number
         of dim-0 blocks of every operand, the mesh axes they are sharded over and the mesh
         (globalview.mesh_of), with all shapes (rows included) global.
@@ -411,9 +426,7 @@ def dispatch_tangent(tx: jax.Array, route: RouteTables, *, fp8: int, rows: int, 
     """The tangent of a fused dispatch's expert rows: x's tangent moved along its routing
     (straight through FP8's rounding)."""
     if fp8 == FP8_RAW:
-        raise TypeError("jaxcomm.moe: a dispatch that delivers FP8 values (fp8='raw') is not "
-                        "differentiable; differentiate fp8='dequantize', whose gradient is a "
-                        "bfloat16 combine")
+        raise TypeError(RAW_NOT_DIFFERENTIABLE)
     mode = GATHER_COPY if zero_unused else GATHER_SPARSE
     return _transport_bind(mode, tx, route.dest, route.pos, params, w=None, g=None, rows=rows,
                            out_dtype=tx.dtype)
@@ -464,12 +477,14 @@ ad.primitive_jvps[moe_transport_send_p] = _send_jvp
 
 
 def transport_send(mode: int, src: jax.Array, dest: jax.Array, pos: jax.Array, axis_name: Any, *,
-                   w: jax.Array | None = None, rows: int = 0, out_dtype: Any = None, shards: int = 0,
-                   dim0: tuple = (), mesh: Any = None) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
-    """The send half of :func:`transport` (host backend): (result being written, status
-    block, the operands the receive half keeps alive)."""
+                   w: jax.Array | None = None, g: jax.Array | None = None, rows: int = 0,
+                   out_dtype: Any = None, shards: int = 0, dim0: tuple = (), mesh: Any = None
+                   ) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """The send half of :func:`transport` (any mode but GATHER_SCALED on CUDA): (result
+    being written, status block, the operands the receive half keeps alive). Its result is
+    ``made`` in the kernels' dtype: the caller casts after the receive."""
     src, params = _common_params(src, axis_name, shards, dim0, mesh)
-    args, made, want = _transport_operands(mode, src, dest, pos, w=w, g=None,
+    args, made, want = _transport_operands(mode, src, dest, pos, w=w, g=g,
                                            out_dtype=_F32 if out_dtype is None else out_dtype)
     params.update(mode=mode, rows=rows, out_dtype=made)
     out, status = _bind(moe_transport_send_p, args, params)
@@ -493,7 +508,15 @@ def _recv_jvp(primals, tangents, *, fused, **params):
     kind, info = fused[0], dict(fused[1:])
     common_params = _common_of(params)
     t = None
-    if kind == "dispatch":
+    if kind == "planned_dispatch":
+        # keep: the send's transport operands (src, dest, pos, w, g), then x: x's tangent
+        # moved along the routing (straight through FP8's rounding).
+        if info["fp8"] == FP8_RAW:
+            raise TypeError(RAW_NOT_DIFFERENTIABLE)
+        if type(keep_t[-1]) is not ad.Zero:
+            t = _transport_bind(info["tangent_mode"], keep_t[-1], keep[1], keep[2], common_params,
+                                w=None, g=None, rows=info["rows"], out_dtype=keep_t[-1].dtype)
+    elif kind == "dispatch":
         x, ids = keep[:2]
         if type(keep_t[0]) is not ad.Zero:
             n = max(params["shards"], 1)
@@ -518,7 +541,9 @@ def recv(data: jax.Array, table: jax.Array, keep: Sequence[jax.Array], axis_name
         or status block).
       keep: every operand the send half published, kept alive until the round is over.
       fused: what the pair computes, for the JVP: ("dispatch", (key, value)...) with El,
-        fp8, rows, zero_unused; or ("transport", ...) with the transport's params.
+        fp8, rows, zero_unused (the host dispatch); ("planned_dispatch", ...) with fp8,
+        rows and the tangent's transport mode (a dispatch planned in XLA, x last in
+        ``keep``); or ("transport", ...) with the transport's params.
     """
     data, params = _common_params(data, axis_name, shards, dim0, mesh)
     params["fused"] = fused

@@ -6,8 +6,10 @@ On the host backend the halves are the fused primitives' (fused.py: moe_dispatch
 split=True, moe_transport_send, moe_recv; ffi/cpu/moe_split.h): the send publishes this
 rank's buffers and returns; the data movement runs on jaxcomm's threads once every rank
 has sent, into the send's own results; the receive half takes them (aliased, no copy) and
-completes when the round is over. Elsewhere the send half only records its arguments and
-the receive half runs the fused call: same values, no overlap.
+completes when the round is over. On the CUDA backend the routing is planned in XLA, then
+moe_transport_send enqueues the movement on a stream of jaxcomm's and moe_recv makes XLA's
+stream wait for it (ffi/cuda/split.h). On the composed transport the send half only
+records its arguments and the receive half runs the fused call: same values, no overlap.
 
 The pending value between the halves is not a pytree: it cannot leave the jitted program
 (XLA would copy buffers that are still being written) nor cross a vmap, scan or cond.
@@ -70,8 +72,10 @@ def dispatch_send(spec: api.DispatchSpec, x: Any, expert_ids: Any, axis_name: An
         lay, view = api.global_layout(spec, x, expert_ids, axis_name)
     else:
         lay = None
-    if lay is None or not impl.use_host_dispatch(x.dtype, lay.R):
+    if lay is None:
         return PendingDispatch(lambda: api.run_dispatch(spec, x, expert_ids, axis_name))
+    if not impl.use_host_dispatch(x.dtype, lay.R):
+        return _planned_dispatch_send(spec, x, expert_ids, axis_name, lay, view)
 
     ids = impl.ids_int32(expert_ids, lay.E)
     ex, route, q, scales = impl.host_dispatch(x, ids, lay, axis_name, fp8=spec.fp8, check_ids=spec.check_ids,
@@ -91,12 +95,45 @@ def dispatch_send(spec: api.DispatchSpec, x: Any, expert_ids: Any, axis_name: An
     return PendingDispatch(finish)
 
 
+def _planned_dispatch_send(spec: api.DispatchSpec, x: jax.Array, expert_ids: jax.Array, axis_name: Any,
+                           lay: impl.Layout, view: tuple | None) -> PendingDispatch:
+    """The send half of a dispatch whose routing is planned in XLA (CUDA): the routing
+    (a collective in stream order), FP8 quantization (a local kernel), then one transport
+    send per moved array: x, or the FP8 codes (dequantized as they arrive), or for
+    fp8='raw' the codes and their scales."""
+    arrays, sizes = api.planned_routing(spec, expert_ids, axis_name, lay, view)
+    dest, pos = arrays["dest"], arrays["pos"]
+    n, dim0, mesh = view or (0, (), None)
+    common = dict(rows=max(n, 1) * lay.rows, shards=n, dim0=dim0, mesh=mesh)
+    tangent_mode = impl.gather_mode(lay)
+    if spec.fp8 is None:
+        moves = [(tangent_mode, x, None)]
+    else:
+        # The receive half's JVP moves x's tangent (straight through the rounding).
+        q, scales = api.on_shards(view)(impl.fp8_format.quantize_rows, jax.lax.stop_gradient(x))
+        moves = ([(tangent_mode, q, None), (tangent_mode, scales, None)] if spec.fp8 == "raw"
+                 else [(impl.gather_mode(lay, fp8=True), q, scales)])
+    sends = [fused.transport_send(mode, src, dest, pos, axis_name, g=g, out_dtype=x.dtype, **common)
+             for mode, src, g in moves]
+    key = fused.fused_key("planned_dispatch", fp8=impl.FP8_MODES[spec.fp8], rows=common["rows"],
+                          tangent_mode=tangent_mode)
+
+    def finish():
+        outs = [fused.recv(data, status, [*keep, x], axis_name, fused=key, shards=n, dim0=dim0, mesh=mesh)[0]
+                for data, status, keep in sends]
+        expert_x = tuple(outs) if spec.fp8 == "raw" else outs[0]
+        return (impl.shape_expert_x(expert_x, lay, max(n, 1)), sizes,
+                api.Handle(arrays, axis_name, spec.padded, x.dtype, lay, view=view))
+    return PendingDispatch(finish)
+
+
 def combine_send(op: str, expert_y: Any, handle: Any, weights: Any) -> PendingCombine:
     _require_traced(op, expert_y, weights)
     expert_y, weights = api.check_combine_args(op, expert_y, handle, weights)
     axis_name = handle.axis_name
-    host = fused.on_host() and "pos" in handle.arrays
-    if not host or not (api.in_shard_map(axis_name) or handle.view is not None):
+    # A handle with slot tables came from the fused transports (host or CUDA), which split.
+    native = "pos" in handle.arrays
+    if not native or not (api.in_shard_map(axis_name) or handle.view is not None):
         return PendingCombine(lambda: api.run_combine(op, expert_y, handle, weights))
     n, dim0, mesh = handle.view or (0, (), None)
     lay = handle.layout
