@@ -24,6 +24,9 @@ Rows, for each ``--dtype`` (each beside a baseline timed in the same run, altern
   and the shared expert each alone, and the time saved as a share of the shorter of the
   two (100%: the shorter one was hidden entirely).
 
+With float32 and a half precision dtype in ``--dtype`` (and the normal mode), a last line
+times the half precision combine against float32's, alternated in one run.
+
 ``local`` is a program with no communication that moves the same rows in every device at
 once: a gather of the rank's own token rows into as many expert rows (dispatch) and their
 weighted sum back (combine), in XLA. Every implementation moves at least these bytes; it
@@ -164,6 +167,29 @@ def main(argv: list[str]) -> None:
         for note in bench.notes:
             print(note)
         del bench
+    if "normal" in args.modes and "float32" in args.dtypes and len(args.dtypes) > 1:
+        _print_combine_ratios(args)
+
+
+def _print_combine_ratios(args: argparse.Namespace) -> None:
+    """The half precision combine against float32's, alternated in one run (the issue's
+    target: at most 0.6x), on the same routing and capacity."""
+    import jax
+
+    import jaxcomm
+    combine = jax.jit(jaxcomm.moe.combine)
+    calls = {}
+    for d in args.dtypes:
+        b = _Bench(args, jax.numpy.dtype(d))
+        ex, _, handle = jax.jit(b.jc_disp)(b.xs, b.ids)
+        calls[d] = (lambda e=ex, h=handle, w=b.ws: combine(e, h, w))
+    load = " ".join(open("/proc/loadavg").read().split()[:3]) if os.path.exists("/proc/loadavg") else "?"
+    for d in args.dtypes:
+        if d == "float32":
+            continue
+        th, tf = _time_pair(calls[d], calls["float32"], args.iters, rounds=4)
+        print(f"combine {d} vs float32, alternated in one run: {th * 1e3:.2f} ms vs {tf * 1e3:.2f} ms "
+              f"= {th / tf:.2f}x (target <= 0.6x); load average {load}")
 
 
 class _Bench:
