@@ -13,16 +13,14 @@
 
 #include "core/registry.h"
 #include "core/rendezvous.h"
-#include "cpu/ft.h"
-#include "cpu/handlers.h"
-#include "cpu/moe_dispatch.h"
-#include "cpu/moe_kernels.h"
-#include "cpu/moe_split.h"
-#include "cpu/ragged.h"
 #include "cpu/world.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
+
+namespace jaxcomm {
+void RegisterOpTable(nb::module_& m);  // ffi/op_table_bindings.cc
+}
 
 namespace jaxcomm::cuda {
 // The CUDA backend's host-side logic, in every build (ffi/cuda/logic_bindings.cc).
@@ -33,11 +31,6 @@ void RegisterCuda(nb::module_& m);  // ffi/cuda/bindings.cc
 }
 
 namespace {
-
-template <typename T>
-nb::capsule Capsule(T* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
 
 // The host transports, installed in the registry when the module loads.
 jaxcomm::cpu::World& World() {
@@ -58,28 +51,7 @@ const XLA_FFI_TypeInfo kInstructionStateInfo =
 NB_MODULE(_jaxcomm, m) {
   m.doc() = "jaxcomm native runtime: XLA FFI handlers for the host backend";
 
-  m.def("cpu_targets", [] {
-    nb::dict targets;
-    auto stages = [](XLA_FFI_Handler* execute) {
-      nb::dict d;
-      d["instantiate"] = Capsule(jaxcomm::cpu::kInstantiate);
-      d["execute"] = Capsule(execute);
-      return d;
-    };
-    targets["all_reduce"] = stages(jaxcomm::cpu::kAllReduce);
-    targets["all_gather"] = stages(jaxcomm::cpu::kAllGather);
-    targets["reduce_scatter"] = stages(jaxcomm::cpu::kReduceScatter);
-    targets["all_to_all"] = stages(jaxcomm::cpu::kAllToAll);
-    targets["ppermute"] = stages(jaxcomm::cpu::kPermute);
-    targets["broadcast"] = stages(jaxcomm::cpu::kBroadcast);
-    targets["ragged_all_to_all"] = stages(jaxcomm::cpu::kRaggedAllToAll);
-    targets["moe_transport"] = stages(jaxcomm::cpu::kMoeTransport);
-    targets["moe_transport_send"] = stages(jaxcomm::cpu::kMoeTransportSend);
-    targets["moe_dispatch"] = stages(jaxcomm::cpu::kMoeDispatch);
-    targets["moe_recv"] = stages(jaxcomm::cpu::kMoeRecv);
-    targets["ft_all_reduce"] = stages(jaxcomm::cpu::kFtAllReduce);
-    return targets;
-  }, "Maps op name -> {stage: handler capsule} for platform 'cpu'.");
+  jaxcomm::RegisterOpTable(m);  // op_table(), cpu_targets() (ffi/op_table_bindings.cc)
 
   m.def("state_type", [] {
     nb::dict d;
@@ -158,6 +130,13 @@ NB_MODULE(_jaxcomm, m) {
     jaxcomm::Registry::Get().set_spin(std::chrono::microseconds(us < 0 ? 0 : us));
   }, "How long a waiting rank spins (yielding) before it sleeps, in microseconds.");
 
+  m.def("set_mismatch_grace_ms", [](int64_t ms) {
+    jaxcomm::Registry::Get().set_mismatch_grace(std::chrono::milliseconds(ms));
+  }, nb::arg("ms"), "How long a rank waits in a collective before jaxcomm looks for peers waiting in "
+                    "another one (JAXCOMM_MISMATCH_GRACE_S), in milliseconds; 0: never.");
+  m.def("mismatch_grace_ms", [] { return jaxcomm::Registry::Get().mismatch_grace().count(); },
+        "The mismatch grace period in force, in milliseconds (0: no check).");
+
   m.def("leave_core", [](int cpu) { return jaxcomm::cpu::LeaveCore(cpu); }, nb::arg("cpu"),
         "Moves the calling thread off core `cpu`, its affinity kept (what waiting threads do).");
   m.def("core_moves", [] { return jaxcomm::Registry::Get().core_moves.load(); },
@@ -206,7 +185,7 @@ NB_MODULE(_jaxcomm, m) {
       json = jaxcomm::Registry::Get().recorder().DumpJson(reason);
     }
     return json;
-  }, nb::arg("reason"), "This process's flight recorder as a JSON document (see README).");
+  }, nb::arg("reason"), "This process's flight recorder as a JSON document (see docs/tracing.md).");
 
   m.def("trace_dump", [](const std::string& path, const std::string& reason) {
     std::string error;
@@ -268,6 +247,9 @@ NB_MODULE(_jaxcomm, m) {
 
   m.def("trace_ring_file", [] { return jaxcomm::Registry::Get().recorder().RingFile(); },
         "The flight recorder's file-backed rings (JAXCOMM_TRACE_DIR), '' before the first call.");
+
+  m.def("config_errors", [] { return jaxcomm::Registry::Get().settings().errors; },
+        "The malformed JAXCOMM_* variables the runtime read at start, one message each.");
 
   m.def("fault_error", [] { return jaxcomm::Registry::Get().faults().error(); },
         "Why JAXCOMM_FAULT was rejected ('' when it parsed or is unset).");

@@ -2,7 +2,8 @@
 
 The ops run inside ``jax.shard_map`` (under ``jax.jit``) over mesh axes, with the
 semantics of their ``jax.lax`` namesakes; on CPU they are jaxcomm's own XLA FFI
-handlers. See README.md for the API table and configuration. ``jaxcomm.lax`` has jax.lax's
+handlers. See README.md for the API table, docs/ for the rest (docs/configuration.md: the
+environment variables; docs/design.md: how it works). ``jaxcomm.lax`` has jax.lax's
 collectives with jax.lax's signatures and results, and ``jaxcomm.use_for_lax()`` routes
 ``jax.lax``'s own names there (docs/lax.md).
 """

@@ -37,11 +37,12 @@ def rejoin(timeout_s: float | None = None) -> None:
     Works over shared memory and TCP alike (the request travels in the survivors'
     control blocks, or as a frame on a new connection to each of them).
 
-    Example::
+    Example (the restarted process, in a job under ``python -m jaxcomm.launch --keep-going``)::
 
-        jaxcomm.init()
-        if restarted:
-            jaxcomm.ft.rejoin()
-        total, alive = train_step(...)   # waits here until readmitted
+        >>> import jaxcomm
+        >>> jaxcomm.init()                               # doctest: +SKIP
+        True
+        >>> jaxcomm.ft.rejoin()                          # doctest: +SKIP
+        >>> total, alive = train_step(params, batch)     # doctest: +SKIP
     """
     transport.rejoin(timeout_s)

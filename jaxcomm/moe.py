@@ -88,14 +88,25 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, *, num_experts: int, axis_name
       handle: :class:`Handle` for :func:`combine`; ``handle.dropped`` counts this rank's
         assignments dropped for capacity.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        @jax.jit
-        @partial(jax.shard_map, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-        def layer(x, ids, w):            # x: f32[T, H], ids: i32[T, K], w: f32[T, K]
-            ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=64, axis_name="ep")
-            ey = jax.lax.ragged_dot(ex, expert_weights, sizes)
-            return jaxcomm.moe.combine(ey, h, w)
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("ep",))
+        >>> T, H, K, E = 4, 2, 2, 16             # per rank: 4 tokens, top-2 of 16 experts
+        >>> put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
+        >>> x = put(jnp.ones((8 * T, H)))                           # f32[T, H] per rank
+        >>> ids = put(jnp.arange(8 * T * K).reshape(8 * T, K) % E)  # i32[T, K] per rank
+        >>> w = put(jnp.full((8 * T, K), 0.5))                      # f32[T, K] per rank
+        >>> def layer(x, ids, w):
+        ...     ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
+        ...     ey = 2 * ex                     # the experts; e.g. jax.lax.ragged_dot(ex, W, sizes)
+        ...     return jaxcomm.moe.combine(ey, h, w), sizes
+        >>> y, sizes = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=P("ep"),
+        ...                                  out_specs=P("ep")))(x, ids, w)
+        >>> np.asarray(y)[0], int(sizes.sum())  # 2 * (0.5 + 0.5) * x[0]; every assignment kept
+        (array([2., 2.], dtype=float32), 64)
     """
     spec = api.DispatchSpec("dispatch", num_experts, "packed", capacity, None, fp8, check_ids)
     return api.run_dispatch(spec, x, expert_ids, axis_name)
@@ -137,11 +148,26 @@ def dispatch_padded(x: jax.Array, expert_ids: jax.Array, *, num_experts: int,
       counts: [E_local] int32 rows used per expert.
       handle: for :func:`combine_padded`.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        ex, counts, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=8, axis_name="ep")
-        ey = jnp.einsum("erh,ehf->erf", ex, w_local)
-        y = jaxcomm.moe.combine_padded(ey, h, weights)
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("ep",))
+        >>> T, H, K, E = 4, 2, 2, 16             # per rank: 4 tokens, top-2 of 16 experts
+        >>> put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
+        >>> x = put(jnp.ones((8 * T, H)))                           # f32[T, H] per rank
+        >>> ids = put(jnp.arange(8 * T * K).reshape(8 * T, K) % E)  # i32[T, K] per rank
+        >>> w = put(jnp.full((8 * T, K), 0.5))                      # f32[T, K] per rank
+        >>> w_local = put(jnp.ones((E, H, H)))  # f32[E_local, H, H] per rank: its experts
+        >>> def layer(x, ids, w, w_local):
+        ...     ex, counts, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=E, axis_name="ep")
+        ...     ey = jnp.einsum("esh,ehf->esf", ex, w_local)   # ex: [E_local, S, H]
+        ...     return jaxcomm.moe.combine_padded(ey, h, w)
+        >>> y = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+        ...     x, ids, w, w_local)
+        >>> np.asarray(y)[0]                    # (0.5 + 0.5) * x[0] @ ones((H, H))
+        array([2., 2.], dtype=float32)
     """
     spec = api.DispatchSpec("dispatch_padded", num_experts, "padded", capacity, None, fp8, check_ids)
     return api.run_dispatch(spec, x, expert_ids, axis_name)
@@ -176,12 +202,28 @@ def dispatch_low_latency(x: jax.Array, expert_ids: jax.Array, *, num_experts: in
       counts: [E_local] int32 rows received per local expert.
       handle: for :func:`combine_low_latency`.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        ex, counts, h = jaxcomm.moe.dispatch_low_latency(x, ids, num_experts=256,
-                                                         axis_name="ep", max_tokens=128)
-        ey = jnp.einsum("erh,ehf->erf", ex, w_local)   # rows past counts: ignored by combine
-        y = jaxcomm.moe.combine_low_latency(ey, h, weights)
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("ep",))
+        >>> T, H, K, E = 4, 2, 2, 16             # per rank: 4 tokens, top-2 of 16 experts
+        >>> put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
+        >>> x = put(jnp.ones((8 * T, H)))                           # f32[T, H] per rank
+        >>> ids = put(jnp.arange(8 * T * K).reshape(8 * T, K) % E)  # i32[T, K] per rank
+        >>> w = put(jnp.full((8 * T, K), 0.5))                      # f32[T, K] per rank
+        >>> w_local = put(jnp.ones((E, H, H)))  # f32[E_local, H, H] per rank: its experts
+        >>> def decode(x, ids, w, w_local):
+        ...     ex, counts, h = jaxcomm.moe.dispatch_low_latency(x, ids, num_experts=E,
+        ...                                                      axis_name="ep", max_tokens=T)
+        ...     valid = jnp.arange(ex.shape[1])[None, :, None] < counts[:, None, None]
+        ...     ey = jnp.einsum("erh,ehf->erf", jnp.where(valid, ex, 0), w_local)
+        ...     return jaxcomm.moe.combine_low_latency(ey, h, w), counts
+        >>> y, counts = jax.jit(jax.shard_map(decode, mesh=mesh, in_specs=P("ep"),
+        ...                                   out_specs=P("ep")))(x, ids, w, w_local)
+        >>> np.asarray(y)[0], int(counts.sum())  # (0.5 + 0.5) * x[0] @ ones((H, H)); nothing dropped
+        (array([2., 2.], dtype=float32), 64)
     """
     spec = api.DispatchSpec("dispatch_low_latency", num_experts, "low_latency", None, max_tokens, fp8,
                             check_ids)
@@ -210,11 +252,32 @@ def dispatch_send(x: jax.Array, expert_ids: jax.Array, *, num_experts: int, axis
         "low_latency" (:func:`dispatch_low_latency`, with max_tokens).
       capacity, max_tokens, fp8, check_ids: as for those functions.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``), a
+    step whose shared expert runs in two parts, one while the tokens travel to the experts
+    and one while the rows travel back::
 
-        pending = jaxcomm.moe.dispatch_send(x, ids, num_experts=E, axis_name="ep")
-        shared = shared_expert(x)                  # runs while the tokens travel
-        ex, sizes, h = jaxcomm.moe.dispatch_recv(pending)
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("ep",))
+        >>> T, H, K, E = 4, 2, 2, 16             # per rank: 4 tokens, top-2 of 16 experts
+        >>> put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
+        >>> x = put(jnp.ones((8 * T, H)))                           # f32[T, H] per rank
+        >>> ids = put(jnp.arange(8 * T * K).reshape(8 * T, K) % E)  # i32[T, K] per rank
+        >>> w = put(jnp.full((8 * T, K), 0.5))                      # f32[T, K] per rank
+        >>> w_local = put(jnp.ones((E, H, H)))  # f32[E_local, H, H] per rank: its experts
+        >>> def step(x, ids, w, w_local):
+        ...     pending = jaxcomm.moe.dispatch_send(x, ids, num_experts=E, axis_name="ep",
+        ...                                         layout="padded")
+        ...     h1 = jax.nn.relu(3 * x)            # shared expert, first part
+        ...     ex, counts, h = jaxcomm.moe.dispatch_recv(pending)
+        ...     pending = jaxcomm.moe.combine_send(jnp.einsum("esh,ehf->esf", ex, w_local), h, w)
+        ...     shared = h1 + 1                    # shared expert, second part
+        ...     return jaxcomm.moe.combine_recv(pending) + shared
+        >>> y = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+        ...     x, ids, w, w_local)
+        >>> np.asarray(y)[0]                    # experts 2, shared expert 3 + 1
+        array([6., 6.], dtype=float32)
     """
     if layout not in ("packed", "padded", "low_latency"):
         raise ValueError(f"jaxcomm.moe.dispatch_send: layout must be 'packed', 'padded' or "
@@ -232,14 +295,8 @@ def dispatch_recv(pending: PendingDispatch) -> tuple[Any, jax.Array, Handle]:
 
 
 def combine_send(expert_y: jax.Array, handle: Handle, weights: jax.Array) -> PendingCombine:
-    """The first half of a split-phase combine (any layout's handle); see :func:`dispatch_send`.
-
-    Example::
-
-        pending = jaxcomm.moe.combine_send(ey, h, weights)
-        shared = shared_expert(x)                  # runs while the rows travel back
-        y = jaxcomm.moe.combine_recv(pending) + shared
-    """
+    """The first half of a split-phase combine (any layout's handle): returns at once;
+    :func:`combine_recv` gives y. :func:`dispatch_send`'s example uses both halves."""
     return split.combine_send("combine_send", expert_y, handle, weights)
 
 

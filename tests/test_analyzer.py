@@ -178,8 +178,62 @@ def test_ranks_waiting_in_different_calls_are_a_mismatch(tmp_path):
     assert [f.kind for f in report.findings] == ["mismatch"], report.text()
     f = top(report)
     assert (f.op, f.waiting, f.culprits) == ("all_gather", [0, 1], [2, 3])
-    assert ("ranks [0, 1] wait in all_gather at train.py:20 (branch_a)" in f.summary and
-            "while ranks [2, 3] wait in ppermute at train.py:30 (branch_b)" in f.summary), f.summary
+    assert ("ranks [0, 1] (process 0) wait in all_gather at train.py:20 (branch_a)" in f.summary and
+            "while ranks [2, 3] (process 1) wait in ppermute at train.py:30 (branch_b)" in f.summary), f.summary
+    assert f.processes == [0, 1]
+
+
+def _mismatch_error(here: int) -> str:
+    """Process ``here``'s MISMATCH error: process 0 waits in all_reduce at SITE, process 1
+    in all_gather at train.py:40 (eval), each for the other (ffi/core/mismatch.cc)."""
+    sides = [f"process {p} (host host{p} (10.0.0.{p}), pid {PIDS[p]}) with ranks [{2 * p} {2 * p + 1}] "
+             f"(partitions [{2 * p} {2 * p + 1}]) waits in {op} at {site} (execution #1"
+             f"{', this call' if p == here else ''})"
+             for p, op, site in [(0, "all_reduce", SITE), (1, "all_gather", "train.py:40 (eval)")]]
+    if here == 1:
+        sides.reverse()
+    return ("MISMATCH: " + "; ".join(sides) + "; each side waits for the other, for longer than "
+            "the grace period (3 s, JAXCOMM_MISMATCH_GRACE_S): the processes run different "
+            "collectives at this step")
+
+
+@pytest.mark.parametrize("other_dumped", [True, False], ids=["both-dumps", "one-dump"])
+def test_mismatch_errors_name_both_sides(tmp_path, other_dumped):
+    # Processes 0 and 1 waited in different collectives and failed with MISMATCH errors.
+    # Without process 1's dump, its side is known from process 0's error alone.
+    entries = done_calls([1])
+    entries += [entry(p, 1, at=1.0, state="failed", error=_mismatch_error(0)) for p in (0, 1)]
+    entries += [entry(p, 1, at=1.0, state="failed", error=_mismatch_error(1), op="all_gather",
+                      instruction="00000000000000b2", call_site="train.py:40 (eval)")
+                for p in (2, 3)]
+    report = analyzer.analyze(write_dumps(tmp_path / "d", entries,
+                                          processes=(0, 1) if other_dumped else (0,)))
+    assert [f.kind for f in report.findings] == ["mismatch"], report.text()
+    f = top(report)
+    assert (f.waiting, f.culprits, f.processes) == ([0, 1], [2, 3], [0, 1]), report.text()
+    assert report.verdict == (
+        f"verdict: MISMATCH: program mismatch: ranks [0, 1] (process 0) wait in all_reduce at "
+        f"{SITE} (axis 'x', execution 1) while ranks [2, 3] (process 1) wait in all_gather at "
+        f"train.py:40 (eval) (axis 'x', execution 1): each side waits for the other (ranks take "
+        f"different branches, or processes run different programs or dispatch them in "
+        f"different orders)"), report.verdict
+
+
+def test_calls_reached_after_a_mismatch_are_part_of_it(tmp_path):
+    # Programs dispatched in opposite orders: each process waited in one call, then failed
+    # the other (which its peer waited in) when it got there. Every rank has an entry in
+    # both calls; the sides are who waited where, as the errors say: one finding.
+    entries = done_calls([1])
+    # (Either call's errors name both sides; which is "this call" does not matter here.)
+    entries += [entry(p, 1, at=1.0, state="failed", error=_mismatch_error(0)) for p in GROUP]
+    entries += [entry(p, 1, at=1.0, state="failed", error=_mismatch_error(1), op="all_gather",
+                      instruction="00000000000000b2", call_site="train.py:40 (eval)")
+                for p in GROUP]
+    report = analyzer.analyze(write_dumps(tmp_path / "d", entries))
+    assert [f.kind for f in report.findings] == ["mismatch"], report.text()
+    f = top(report)
+    assert "ranks [0, 1] (process 0) wait in all_reduce" in f.summary, f.summary
+    assert "ranks [2, 3] (process 1) wait in all_gather" in f.summary, f.summary
 
 
 def test_straggler(tmp_path):

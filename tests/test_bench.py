@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import jaxcomm
-from jaxcomm.bench import method, multiprocess
+from jaxcomm.bench import method, multiprocess, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The jaxcomm this test imported (installed, or a tree with its extension built in place):
@@ -79,14 +79,73 @@ def test_summary_names_every_case_where_jaxcomm_is_behind():
 def test_table_states_placement_and_load():
     rec = {"op": "all_reduce", "bytes": 4, "lengths": [1, 10], "processes": 2, "devices": 2,
            "dtype": "float32", "bind": "cores", "error": None, "match": {"gloo": True},
+           "started_by": "mpirun -n 2 --bind-to core", "load_after": "1.00 2.00 3.00",
            "sides": {"jaxcomm": {}, "gloo": {}},
            "jaxcomm_per_collective_us": 2.0, "gloo_per_collective_us": 200.0,
-           "jaxcomm_per_call_us": 9.0, "gloo_per_call_us": 50.0}
-    text = multiprocess.format_table([rec], "mpirun -n 2 --bind-to core", "1.00 2.00 3.00")
+           "jaxcomm_per_call_us": 9.0, "gloo_per_call_us": 50.0,
+           "jaxcomm_best_per_collective_us": 1.0, "gloo_best_per_collective_us": 150.0}
+    text = report.format_table([rec])
     assert "bound: a core (share of the cores) per process (mpirun -n 2 --bind-to core)" in text
     assert "load average 1.00 2.00 3.00" in text
     row = text.splitlines()[-1].split()
-    assert row[:5] == ["4B", "1,10", "2.00", "200.00", "100.00"] and row[-1] == "yes"
+    assert row[:5] == ["4B", "1,10", "2.00", "200.00", "100.00"]
+    assert row[-2:] == ["150.00", "yes"]  # the ratio through the fastest calls, the check
+
+
+def test_saved_records_are_fitted_again_from_their_medians(tmp_path):
+    rec = {"op": "ppermute", "bytes": 1 << 20, "lengths": [1, 10, 100], "error": None, "match": {},
+           "sides": {"jaxcomm": {"medians_us": {"1": 12.0, "10": 30.0, "100": 210.0},
+                                 "fastest_us": {"1": 11.0, "10": 20.0, "100": 110.0}}}}
+    path = str(tmp_path / "r.json")
+    report.write_json([rec], path)
+    (back,) = report.read_json(path)
+    assert back["jaxcomm_per_collective_us"] == pytest.approx(2.0)
+    assert back["jaxcomm_per_call_us"] == pytest.approx(10.0)
+    assert back["jaxcomm_best_per_collective_us"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------- measuring
+
+def test_a_side_with_a_wrong_result_is_flagged_and_a_failing_one_dropped():
+    import numpy as np
+    from jaxcomm.bench import measure
+
+    def side(f):
+        return measure.Side(f, np.arange(4.0), lambda m: m, lambda out: out)
+
+    def broken(x, steps):
+        raise RuntimeError("no such collective")
+    calls = []
+    sides = {"jaxcomm": side(lambda x, steps: calls.append(steps) or x * 2),
+             "right": side(lambda x, steps: x * 2), "wrong": side(lambda x, steps: x * 3),
+             "broken": side(broken)}
+    rec = measure.measure(sides, [1, 10], rounds=3, warmup=1, sync=measure.LocalSync(),
+                          compare=lambda a, b: bool(np.array_equal(a, b)))
+    assert rec["match"] == {"right": True, "wrong": False}
+    assert sorted(rec["sides"]) == ["jaxcomm", "right", "wrong"]
+    assert rec["error"] == "broken: RuntimeError: no such collective"
+    # The first call, a warmup call per length, then every length once per round.
+    assert calls == [1, 1, 10] + [1, 10] * 3
+    assert report.failed([rec])
+
+
+def test_one_process_measures_jaxcomm_xla_and_a_plain_jit_alike():
+    # The suite's 8 emulated CPU devices (conftest), a mesh of 4 of them; every op.
+    from jaxcomm.bench import collectives
+    records = collectives.run(collectives.ALL_OPS, "64B", devices=4, rounds=2, warmup=0,
+                              lengths=(1, 3))
+    assert [(r["op"], r["bytes"], r["processes"], r["devices"]) for r in records] == [
+        (op, 64, 1, 4) for op in collectives.ALL_OPS]
+    for r in records:
+        # XLA's result equals jaxcomm's after a loop of each op fed back into itself.
+        assert r["error"] is None and r["match"] == {"xla": True}, r
+        assert sorted(r["sides"]) == ["jaxcomm", "plain", "xla"] and r["lengths"] == [1, 3]
+        for side in r["sides"].values():
+            assert all(t > 0 for t in side["medians_us"].values()), r
+        assert sum(r["jaxcomm_rounds"].values()) > 0, r  # jaxcomm's own rounds ran
+    text = "\n".join(report.report_lines(records))
+    assert "one process: the scheduler places its threads" in text
+    assert "vs xla: jaxcomm faster per collective in" in text
 
 
 # ------------------------------------------------------------------------ command line
@@ -106,6 +165,55 @@ def test_help_lists_every_option():
                    "--timeout", "--hugetlb", "--json", "--no-check", "--no-progress", "--grace"):
         assert option in proc.stdout, option
     assert "--worker" not in proc.stdout and "--emit-json" not in proc.stdout
+
+
+# Every entry point of the benchmarks: (argv of python -m jaxcomm.bench, options its
+# --help must list).
+ENTRY_POINTS = {
+    "one process": ([], ["--devices", "--sizes", "--lengths", "--rounds", "--hugetlb", "--plot"]),
+    "processes": (["--processes", "2"], ["--processes", "--hosts", "--bind", "--no-mpi4jax"]),
+    "collectives": (["collectives"], ["--processes", "--ops"]),
+    "moe": (["moe"], ["--tokens", "--hidden", "--topk", "--experts", "--devices", "--iters"]),
+    "docs": (["docs"], ["--out", "--quick", "--only", "--list"]),
+    "instructions": (["instructions"], ["--op", "--size", "--length", "--calls"]),
+    "dropin": (["dropin"], ["--devices", "--width", "--layers", "--batch", "--steps", "--reps"]),
+    "faults": (["faults"], ["--repeats", "--deadline", "--transport", "--overhead-rounds",
+                            "--skip-detection", "--skip-overhead"]),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_every_entry_point_has_a_help(entry, capsys):
+    from jaxcomm.bench import __main__ as bench_main
+    argv, listed = ENTRY_POINTS[entry]
+    with pytest.raises(SystemExit) as exc:
+        bench_main.main([*argv, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m jaxcomm.bench"), out
+    for option in ["--help", *listed]:
+        assert option in out, (entry, option)
+
+
+@pytest.mark.parametrize("module", ["collectives", "multiprocess", "mpi4jax_compare", "moe",
+                                    "dropin", "faults", "docs", "instructions"])
+def test_every_benchmark_module_runs_with_help(module):
+    # python -m jaxcomm.bench.<module> --help, as a user would type it.
+    proc = subprocess.run([sys.executable, "-m", f"jaxcomm.bench.{module}", "--help"],
+                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
+                          capture_output=True, text=True, timeout=60, cwd=HERE)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m jaxcomm.bench") and "--help" in proc.stdout, proc.stdout
+
+
+def test_help_names_every_sub_benchmark():
+    proc = _run("--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    from jaxcomm.bench import options
+    assert set(options.SUBCOMMANDS) >= {"moe", "dropin", "faults", "docs", "instructions"}
+    for name in options.SUBCOMMANDS:
+        assert f"\n  {name} " in proc.stdout, name
+        assert name in ENTRY_POINTS, name  # and its --help is tested above
 
 
 @pytest.mark.parametrize("hosts", ["0", "3"])

@@ -95,7 +95,10 @@ os._exit(0)
 
 @pytest.mark.parametrize("mode", ["late", "dead"])
 def test_a_missing_peer_is_named_after_inline_rounds(mode: str) -> None:
-    res = run_script(f"MODE = {mode!r}\n" + LATE_AFTER_WARMUP, 2, 1, timeout_s=60, grace_s=10)
+    # The warmup's rounds must run inline on both ranks, loaded machine or not: a spin
+    # budget of 1 s (as above), still half the calls' deadline.
+    res = run_script(f"MODE = {mode!r}\n" + LATE_AFTER_WARMUP, 2, 1, env={"JAXCOMM_SPIN_US": "1000000"},
+                     timeout_s=60, grace_s=10)
     out = res.output[0]
     inline = [int(l.split()[1]) for l in out.splitlines() if l.startswith("INLINE ")]
     assert inline and inline[0] >= 1, res.format()

@@ -1,4 +1,4 @@
-"""python -m jaxcomm.launch, jaxcomm.init() and the single-process benchmark's references.
+"""python -m jaxcomm.launch and jaxcomm.init() (the benchmark's tests are in test_bench.py).
 
 Every multi-process job here runs on 127.0.0.1 with a job timeout, so a broken launcher
 fails a test instead of hanging the suite.
@@ -410,45 +410,3 @@ def test_job_id_is_the_launchers_in_every_process():
     assert_ok(res)
     job = res.launch.job_id
     assert results(res) == {0: [job, f"jaxcomm-{job}-"], 1: [job, f"jaxcomm-{job}-"]}
-
-
-# ------------------------------------------------------------------------------- benchmark
-
-# The multi-process driver's own tests are in test_bench.py.
-
-
-@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-                                "ppermute", "broadcast"])
-def test_bench_local_reference_moves_the_collectives_bytes(op):
-    # The "local" side must read the operand and write a result shaped like the
-    # collective's, or xla/local compares different amounts of memory traffic.
-    import jax
-    import numpy as np
-    from jaxcomm.bench import collectives
-    n, count = 8, 8 * 6
-    mesh8 = jax.sharding.Mesh(np.array(jax.devices()[:n]), (collectives.AXIS,))
-    spec = collectives.OPS[op]
-    x = np.arange(n * spec.in_elems(count, n), dtype=np.float32)
-    local = collectives._program(mesh8, spec.local, n, None, 0)(x)
-    theirs = collectives._program(mesh8, spec.xla, n, None, 0)(x)
-    assert local.shape == theirs.shape and local.dtype == theirs.dtype
-    blocks = x.reshape(n, -1)  # one row per device
-    if op == "all_gather":
-        want = np.concatenate([np.tile(2 * b, n) for b in blocks])
-    elif op == "reduce_scatter":
-        want = np.concatenate([b.reshape(n, -1).sum(axis=0) for b in blocks])
-    else:
-        want = 2 * x
-    np.testing.assert_array_equal(np.asarray(local), want)
-
-
-def test_single_process_bench_is_unchanged_by_the_sync_hook():
-    # The in-process suite has 8 devices; run() with no Sync keeps its own view.
-    from jaxcomm.bench import collectives
-    records = collectives.run(["all_reduce", "all_gather"], "64B", devices=4, iters=1,
-                              warmup=1)
-    assert [(r["op"], r["bytes"], r["processes"], r["devices"]) for r in records] == [
-        ("all_reduce", 64, 1, 4), ("all_gather", 64, 1, 4)]
-    for r in records:
-        assert r["error"] is None and r["match"] is True, r
-        assert r["jaxcomm_us"] > 0 and r["xla_us"] > 0

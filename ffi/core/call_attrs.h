@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/op_table.h"  // each op's own attributes (JAXCOMM_BIND_ATTRS)
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm {

@@ -31,6 +31,9 @@ struct ExchangePlan {
   std::vector<int64_t> peers;          // the other processes of the group
   std::vector<size_t> peer_bytes;      // the size of each peer's contribution
   std::vector<std::string> peer_desc;  // each peer's ranks, for messages ("ranks [1] ...")
+  // The call, for a mismatch's message (core/mismatch.h): its op, its call site, and
+  // this process's ranks in it ("ranks [0] (partitions [0])"). Sub-plans copy them.
+  std::string op, call_site, ranks;
   // Other processes of the call that this exchange does not hear from (a phase of a
   // hierarchical round): their death fails it too, named, instead of the phase waiting
   // for a peer that waits for them.

@@ -99,7 +99,7 @@ class FlightRecorder {
   // One call failed on its own (e.g. arrived after its peers gave up).
   void Fail(uint64_t handle, int64_t execution, const std::string& error);
 
-  // This process's rings as the JSON document described in README.md ("Tracing").
+  // This process's rings as the JSON document described in docs/tracing.md ("Dumps").
   std::string DumpJson(const std::string& reason) const;
   // Writes DumpJson to `path` atomically (temporary file, then rename); "" or an error.
   std::string DumpToFile(const std::string& path, const std::string& reason) const;

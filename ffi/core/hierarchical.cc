@@ -223,6 +223,9 @@ std::shared_ptr<const Hierarchy> PlanHierarchy(const CrossProcess& world, const 
     auto p = std::make_shared<ExchangePlan>();
     p->key = Mix(flat.key, tag);
     p->fingerprint = Mix(flat.fingerprint, tag);
+    p->op = flat.op;
+    p->call_site = flat.call_site;
+    p->ranks = flat.ranks;
     return p;
   };
   const auto watch_the_rest = [&flat](ExchangePlan& p) {

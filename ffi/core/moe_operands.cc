@@ -14,6 +14,7 @@ std::string CheckMoeOperands(int64_t mode, const ffi::AnyBuffer& src, const ffi:
                              const ffi::AnyBuffer& pos, const ffi::AnyBuffer& w,
                              const ffi::AnyBuffer& g, const ffi::AnyBuffer& result,
                              MoeOperandShape* shape) {
+  if (std::string why = CheckMoeMode(mode); !why.empty()) return why;
   auto sd = src.dimensions(), td = dest.dimensions(), od = result.dimensions(), gd = g.dimensions();
   if (sd.size() != 2 || td.size() != 2 || od.size() != 2 || pos.dimensions().size() != 2 ||
       gd.size() != 2 || dest.element_type() != ffi::DataType::S32 ||

@@ -8,14 +8,21 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "core/completion_pool.h"
 #include "core/cross_process.h"
+#include "core/env.h"
 #include "core/fault_injection.h"
 #include "core/flight_recorder.h"
 #include "core/watchdog.h"
 
 namespace jaxcomm {
+
+class RoundTable;
+
+// JAXCOMM_MISMATCH_GRACE_S's default (jaxcomm/_src/config.py documents it).
+constexpr int64_t kDefaultMismatchGraceMs = 3000;
 
 class Registry {
  public:
@@ -35,11 +42,30 @@ class Registry {
   int64_t nontemporal_bytes() const { return nontemporal_bytes_.load(std::memory_order_relaxed); }
   void set_nontemporal_bytes(int64_t bytes) { nontemporal_bytes_.store(bytes < 0 ? 0 : bytes, std::memory_order_relaxed); }
 
+  // What the runtime read from the environment when it started (core/env.h), and the
+  // malformed variables among it (Python raises the first before any op runs).
+  const Settings& settings() const { return settings_; }
+
   // Whether streamed rounds may read the peers' operands directly (process_vm_readv)
   // where the kernel allows it; JAXCOMM_SINGLE_COPY. Links made while it is off are
   // never read directly.
   bool single_copy() const { return single_copy_.load(std::memory_order_relaxed); }
   void set_single_copy(bool on) { single_copy_.store(on, std::memory_order_relaxed); }
+
+  // How long a rank waits in a collective before jaxcomm looks for peers waiting in
+  // another one (core/mismatch.h); 0: never. JAXCOMM_MISMATCH_GRACE_S, set from Python.
+  std::chrono::milliseconds mismatch_grace() const {
+    return std::chrono::milliseconds(mismatch_grace_ms_.load(std::memory_order_relaxed));
+  }
+  void set_mismatch_grace(std::chrono::milliseconds ms) {
+    mismatch_grace_ms_.store(ms.count() < 0 ? 0 : ms.count(), std::memory_order_relaxed);
+  }
+
+  // The instructions' round tables (one per custom-call instruction per executable):
+  // the mismatch check looks at every round waiting in this process. Tables register
+  // when instantiated; the list holds them weakly.
+  void AddTable(std::weak_ptr<RoundTable> table);
+  std::vector<std::shared_ptr<RoundTable>> Tables();
 
   // This process's index in the job (jax.process_index()), set when handlers register.
   int64_t process_index() const { return process_index_.load(std::memory_order_relaxed); }
@@ -78,9 +104,11 @@ class Registry {
 
  private:
   Registry();
+  const Settings settings_;
   std::atomic<int64_t> spin_us_;
   std::atomic<int64_t> nontemporal_bytes_;
   std::atomic<bool> single_copy_;
+  std::atomic<int64_t> mismatch_grace_ms_{kDefaultMismatchGraceMs};
   std::atomic<int64_t> process_index_{0};
   std::atomic<int> host_processes_{1};
   CompletionPool pool_;
@@ -89,6 +117,8 @@ class Registry {
   std::once_flag watchdog_once_;
   std::unique_ptr<Watchdog> watchdog_;
   std::unique_ptr<CrossProcess> cross_process_;
+  std::mutex tables_mu_;
+  std::vector<std::weak_ptr<RoundTable>> tables_;
   std::mutex occurrences_mu_;
   std::map<uint64_t, uint64_t> occurrences_;
 };

@@ -64,7 +64,8 @@ void CompleteAll(Round& round, int inline_rank, ffi::ErrorCode code) {
   if (round.after_work) round.after_work();
   auto& registry = Registry::Get();
   registry.recorder().Finish(round.peers, error, code == ffi::ErrorCode::kDeadlineExceeded ||
-                                                     code == ffi::ErrorCode::kUnavailable);
+                                                     code == ffi::ErrorCode::kUnavailable ||
+                                                     code == ffi::ErrorCode::kAborted);
   (error.empty() ? registry.rounds_completed : registry.rounds_failed).fetch_add(1, std::memory_order_relaxed);
   std::vector<std::function<void()>> completions;
   for (size_t r = 0; r < round.promises.size(); ++r) {
@@ -226,15 +227,15 @@ std::optional<std::pair<int, int>> RoundTable::Locate(int64_t partition) const {
   return w;
 }
 
-void RoundTable::Tombstone(const Key& key, int64_t execution) {
-  if (failed_.emplace(key, execution).second) failed_order_.push_back(key);
+void RoundTable::Tombstone(const Key& key, int64_t execution, bool mismatch) {
+  if (failed_.emplace(key, Failed{execution, mismatch}).second) failed_order_.push_back(key);
   while (failed_order_.size() > kMaxTombstones) {
     failed_.erase(failed_order_.front());
     failed_order_.pop_front();
   }
 }
 
-ffi::Future RoundTable::Arrive(const CollectiveCall& call, WorkFn work_fn) {
+CallResult RoundTable::Arrive(const CollectiveCall& call, WorkFn work_fn) {
   const int64_t g = call.ctx.group_index;
   if (InlineExchange* exchange = inline_[g].load(std::memory_order_acquire)) {
     return ArriveInline(*exchange, call, work_fn);
@@ -248,27 +249,30 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, WorkFn work_fn) {
   ffi::Promise promise;
   ffi::Future future(promise);
   std::shared_ptr<Round> ready;
+  uint64_t watchdog_id = 0;
   std::string refused;
   CallContext ctx = call.ctx;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (auto failed = failed_.find(key); failed != failed_.end()) {
-      ctx.execution = failed->second;
-      refused = "the other ranks of this call already gave up on it (timed out); this rank "
-                "arrived too late";
+      ctx.execution = failed->second.execution;
+      refused = failed->second.mismatch
+                    ? "the other ranks of this call already failed it: they waited in it while "
+                      "other ranks waited in another collective (MISMATCH); this rank arrived too late"
+                    : "the other ranks of this call already gave up on it (timed out); this rank "
+                      "arrived too late";
     } else {
       std::shared_ptr<Round>& round = rounds_[key];
       if (!round) {
         round = NewRound(call, g, executions_[g].fetch_add(1, std::memory_order_relaxed) + 1);
         // Only a round that waits for other local ranks needs the watchdog (a lone local
         // rank is ready at once; the exchange with other processes has its own deadline).
+        // One entry, at the grace period if any (then rescheduled for the deadline), so
+        // that the check for a mismatch costs a completing round nothing.
         if (local > 1) {
-          std::weak_ptr<RoundTable> weak_table = weak_from_this();
-          std::weak_ptr<Round> weak_round = round;
-          round->watchdog_id = Registry::Get().watchdog().Schedule(
-              Clock::now() + call.timeout, [weak_table, key, weak_round] {
-                if (auto table = weak_table.lock()) table->Expire(key, weak_round);
-              });
+          round->since = Clock::now();
+          round->grace = MismatchGrace(call.timeout);
+          Watch(key, round, round->since + (round->grace.count() > 0 ? round->grace : round->timeout));
         }
       }
       if (round->promises[rank]) {
@@ -280,6 +284,7 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, WorkFn work_fn) {
         Registry::Get().recorder().Arrived(call.mine.trace, round->execution);
         if (++round->arrived == local) {
           ready = round;
+          watchdog_id = round->watchdog_id;
           rounds_.erase(key);
         }
       }
@@ -291,9 +296,9 @@ ffi::Future RoundTable::Arrive(const CollectiveCall& call, WorkFn work_fn) {
     return future;
   }
   if (ready) {
-    // A false return means the watchdog is firing right now; Expire then finds the round
+    // A false return means the watchdog is firing right now; Overdue then finds the round
     // gone from the table and does nothing.
-    if (ready->watchdog_id != 0) Registry::Get().watchdog().Cancel(ready->watchdog_id);
+    if (watchdog_id != 0) Registry::Get().watchdog().Cancel(watchdog_id);
     if (layouts_[g].cross_process()) {
       StartCrossProcess(ready, std::move(work), rank);
     } else {
@@ -334,14 +339,8 @@ std::shared_ptr<Round> RoundTable::NewRound(const CollectiveCall& call, int64_t 
 namespace {
 
 // Whether the inline path is on (JAXCOMM_INLINE, default 1; 0 turns it off, e.g. to
-// measure what it saves). Read once.
-bool InlineEnabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAXCOMM_INLINE");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return on;
-}
+// measure what it saves). Read once, at start.
+bool InlineEnabled() { return Registry::Get().settings().inline_rounds; }
 
 // Whether the rounds of a group may run inline (RoundTable::ArriveInline): one rank in
 // this process, operands small enough that the work is never split, and a plain
@@ -353,16 +352,9 @@ bool InlineCandidate(const Round& round, size_t local, const Peer& shape, bool s
   return bytes <= kInlineBytes;
 }
 
-ffi::Future Available() {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  promise.SetAvailable();
-  return future;
-}
-
 }  // namespace
 
-ffi::Future RoundTable::ArriveInline(InlineExchange& exchange, const CollectiveCall& call, WorkFn& work) {
+CallResult RoundTable::ArriveInline(InlineExchange& exchange, const CollectiveCall& call, WorkFn& work) {
   const int64_t g = call.ctx.group_index;
   const int rank = call.ctx.rank;
   const int64_t execution = executions_[g].fetch_add(1, std::memory_order_relaxed) + 1;
@@ -371,9 +363,13 @@ ffi::Future RoundTable::ArriveInline(InlineExchange& exchange, const CollectiveC
   // Set before inline_ was published, read-only since.
   const Layout& layout = layouts_[g];
   // Per thread, reused: a call allocates nothing here.
-  thread_local std::vector<std::pair<const void*, size_t>> mine;
-  thread_local std::vector<const char*> theirs;
-  thread_local std::vector<Peer> peers;
+  struct Scratch {
+    std::vector<std::pair<const void*, size_t>> mine;
+    std::vector<const char*> theirs;
+    std::vector<Peer> peers;
+  };
+  thread_local Scratch scratch;
+  auto& [mine, theirs, peers] = scratch;
   mine.clear();
   AppendOperands(call.mine, {0, static_cast<size_t>(layout.shape.elements)}, mine);
   const auto now = Clock::now();
@@ -402,7 +398,7 @@ ffi::Future RoundTable::ArriveInline(InlineExchange& exchange, const CollectiveC
   registry.recorder().Finish(peers, error, false);
   (error.empty() ? registry.rounds_completed : registry.rounds_failed).fetch_add(1, std::memory_order_relaxed);
   registry.inline_rounds.fetch_add(1, std::memory_order_relaxed);
-  if (error.empty()) return Available();
+  if (error.empty()) return CallResult::Done();
   CallContext ctx = call.ctx;
   ctx.execution = execution;
   ffi::Promise promise;
@@ -458,6 +454,9 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
       if (p->key == 0) p->key = 1;  // 0 marks a free shared slot
       p->fingerprint = fingerprint;
       p->peers = l.processes;
+      p->op = round->op;
+      p->call_site = round->call_site;
+      p->ranks = RankList(l.local, *round->group);
       for (const auto& ranks : l.remote) {
         p->peer_bytes.push_back(per_rank * ranks.size());
         p->peer_desc.push_back(RankList(ranks, *round->group));
@@ -679,6 +678,96 @@ void RoundTable::StartStream(const std::shared_ptr<Round>& round, int me, std::s
                  round->after_work = [world, plan, seq] { world->Release(*plan->arrival, seq); };
                  stream(round, me, pull ? std::move(remote_inputs) : std::vector<uint64_t>{});
                });
+}
+
+void RoundTable::Watch(const Key& key, const std::shared_ptr<Round>& round, Clock::time_point when) {
+  std::weak_ptr<RoundTable> weak_table = weak_from_this();
+  std::weak_ptr<Round> weak_round = round;
+  round->watchdog_id = Registry::Get().watchdog().Schedule(when, [weak_table, key, weak_round] {
+    if (auto table = weak_table.lock()) table->Overdue(key, weak_round);
+  });
+}
+
+void RoundTable::Overdue(const Key& key, const std::weak_ptr<Round>& expected) {
+  std::shared_ptr<Round> round = expected.lock();
+  if (!round) return;
+  const auto deadline = round->since + round->timeout;
+  if (Clock::now() >= deadline) {
+    Expire(key, expected);
+    return;
+  }
+  if (FailMismatched(round)) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = rounds_.find(key);
+  if (it == rounds_.end() || it->second != round) return;  // completed meanwhile
+  Watch(key, round, deadline);
+}
+
+void RoundTable::Waiting(std::vector<LocalWait>& out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [key, round] : rounds_) {
+    if (round->arrived == 0 || round->grace.count() == 0) continue;
+    LocalWait w;
+    w.table = this;
+    w.round = round.get();
+    w.key = key;
+    w.op = round->op;
+    w.call_site = round->call_site;
+    w.execution = round->execution;
+    w.since = round->since;
+    w.grace = round->grace;
+    std::vector<int> arrived;
+    for (int r : layouts_[key.second].local) {
+      if (round->promises[r]) {
+        arrived.push_back(r);
+        w.arrived.push_back((*round->group)[r]);
+      } else {
+        w.missing.push_back((*round->group)[r]);
+      }
+    }
+    w.who = RankList(arrived, *round->group);
+    out.push_back(std::move(w));
+  }
+}
+
+void RoundTable::FailWaiting(const LocalWait& wait, const std::string& error) {
+  std::shared_ptr<Round> round;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = rounds_.find(wait.key);
+    if (it == rounds_.end() || it->second.get() != wait.round) return;  // completed meanwhile
+    round = std::move(it->second);
+    rounds_.erase(it);
+    Tombstone(wait.key, round->execution, /*mismatch=*/true);
+  }
+  // False for the entry that is firing now (the round that found the mismatch).
+  Registry::Get().watchdog().Cancel(round->watchdog_id);
+  RecordError(*round, error);
+  CompleteAll(*round, -1, ffi::ErrorCode::kAborted);
+}
+
+bool RoundTable::FailMismatched(const std::shared_ptr<Round>& round) {
+  const auto now = Clock::now();
+  // Each table's lock in turn, never two at once.
+  const std::vector<std::shared_ptr<RoundTable>> tables = Registry::Get().Tables();
+  std::vector<LocalWait> waits;
+  std::vector<RoundTable*> owners;
+  for (const auto& table : tables) {
+    table->Waiting(waits);
+    owners.resize(waits.size(), table.get());
+  }
+  const auto self = std::find_if(waits.begin(), waits.end(), [&](const LocalWait& w) { return w.round == round.get(); });
+  if (self == waits.end()) return false;
+  const std::vector<size_t> cycle = FindCycle(waits, static_cast<size_t>(self - waits.begin()), now);
+  if (cycle.empty()) return false;
+  for (size_t m : cycle) {
+    std::vector<MismatchSide> sides;
+    for (size_t k : cycle) {
+      sides.push_back({waits[k].who, waits[k].op, waits[k].call_site, waits[k].execution, k == m});
+    }
+    owners[m]->FailWaiting(waits[m], MismatchMessage(sides, waits[m].grace, /*processes=*/false));
+  }
+  return true;
 }
 
 void RoundTable::Expire(const Key& key, const std::weak_ptr<Round>& expected) {

@@ -5,8 +5,8 @@
 // custom-call instruction per executable, created in the FFI instantiate stage) and its
 // execution (the FFI RunId), never by arrival order.
 //
-// Handlers never block: each rank publishes its buffers and returns an ffi::Future. The
-// last rank to arrive runs the data movement (split over pool threads, one part per
+// Handlers never block: each rank publishes its buffers and returns an ffi::Future (or
+// "done", when its round completed on its own thread: core/call_result.h). The last rank to arrive runs the data movement (split over pool threads, one part per
 // core, when large) and the futures are completed on pool threads (core/completion_pool.h
 // says why). A watchdog fails a round that some rank never joins, at its deadline.
 #pragma once
@@ -27,7 +27,10 @@
 #include <vector>
 
 #include "core/call_context.h"
+#include "core/call_result.h"
 #include "core/cross_process.h"
+#include "core/mismatch.h"
+#include "core/small_function.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm {
@@ -58,13 +61,13 @@ struct Peer {
 // The data movement of one op, given every rank's buffers. The work is cut into
 // `num_parts` disjoint parts that may run concurrently on different threads; returns ""
 // or an error message.
-using WorkFn = std::function<std::string(const std::vector<Peer>& peers, int part, int num_parts)>;
+using WorkFn = SmallFunction<std::string(const std::vector<Peer>& peers, int part, int num_parts)>;
 
 // The same data movement for ops that split by element ranges of the inputs: for
 // elements [lo, hi) of every rank's input, where peers[r].in points at element lo of
 // rank r's, writes every result element that depends only on that range. With it, a
 // large cross-process round streams through shared memory (core/cross_process.h).
-using RangeFn = std::function<std::string(const std::vector<Peer>& peers, size_t lo, size_t hi)>;
+using RangeFn = SmallFunction<std::string(const std::vector<Peer>& peers, size_t lo, size_t hi)>;
 
 // From this many bytes of input per rank, a cross-process round of an op with a RangeFn
 // streams through shared memory (CrossProcess::Stream) instead of being copied whole.
@@ -80,12 +83,12 @@ inline bool Streamable(const Peer& mine, bool has_range, bool tolerant) {
 // Reductions (all_reduce): out = op over in[0], in[1], ... elementwise, `elements` each.
 // With it, a round over processes on several hosts reduces within each host first
 // (core/hierarchical.cc).
-using CombineFn = std::function<std::string(const std::vector<const void*>& in, void* out, size_t elements)>;
+using CombineFn = SmallFunction<std::string(const std::vector<const void*>& in, void* out, size_t elements)>;
 
 // Which operands a rank's result depends on: whether rank `dst`'s result reads rank
 // `src`'s operand (ppermute: its source's; broadcast: the root's). Without it, every
 // rank's. Over TCP a process then sends each peer only the operands that peer reads.
-using NeedsFn = std::function<bool(int src, int dst)>;
+using NeedsFn = SmallFunction<bool(int src, int dst)>;
 
 // Elements [first, last) of an operand.
 using ElementRange = std::pair<size_t, size_t>;
@@ -95,7 +98,7 @@ using ElementRange = std::pair<size_t, size_t>;
 // Without it, all of them. A streamed round then copies into shared memory only the
 // chunks some other process's rank reads, and over TCP a process sends each peer only
 // the span of its operands that the peer's ranks read.
-using ReadsFn = std::function<ElementRange(int reader)>;
+using ReadsFn = SmallFunction<ElementRange(int reader)>;
 
 // Whether a round over `processes` (this one included) runs hierarchically (if its call
 // MayRunInPhases): they span several hosts and some host holds several of them.
@@ -194,9 +197,15 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   uint64_t instruction_key() const { return instruction_key_; }
   const std::vector<int64_t>& remote_processes(int index) const { return layouts_[index].processes; }
 
-  // Joins the call with this rank's buffers; the future completes once this rank's
-  // result is written and no peer reads its buffers any more (or with the error).
-  ffi::Future Arrive(const CollectiveCall& call, WorkFn work);
+  // Joins the call with this rank's buffers; the result is done, or its future completes,
+  // once this rank's result is written and no peer reads its buffers any more (or with
+  // the error).
+  CallResult Arrive(const CollectiveCall& call, WorkFn work);
+
+  // The mismatch check (core/mismatch.h): appends this table's rounds that wait for
+  // local ranks; fails one of them (still waiting, the same round) with `error`.
+  void Waiting(std::vector<LocalWait>& out);
+  void FailWaiting(const LocalWait& wait, const std::string& error);
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (run id, group index)
@@ -204,11 +213,17 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   // this host (see InlineCandidate): the device thread exchanges through shared memory
   // and runs the work itself, with no Round, lock, future hand-off or pool thread; a
   // round whose peers are not there within the spin budget continues as any other.
-  ffi::Future ArriveInline(InlineExchange& exchange, const CollectiveCall& call, WorkFn& work);
+  CallResult ArriveInline(InlineExchange& exchange, const CollectiveCall& call, WorkFn& work);
   // A new round of group `g` for `call`, numbered `execution`.
   std::shared_ptr<Round> NewRound(const CollectiveCall& call, int64_t g, int64_t execution);
-  void Tombstone(const Key& key, int64_t execution);
+  void Tombstone(const Key& key, int64_t execution, bool mismatch = false);
+  // The watchdog's entry for a round waiting for local ranks (`expected`): at its grace
+  // period, looks for a mismatch (FailMismatched), then waits for its deadline (Expire).
+  void Watch(const Key& key, const std::shared_ptr<Round>& round, Clock::time_point when);
+  void Overdue(const Key& key, const std::weak_ptr<Round>& expected);
   void Expire(const Key& key, const std::weak_ptr<Round>& expected);
+  // Fails the rounds of this process in a cycle of waits with `round`; false if none.
+  bool FailMismatched(const std::shared_ptr<Round>& round);
   // Exchanges the inputs of a round whose local ranks all arrived with the group's other
   // processes, then runs its work (core/cross_process.h).
   void StartCrossProcess(const std::shared_ptr<Round>& round, std::shared_ptr<const WorkFn> work, int me);
@@ -261,9 +276,13 @@ class RoundTable : public std::enable_shared_from_this<RoundTable> {
   std::vector<std::atomic<int64_t>> executions_;  // per group: rounds numbered so far
   // Per group: its layout's inline_exchange once the first round made it (set once).
   std::vector<std::atomic<InlineExchange*>> inline_;
-  // Calls that failed (timed out): a rank that arrives late fails at once instead of
-  // waiting a whole timeout for peers that already gave up. Bounded.
-  std::map<Key, int64_t> failed_;  // -> execution number
+  // Calls that failed (timed out, or a mismatch): a rank that arrives late fails at
+  // once instead of waiting a whole timeout for peers that already gave up. Bounded.
+  struct Failed {
+    int64_t execution = 0;
+    bool mismatch = false;
+  };
+  std::map<Key, Failed> failed_;
   std::deque<Key> failed_order_;
 };
 

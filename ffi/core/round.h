@@ -37,8 +37,12 @@ struct Round {
   int64_t execution = 0;
   int64_t group_index = 0;
   std::shared_ptr<const std::vector<int64_t>> group;
-  uint64_t watchdog_id = 0;
+  uint64_t watchdog_id = 0;  // under the table's lock
   std::chrono::milliseconds timeout{0};
+  // Rounds waiting for local ranks: when the first arrived, and after how long the
+  // watchdog looks for a mismatch (core/mismatch.h; 0: never).
+  Clock::time_point since;
+  std::chrono::milliseconds grace{0};
   // Copied from the first arrival: attribute storage is not ours to keep.
   std::string op, axis, call_site;
 

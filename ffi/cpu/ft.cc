@@ -60,7 +60,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_FtAllReduce, FtAllReduce,
                                     .template Arg<ffi::AnyBuffer>()
                                     .template Ret<ffi::AnyBuffer>()
                                     .template Ret<ffi::AnyBuffer>();
-                              }));
+                              }) JAXCOMM_BIND_ATTRS(ft_all_reduce));
 
 XLA_FFI_Handler* const kFtAllReduce = jaxcomm_cpu_FtAllReduce;
 

@@ -20,9 +20,22 @@ namespace {
 
 namespace ffi = xla::ffi;
 
+// Reduce's operand and result lists, per thread and reused (cleared by each use): the
+// work of a call allocates none of its own.
+struct ReduceLists {
+  std::vector<const void*> in;
+  std::vector<void*> out;
+};
+ReduceLists& Lists() {
+  thread_local ReduceLists lists;
+  lists.in.clear();
+  lists.out.clear();
+  return lists;
+}
+
 // ---------------------------------------------------------------------------- all_reduce
 
-ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
+CallResult AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                       ffi::Span<const int64_t>, int64_t group_size,
@@ -31,18 +44,18 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   const Peer mine = Buffers(x, *y);
   const size_t n = x.element_count();
   if (n == 0) return Done();
+  if (std::string why = CheckReduceOp(reduce_op); !why.empty()) return Reject(c, why);
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
   if (!ReduceSupported(dtype, op)) {
     return Reject(c, std::string("op '") + ReduceOpName(op) + "' does not support this dtype");
   }
   const bool streaming = StreamsResult(y->untyped_data(), y->size_bytes());
-  const WorkFn work =
+  WorkFn work =
       [dtype, op, n, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
-        std::vector<const void*> in;
-        std::vector<void*> out;
-        in.reserve(peers.size());
-        out.reserve(peers.size());
+        ReduceLists& lists = Lists();
+        auto& in = lists.in;
+        auto& out = lists.out;
         for (const Peer& p : peers) {
           in.push_back(p.in);
           if (p.out != nullptr) out.push_back(p.out);  // other processes write their own
@@ -62,10 +75,9 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   };
   options.combine_partials = dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16;
   options.range = [dtype, op, item, streaming](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
-    std::vector<const void*> in;
-    std::vector<void*> out;
-    in.reserve(peers.size());
-    out.reserve(peers.size());
+    ReduceLists& lists = Lists();
+    auto& in = lists.in;
+    auto& out = lists.out;
     for (const Peer& p : peers) {
       in.push_back(p.in);
       if (p.out != nullptr) out.push_back(static_cast<char*>(p.out) + lo * item);
@@ -77,7 +89,7 @@ ffi::Future AllReduce(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
 
 // ---------------------------------------------------------------------------- all_gather
 
-ffi::Future AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
+CallResult AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                       ffi::Span<const int64_t>, int64_t group_size,
@@ -91,7 +103,7 @@ ffi::Future AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   const size_t inner = Product(dims, gather_axis, dims.size()) * item;
   const int64_t R = group_size;
   const bool streaming = StreamsResult(y->untyped_data(), y->size_bytes());
-  const WorkFn work =
+  WorkFn work =
       [outer, inner, R, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(peers, part, parts, [&](int d) {
           char* out = static_cast<char*>(peers[d].out);
@@ -119,13 +131,14 @@ ffi::Future AllGather(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
 
 // ------------------------------------------------------------------------ reduce_scatter
 
-ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, std::string_view call_site,
+CallResult ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, std::string_view call_site,
                           std::string_view axis, int64_t timeout_ms, ffi::Span<const int64_t>,
                           int64_t group_size, ffi::Span<const int64_t>, int64_t reduce_op,
                           int64_t scatter_dimension) {
   Common c{st, run, ordinal, "reduce_scatter", call_site, axis, timeout_ms};
   const Peer mine = Buffers(x, *y);
   if (x.element_count() == 0) return Done();
+  if (std::string why = CheckReduceOp(reduce_op); !why.empty()) return Reject(c, why);
   const auto dtype = x.element_type();
   const auto op = static_cast<ReduceOp>(reduce_op);
   if (!ReduceSupported(dtype, op)) {
@@ -137,11 +150,14 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
   const int64_t outer = Product(dims, 0, scatter_dimension);
   const size_t inner = Product(dims, scatter_dimension, dims.size()) / R;  // elements
   const bool streaming = StreamsResult(y->untyped_data(), y->size_bytes());
-  const WorkFn work =
+  WorkFn work =
       [dtype, op, outer, inner, item, R, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         std::string err;
-        std::vector<const void*> in(R);
-        std::vector<void*> out(1);
+        ReduceLists& lists = Lists();
+        auto& in = lists.in;
+        auto& out = lists.out;
+        in.resize(R);
+        out.resize(1);
         ForEachOwnedRank(peers, part, parts, [&](int d) {
           for (int64_t o = 0; o < outer && err.empty(); ++o) {
             for (int64_t j = 0; j < R; ++j) {
@@ -157,12 +173,16 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
   if (outer == 1) {  // result d is the reduction of block d of the inputs
     options.range = [dtype, op, inner, item, streaming](const std::vector<Peer>& peers, size_t lo, size_t hi) -> std::string {
       std::string err;
-      std::vector<const void*> in(peers.size());
+      ReduceLists& lists = Lists();
+      auto& in = lists.in;
+      auto& out = lists.out;
+      in.resize(peers.size());
+      out.resize(1);
       ForEachOwnedRank(peers, 0, 1, [&](int d) {
         const size_t begin = std::max(lo, d * inner), end = std::min(hi, (d + 1) * inner);
         if (begin >= end || !err.empty()) return;
         for (size_t j = 0; j < peers.size(); ++j) in[j] = static_cast<const char*>(peers[j].in) + (begin - lo) * item;
-        std::vector<void*> out{static_cast<char*>(peers[d].out) + (begin - d * inner) * item};
+        out[0] = static_cast<char*>(peers[d].out) + (begin - d * inner) * item;
         err = Reduce(dtype, op, in, out, 0, end - begin, streaming);
       });
       return err;
@@ -174,7 +194,7 @@ ffi::Future ReduceScatter(InstructionState* st, ffi::RunId run, int32_t ordinal,
 
 // ---------------------------------------------------------------------------- all_to_all
 
-ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+CallResult AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                      std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                      ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, int64_t split_axis,
@@ -196,7 +216,7 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
   const int64_t dst_piece = (out_dims[concat_axis] / R) * plan.dst_strides[concat_axis];
   plan.Compile();
   const bool streaming = StreamsResult(y->untyped_data(), y->size_bytes());
-  const WorkFn work =
+  WorkFn work =
       [plan, src_piece, dst_piece, R, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(peers, part, parts, [&](int d) {
           char* out = static_cast<char*>(peers[d].out);
@@ -229,7 +249,7 @@ ffi::Future AllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
 
 // ------------------------------------------------------------------------------- ppermute
 
-ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+CallResult Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                     std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                     ffi::Span<const int64_t>, int64_t group_size,
                       ffi::Span<const int64_t>, ffi::Span<const int64_t> sources) {
@@ -242,7 +262,7 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
   std::vector<int64_t> src(sources.begin(), sources.end());
   const size_t bytes = x.size_bytes();
   const bool streaming = StreamsResult(y->untyped_data(), bytes);
-  const WorkFn work =
+  WorkFn work =
       [src, bytes, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         ForEachOwnedRank(peers, part, parts, [&](int d) {
           if (src[d] < 0) {
@@ -273,7 +293,7 @@ ffi::Future Permute(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
 
 // ------------------------------------------------------------------------------ broadcast
 
-ffi::Future Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
+CallResult Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> y,
                       std::string_view call_site, std::string_view axis, int64_t timeout_ms,
                       ffi::Span<const int64_t>, int64_t group_size,
@@ -283,7 +303,7 @@ ffi::Future Broadcast(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi
   if (x.element_count() == 0) return Done();
   const size_t bytes = x.size_bytes();
   const bool streaming = StreamsResult(y->untyped_data(), bytes);
-  const WorkFn work =
+  WorkFn work =
       [root, bytes, streaming](const std::vector<Peer>& peers, int part, int parts) -> std::string {
         const void* src = peers[root].in;
         ForEachOwnedRank(peers, part, parts, [&](int d) {
@@ -311,31 +331,28 @@ uint64_t InstructionKey(const ffi::Dictionary& attrs) {
 ffi::ErrorOr<std::unique_ptr<InstructionState>> Instantiate(ffi::Dictionary attrs) {
   auto parsed = ParseGroupAttrs(attrs, "jaxcomm");
   if (!parsed.has_value()) return ffi::Unexpected(parsed.error());
-  return std::make_unique<InstructionState>(std::make_shared<RoundTable>(
-      std::move(parsed->groups), parsed->partition_devices, Registry::Get().process_index(),
-      InstructionKey(attrs)));
+  auto table = std::make_shared<RoundTable>(std::move(parsed->groups), parsed->partition_devices,
+                                            Registry::Get().process_index(), InstructionKey(attrs));
+  Registry::Get().AddTable(table);  // the mismatch check looks at every table's rounds
+  return std::make_unique<InstructionState>(std::move(table));
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_Instantiate, Instantiate,
                               ffi::Ffi::BindInstantiate().Attrs<ffi::Dictionary>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_AllReduce, AllReduce,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<int64_t>("reduce_op"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_AllGather, AllGather,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<int64_t>("axis_index"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_ReduceScatter, ReduceScatter,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); })
-                                  .Attr<int64_t>("reduce_op")
-                                  .Attr<int64_t>("scatter_dimension"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_AllToAll, AllToAll,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); })
-                                  .Attr<int64_t>("split_axis")
-                                  .Attr<int64_t>("concat_axis"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_Permute, Permute,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<ffi::Span<const int64_t>>("sources"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_Broadcast, Broadcast,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }).Attr<int64_t>("root"));
+// The six single-operand collectives, bound with their attributes from core/op_table.h.
+#define JAXCOMM_UNARY_HANDLER(name, Handler)                                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_##Handler, Handler,                               \
+                                BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindUnary(std::move(b)); }) \
+                                    JAXCOMM_BIND_ATTRS(name));
+JAXCOMM_UNARY_HANDLER(all_reduce, AllReduce)
+JAXCOMM_UNARY_HANDLER(all_gather, AllGather)
+JAXCOMM_UNARY_HANDLER(reduce_scatter, ReduceScatter)
+JAXCOMM_UNARY_HANDLER(all_to_all, AllToAll)
+JAXCOMM_UNARY_HANDLER(ppermute, Permute)
+JAXCOMM_UNARY_HANDLER(broadcast, Broadcast)
+#undef JAXCOMM_UNARY_HANDLER
 
 XLA_FFI_Handler* const kInstantiate = jaxcomm_cpu_Instantiate;
 XLA_FFI_Handler* const kAllReduce = jaxcomm_cpu_AllReduce;

@@ -12,16 +12,6 @@ namespace jaxcomm::cpu {
 
 namespace ffi = xla::ffi;
 
-const char* ReduceOpName(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kProd: return "prod";
-    case ReduceOp::kMin: return "min";
-    case ReduceOp::kMax: return "max";
-  }
-  return "?";
-}
-
 namespace {
 
 // bfloat16 <-> float, round to nearest even, NaN kept quiet.

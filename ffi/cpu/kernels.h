@@ -7,13 +7,10 @@
 #include <string>
 #include <vector>
 
+#include "core/op_table.h"  // ReduceOp, ReduceOpName
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cpu {
-
-enum class ReduceOp : int64_t { kSum = 0, kProd = 1, kMin = 2, kMax = 3 };
-
-const char* ReduceOpName(ReduceOp op);
 
 // For i in [begin, end): every outputs[k][i] = op over j of inputs[j][i] (in rank order).
 // Half-precision types accumulate in float and round once. Safe when an output aliases an

@@ -72,7 +72,7 @@ ReadsFn ReadsOwnBlock(size_t block) {
   return [block](int d) { return ElementRange{static_cast<size_t>(d) * block, static_cast<size_t>(d + 1) * block}; };
 }
 
-ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options) {
+CallResult Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options) {
   CollectiveCall call;
   call.ctx = Describe(c);
   if (call.ctx.rank < 0) {

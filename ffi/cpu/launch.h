@@ -80,7 +80,8 @@ struct LaunchOptions {
   // send directly instead of in phases (see MayRunInPhases).
   bool point_to_point = false;
 };
-ffi::Future Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options = {});
+// Done at once when the round completed on this thread (core/call_result.h).
+CallResult Launch(const Common& c, Peer mine, size_t work_bytes, WorkFn work, LaunchOptions options = {});
 
 // The ReadsFn of ops whose rank d reads block d (`block` elements) of every input.
 ReadsFn ReadsOwnBlock(size_t block);

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/op_table.h"
 #include "cpu/launch.h"
 #include "cpu/moe_convert.h"
 #include "cpu/moe_kernels.h"
@@ -22,12 +23,10 @@
 namespace jaxcomm::cpu {
 namespace {
 
-enum Fp8 : int64_t { kNoFp8 = 0, kFp8Dequantized = 1, kFp8Raw = 2 };
-
 struct DispatchPlan {
   RouteShape shape;
   int64_t H = 0;
-  int64_t fp8 = kNoFp8;
+  MoeFp8 fp8 = MoeFp8::kNone;  // core/op_table.h
   Real x_type = Real::kF32;   // with FP8: the source tokens' type
   Real out_type = Real::kF32; // with dequantized FP8: the delivered rows' type
   int64_t in_row_bytes = 0;   // a moved token row: x's, or its FP8 code's
@@ -54,7 +53,7 @@ std::string CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& ids, co
     return "the route table's size disagrees with the call";
   }
   const int64_t nb = Fp8Blocks(p->H);
-  if (p->fp8 == kNoFp8) {
+  if (p->fp8 == MoeFp8::kNone) {
     if (ex.element_type() != x.element_type() || q.element_count() != 0 || scales.element_count() != 0) {
       return "expert_x must have x's dtype";
     }
@@ -68,7 +67,7 @@ std::string CheckDispatch(const ffi::AnyBuffer& x, const ffi::AnyBuffer& ids, co
     return "bad FP8 staging buffers";
   }
   p->in_row_bytes = p->H;
-  if (p->fp8 == kFp8Raw) {
+  if (p->fp8 == MoeFp8::kRaw) {
     if (ex.element_type() != ffi::DataType::F8E4M3FN) return "FP8 delivery needs a float8_e4m3fn expert_x";
     p->out_row_bytes = p->H;
     return "";
@@ -133,7 +132,7 @@ void Deliver(const DispatchPlan& p, const Routing& routing, const std::vector<Pe
       }
     }
   };
-  if (p.fp8 == kFp8Dequantized) {
+  if (p.fp8 == MoeFp8::kDequantize) {
     WithReal(p.out_type, [&](auto o) {
       rows([&](char* dst, const char* q, const float* sc) {
         DequantizeRowE4M3<decltype(o)>(dst, reinterpret_cast<const uint8_t*>(q), sc, p.H);
@@ -175,14 +174,14 @@ ffi::Future MoeDispatch(InstructionState* st, ffi::RunId run, int32_t ordinal, f
   p.shape.R = group_size;
   p.shape.E = num_experts;
   p.shape.slab = slab;
-  p.fp8 = fp8;
   p.zero_unused = zero_unused != 0;
   p.check_ids = check_ids != 0;
   p.header = split ? kStatusWords : 0;
-  if (fp8 < kNoFp8 || fp8 > kFp8Raw) return Reject(c, "unknown fp8 mode");
+  if (std::string why = CheckMoeFp8(fp8); !why.empty()) return Reject(c, why);
+  p.fp8 = static_cast<MoeFp8>(fp8);
   if (std::string why = CheckDispatch(x, ids, *ex, *route, *q, *scales, &p); !why.empty()) return Reject(c, why);
 
-  if (p.fp8 != kNoFp8) {
+  if (p.fp8 != MoeFp8::kNone) {
     // This rank's tokens, quantized once on its own thread before its peers read them.
     const int64_t nb = Fp8Blocks(p.H), in_row = p.H * RealBytes(p.x_type);
     auto* qd = static_cast<uint8_t*>(q->untyped_data());
@@ -195,7 +194,7 @@ ffi::Future MoeDispatch(InstructionState* st, ffi::RunId run, int32_t ordinal, f
     });
   }
   // Peers read the FP8 staging copy where there is one.
-  Peer mine = Buffers(p.fp8 != kNoFp8 ? static_cast<const ffi::AnyBuffer&>(*q) : x, *ex, {&ids, &*scales},
+  Peer mine = Buffers(p.fp8 != MoeFp8::kNone ? static_cast<const ffi::AnyBuffer&>(*q) : x, *ex, {&ids, &*scales},
                       /*written_whole=*/p.zero_unused);
   mine.out_aux = route->untyped_data();
 
@@ -237,12 +236,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_MoeDispatch, MoeDispatch,
                                                .template Ret<ffi::AnyBuffer>()
                                                .template Ret<ffi::AnyBuffer>();
                                          })
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("slab")
-                                  .Attr<int64_t>("fp8")
-                                  .Attr<int64_t>("zero_unused")
-                                  .Attr<int64_t>("check_ids")
-                                  .Attr<int64_t>("split"));
+                                  JAXCOMM_BIND_ATTRS(moe_dispatch));
 
 XLA_FFI_Handler* const kMoeDispatch = jaxcomm_cpu_MoeDispatch;
 

@@ -271,7 +271,7 @@ bool AsReal(ffi::DataType t, Real* r) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_MoeTransport, MoeTransport,
                               BindCommon(ffi::Ffi::Bind(),
                                          [](auto b) { return BindBuffers<5>(std::move(b)); })
-                                  .Attr<int64_t>("mode"));
+                                  JAXCOMM_BIND_ATTRS(moe_transport));
 
 XLA_FFI_Handler* const kMoeTransport = jaxcomm_cpu_MoeTransport;
 
@@ -280,7 +280,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_MoeTransportSend, MoeTransportSend,
                                          [](auto b) {
                                            return BindBuffers<5>(std::move(b)).template Ret<ffi::AnyBuffer>();
                                          })
-                                  .Attr<int64_t>("mode"));
+                                  JAXCOMM_BIND_ATTRS(moe_transport_send));
 
 XLA_FFI_Handler* const kMoeTransportSend = jaxcomm_cpu_MoeTransportSend;
 

@@ -128,7 +128,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_MoeRecv, MoeRecv,
                                     .RemainingArgs()
                                     .template Ret<ffi::AnyBuffer>()
                                     .template Ret<ffi::AnyBuffer>();
-                              }));
+                              }) JAXCOMM_BIND_ATTRS(moe_recv));
 
 XLA_FFI_Handler* const kMoeRecv = jaxcomm_cpu_MoeRecv;
 

@@ -28,19 +28,15 @@ namespace ffi = xla::ffi;
 
 // With N = m*R slices per rank, slice i of rank s goes to rank i / m and lands at that
 // rank's output rows [output_offsets_s[i], + send_sizes_s[i]).
-enum RaggedMode : int64_t {
-  // result = output with every received slice written (later slices, in (source, slice)
-  // order, overwrite earlier ones where they overlap).
-  kForward = 0,
-  // Transpose towards `operand`: `operand` holds the cotangent of the forward result
-  // (shaped like the forward output), `output` the accumulator shaped like the forward
-  // operand. Every forward slice adds the cotangent rows it is still visible in (not
-  // overwritten by a later slice) back to the rows it was read from.
-  kTransposeOperand = 1,
-  // Transpose towards `output`: result = output (the cotangent) with every row some forward
-  // slice wrote set to zero. `operand` is not read.
-  kZeroReceived = 2,
-};
+// The modes (core/op_table.h's RaggedMode):
+//   kForward: result = output with every received slice written (later slices, in (source,
+//   slice) order, overwrite earlier ones where they overlap).
+//   kTransposeOperand: the transpose towards `operand`: `operand` holds the cotangent of
+//   the forward result (shaped like the forward output), `output` the accumulator shaped
+//   like the forward operand. Every forward slice adds the cotangent rows it is still
+//   visible in (not overwritten by a later slice) back to the rows it was read from.
+//   kZeroReceived: the transpose towards `output`: result = output (the cotangent) with
+//   every row some forward slice wrote set to zero. `operand` is not read.
 
 int64_t Index(const void* p, int64_t item, int64_t i) {
   return item == 8 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
@@ -55,7 +51,7 @@ struct Plan {
   int64_t R = 0, m = 0, N = 0, idx_item = 4;
   int64_t src_rows = 0, dst_rows = 0, row_bytes = 0, row_elems = 0;
   xla::ffi::DataType dtype{};
-  int64_t mode = kForward;
+  RaggedMode mode = RaggedMode::kForward;
 
   // Slices of rank s, slice i (i in [0, N)).
   Slice Get(const std::vector<Peer>& peers, int64_t s, int64_t i) const {
@@ -184,7 +180,8 @@ ffi::Future RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal
   Common c{st, run, ordinal, "ragged_all_to_all", call_site, axis, timeout_ms};
   Plan p;
   p.R = group_size;
-  p.mode = mode;
+  if (std::string why = CheckRaggedMode(mode); !why.empty()) return Reject(c, why);
+  p.mode = static_cast<RaggedMode>(mode);
   p.N = static_cast<int64_t>(input_offsets.element_count());
   const ffi::AnyBuffer* idx[4] = {&input_offsets, &send_sizes, &output_offsets, &recv_sizes};
   const auto idx_type = input_offsets.element_type();
@@ -208,13 +205,13 @@ ffi::Future RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal
   p.row_elems = rows ? static_cast<int64_t>(result->element_count()) / rows : 0;
   p.row_bytes = rows ? static_cast<int64_t>(result->size_bytes()) / rows : 0;
   // The buffers must be what the attributes say, or the bounds checks would be void.
-  const int64_t expect_in = mode == kTransposeOperand ? dst_rows : src_rows;
-  const int64_t expect_out = mode == kTransposeOperand ? src_rows : dst_rows;
-  if ((mode != kZeroReceived && Rows(operand) != expect_in) || Rows(*result) != expect_out ||
+  const int64_t expect_in = p.mode == RaggedMode::kTransposeOperand ? dst_rows : src_rows;
+  const int64_t expect_out = p.mode == RaggedMode::kTransposeOperand ? src_rows : dst_rows;
+  if ((p.mode != RaggedMode::kZeroReceived && Rows(operand) != expect_in) || Rows(*result) != expect_out ||
       Rows(output) != expect_out) {
     return Reject(c, "buffer shapes disagree with the call");
   }
-  if (mode == kTransposeOperand && !ReduceSupported(p.dtype, ReduceOp::kSum)) {
+  if (p.mode == RaggedMode::kTransposeOperand && !ReduceSupported(p.dtype, ReduceOp::kSum)) {
     return Reject(c, "the transpose needs a dtype that supports addition");
   }
   // Aliasing normally makes result == output; if XLA gave a fresh buffer, start from output.
@@ -230,10 +227,9 @@ ffi::Future RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal
     ForEachOwnedRank(peers, part, parts, [&](int r) {
       if (!err.empty()) return;
       switch (p.mode) {
-        case kForward: err = RunForward(p, peers, r); break;
-        case kTransposeOperand: err = RunTransposeOperand(p, peers, r); break;
-        case kZeroReceived: err = RunZeroReceived(p, peers, r); break;
-        default: err = "ragged_all_to_all: unknown mode";
+        case RaggedMode::kForward: err = RunForward(p, peers, r); break;
+        case RaggedMode::kTransposeOperand: err = RunTransposeOperand(p, peers, r); break;
+        case RaggedMode::kZeroReceived: err = RunZeroReceived(p, peers, r); break;
       }
     });
     return err;
@@ -247,9 +243,7 @@ ffi::Future RaggedAllToAll(InstructionState* st, ffi::RunId run, int32_t ordinal
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_RaggedAllToAll, RaggedAllToAll,
                               BindCommon(ffi::Ffi::Bind(),
                                          [](auto b) { return BindBuffers<6>(std::move(b)); })
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("src_rows")
-                                  .Attr<int64_t>("dst_rows"));
+                                  JAXCOMM_BIND_ATTRS(ragged_all_to_all));
 
 XLA_FFI_Handler* const kRaggedAllToAll = jaxcomm_cpu_RaggedAllToAll;
 

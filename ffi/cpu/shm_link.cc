@@ -10,11 +10,12 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
+#include <thread>
 
 namespace jaxcomm::cpu {
 namespace {
 
-constexpr uint64_t kMagic = 0x6a6178636f6d6d32ull;  // "jaxcomm2": the layout's version
+constexpr uint64_t kMagic = 0x6a6178636f6d6d33ull;  // "jaxcomm3": the layout's version
 // Data segments grow by at least this much, so that a program of many small collectives
 // maps a handful of segments, not one per call.
 constexpr size_t kMinGeneration = size_t{64} << 20;
@@ -164,6 +165,39 @@ SlotEntry* ShmOwner::Find(uint64_t key) {
 
 char* ShmOwner::Data(const SlotEntry& slot) const {
   return generations_[slot.generation]->data() + slot.offset;
+}
+
+void ShmOwner::ShowWaits(const std::vector<WaitNotice>& notices) {
+  WaitBoard& board = block().waits;
+  const uint64_t v = board.version.load(std::memory_order_relaxed);
+  board.version.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  const size_t n = std::min<size_t>(notices.size(), kMaxWaitNotices);
+  std::memcpy(static_cast<void*>(board.notices), notices.data(), n * sizeof(WaitNotice));
+  board.count = static_cast<uint32_t>(n);
+  board.version.store(v + 2, std::memory_order_release);
+}
+
+std::vector<WaitNotice> ShmPeer::Waits() const {
+  const WaitBoard& board = block().waits;
+  std::vector<WaitNotice> out;
+  // The owner rewrites its board at most every 100 ms: a few tries always succeed.
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    const uint64_t v = board.version.load(std::memory_order_acquire);
+    if (v & 1) {
+      std::this_thread::yield();
+      continue;
+    }
+    const size_t n = std::min<size_t>(board.count, kMaxWaitNotices);
+    out.resize(n);
+    std::memcpy(static_cast<void*>(out.data()), board.notices, n * sizeof(WaitNotice));
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (board.version.load(std::memory_order_relaxed) == v) {
+      for (WaitNotice& notice : out) notice.Terminate();
+      return out;
+    }
+  }
+  return {};
 }
 
 std::unique_ptr<ShmPeer> ShmPeer::Open(int pid, int fd, size_t bytes, std::string* error) {

@@ -22,6 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/mismatch.h"
+
 namespace jaxcomm::cpu {
 
 // An owned mapping of a memfd, this process's or a peer's.
@@ -97,6 +99,15 @@ void Ring(Doorbell& bell, bool from_peer = true);
 // `awaiting_peers`: whether the peers' rings should wake it.
 void SleepOnBell(Doorbell& bell, uint32_t seen, std::chrono::microseconds timeout, bool awaiting_peers);
 
+// This process's waits that outlasted the mismatch grace period (core/mismatch.h), for
+// its peers to read. Written by its progress thread only, under a sequence lock.
+struct WaitBoard {
+  std::atomic<uint64_t> version;  // odd while being rewritten
+  uint32_t count;
+  uint32_t reserved;
+  WaitNotice notices[kMaxWaitNotices];
+};
+
 struct ControlBlock {
   uint64_t magic;
   int32_t pid;
@@ -108,6 +119,7 @@ struct ControlBlock {
   // The core (plus one; 0: none) of a thread of this process that now spins waiting for
   // its peers: a peer that spins on the same core knows they take turns on it (PeerSpin).
   alignas(64) std::atomic<int32_t> spinning_cpu;
+  alignas(64) WaitBoard waits;
   GenerationEntry generations[kMaxGenerations];
   SlotEntry slots[kMaxSlots];
   JoinRequest joins[kMaxJoinProcesses];
@@ -129,6 +141,8 @@ class ShmOwner {
   SlotEntry* Find(uint64_t key);
   // Where a slot's data lives in this process.
   char* Data(const SlotEntry& slot) const;
+  // Shows `notices` on this process's wait board (one writer: the progress thread).
+  void ShowWaits(const std::vector<WaitNotice>& notices);
 
  private:
   std::mutex mu_;
@@ -149,6 +163,8 @@ class ShmPeer {
   const SlotEntry* Find(uint64_t key);
   // The slot's data, mapping its generation on first use; nullptr and `error` on failure.
   const char* Data(const SlotEntry& slot, std::string* error);
+  // What the peer's wait board shows now.
+  std::vector<WaitNotice> Waits() const;
   // A consistent copy of the newest round published in the slot of `key`: (seq, bytes),
   // or seq 0 when there is none (the owner may be writing the next rounds meanwhile).
   std::pair<int64_t, std::vector<char>> Snapshot(uint64_t key);

@@ -24,6 +24,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Marks notice frames (TcpLink::kNoticeKey).
+constexpr uint64_t kNoticeFingerprint = 0x6a636e6f74696365ull;  // "jcnotice"
+
 struct Header {
   uint64_t key;
   int64_t seq;
@@ -385,6 +388,7 @@ void TcpLink::Fail(const std::string& why) {
     std::lock_guard<std::mutex> lock(mu_);
     if (failure_.empty()) failure_ = why;
   }
+  failed_.store(true, std::memory_order_relaxed);
   // Nothing more is read from a failed link: the peer sees it closed.
   shutdown(fd_, SHUT_RDWR);
   on_frame_();
@@ -458,6 +462,19 @@ std::string TcpLink::ReceiveOne() {
   Header h{};
   std::string err = ReadAll(fd_, &h, sizeof(h), forever, &stop_);
   if (!err.empty()) return err;
+  if (h.key == kNoticeKey) {
+    if (h.fingerprint != kNoticeFingerprint || h.bytes % sizeof(WaitNotice) != 0 ||
+        h.bytes > kMaxWaitNotices * sizeof(WaitNotice)) {
+      return "the peer sent a malformed notice frame (" + std::to_string(h.bytes) + " bytes)";
+    }
+    std::vector<WaitNotice> notices(h.bytes / sizeof(WaitNotice));
+    err = ReadAll(fd_, notices.data(), h.bytes, forever, &stop_);
+    if (!err.empty()) return err;
+    for (WaitNotice& n : notices) n.Terminate();
+    std::lock_guard<std::mutex> lock(mu_);
+    notices_ = std::move(notices);
+    return "";
+  }
   auto frame = std::make_unique<Frame>();
   frame->fingerprint = h.fingerprint;
   frame->wire_bytes = h.bytes;
@@ -506,6 +523,7 @@ std::string TcpLink::Send(uint64_t key, int64_t seq, uint64_t fingerprint,
   }
   std::lock_guard<std::mutex> lock(send_mu_);
   size_t first = 0;
+  bool wrote = false;
   while (first < iov.size()) {
     msghdr msg{};
     msg.msg_iov = iov.data() + first;
@@ -519,10 +537,16 @@ std::string TcpLink::Send(uint64_t key, int64_t seq, uint64_t fingerprint,
         return "connection closed by the peer (its process exited?; " + Errno("send") + ")";
       }
       if (errno != EAGAIN && errno != EWOULDBLOCK) return Errno("send");
-      if (Clock::now() >= deadline) return "timed out sending (the peer does not read)";
+      if (Clock::now() >= deadline) {
+        const std::string why = "timed out sending (the peer does not read)";
+        // Part of a frame went out: the next one would be read from its middle.
+        if (wrote) Fail(why + "; a frame was cut short");
+        return why;
+      }
       WaitFd(fd_, POLLOUT, std::min(deadline, Clock::now() + std::chrono::milliseconds(200)));
       continue;
     }
+    wrote = true;
     size_t left = static_cast<size_t>(w);
     while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
     if (left > 0) {
@@ -530,7 +554,32 @@ std::string TcpLink::Send(uint64_t key, int64_t seq, uint64_t fingerprint,
       iov[first].iov_len -= left;
     }
   }
+  if (key != kNoticeKey) {
+    int64_t& sent = sent_[key];
+    sent = std::max(sent, seq);
+  }
   return "";
+}
+
+int64_t TcpLink::Sent(uint64_t key) const {
+  std::lock_guard<std::mutex> lock(send_mu_);
+  auto it = sent_.find(key);
+  return it == sent_.end() ? 0 : it->second;
+}
+
+std::string TcpLink::SendNotices(const std::vector<WaitNotice>& notices, Clock::time_point deadline) {
+  int64_t number;
+  {
+    std::lock_guard<std::mutex> lock(send_mu_);
+    number = static_cast<int64_t>(++notices_sent_);
+  }
+  return Send(kNoticeKey, number, kNoticeFingerprint, {{notices.data(), notices.size() * sizeof(WaitNotice)}},
+              deadline);
+}
+
+std::vector<WaitNotice> TcpLink::Notices() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return notices_;
 }
 
 const TcpLink::Frame* TcpLink::Find(uint64_t key, int64_t seq, uint64_t fingerprint, uint64_t bytes) {

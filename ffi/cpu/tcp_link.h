@@ -24,8 +24,9 @@
 //   it waits unread); a frame of a call this process has not
 //   reached yet must fit the early-frame budget (kEarlyBytes per link, kMaxFrames
 //   frames) or wait, unread, until this process reaches that call, at most the
-//   collective timeout. A violation fails that link with an error naming the peer,
-//   never the process.
+//   collective timeout. A notice frame (TcpLink::kNoticeKey: the mismatch check's) must
+//   hold whole records, at most kMaxWaitNotices of them. A violation fails that link with
+//   an error naming the peer, never the process.
 // * No exception escapes a transport thread.
 // Not guaranteed: confidentiality or integrity against someone who can read or alter
 // the job's traffic (no encryption; the secret crosses the network in the clear).
@@ -44,8 +45,11 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include "core/mismatch.h"
 
 namespace jaxcomm::cpu {
 
@@ -138,6 +142,16 @@ class TcpLink {
   std::string Send(uint64_t key, int64_t seq, uint64_t fingerprint,
                    const std::vector<std::pair<const void*, size_t>>& parts,
                    std::chrono::steady_clock::time_point deadline);
+  // The newest round of `key` this process sent whole (0: none).
+  int64_t Sent(uint64_t key) const;
+
+  // The mismatch check (core/mismatch.h): this process's waits past the grace period
+  // travel as a notice frame (key kNoticeKey, never a call's: plan keys are not 0), which
+  // replaces what the peer showed before.
+  static constexpr uint64_t kNoticeKey = 0;
+  std::string SendNotices(const std::vector<WaitNotice>& notices, std::chrono::steady_clock::time_point deadline);
+  // What the peer's last notice frame showed (kept after the link fails).
+  std::vector<WaitNotice> Notices() const;
   // The frame of (key, seq) if it arrived (stays valid until Drop), else nullptr. States
   // what this process expects of the call's frames from this peer (its fingerprint and
   // length), which the receiver checks every later frame of `key` against.
@@ -147,6 +161,8 @@ class TcpLink {
   std::pair<int64_t, std::vector<char>> Newest(uint64_t key);
   // Why the connection is unusable ("" while it works).
   std::string failure() const;
+  // Whether it is (a relaxed load: waiting exchanges look at it often).
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
 
  private:
   struct Expected {
@@ -167,7 +183,10 @@ class TcpLink {
   int fd_;
   const TcpJob job_;
   std::function<void()> on_frame_;
-  std::mutex send_mu_;
+  mutable std::mutex send_mu_;
+  std::unordered_map<uint64_t, int64_t> sent_;  // by key: the newest round sent (under send_mu_)
+  uint64_t notices_sent_ = 0;                   // numbers the notice frames (under send_mu_)
+  std::vector<WaitNotice> notices_;             // the peer's (under mu_)
   mutable std::mutex mu_;
   std::condition_variable admit_cv_;  // an early frame waits for its call, or for room
   std::map<std::pair<uint64_t, int64_t>, std::unique_ptr<Frame>> inbox_;
@@ -180,6 +199,7 @@ class TcpLink {
   std::vector<std::vector<char>> spare_;
   size_t spare_bytes_ = 0;
   std::string failure_;
+  std::atomic<bool> failed_{false};  // failure_ is set
   std::atomic<bool> stop_{false};
   std::thread receiver_;
 };

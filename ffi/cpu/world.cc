@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -144,6 +145,10 @@ Endpoint World::Open(int64_t process, bool shared_memory, const std::string& hos
     if (!listener_) return {};
     process_ = process;
     host_ = host;
+    char name[256] = {0};
+    if (gethostname(name, sizeof(name) - 1) != 0) std::strcpy(name, "unknown");
+    self_ = "process " + std::to_string(process) + " (host " + name + " (" + tcp.listen_address + "), pid " +
+            std::to_string(getpid()) + ")";
     progress_ = std::thread([this] {
       NameThisThread("jaxcomm-prog");
       Progress();
@@ -266,6 +271,9 @@ std::string World::LinkKind(int64_t p) const {
 }
 
 void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
+  if (any_refused_.load(std::memory_order_relaxed)) {
+    if (std::string why = Refused(spec.plan->key, spec.seq); !why.empty()) return done(why, false, {});
+  }
   auto p = std::make_unique<Pending>();
   p->spec = std::move(spec);
   p->done = std::move(done);
@@ -278,6 +286,10 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
   // still noticed within milliseconds, then every kLivenessPeriod.
   const auto start = Clock::now();
   p->next_check = start + kFirstLivenessCheck;
+  p->start = start;
+  if (!p->spec.tolerant) {
+    p->grace = MismatchGrace(std::chrono::duration_cast<std::chrono::milliseconds>(p->spec.deadline - start));
+  }
   p->links.reserve(peers.size());
   for (size_t i = 0; i < peers.size(); ++i) {
     auto link = Peer(peers[i]);
@@ -353,7 +365,10 @@ class World::ShmInline final : public InlineExchange {
 
   Status Run(int64_t seq, const std::vector<std::pair<const void*, size_t>>& mine, Clock::time_point until,
              std::vector<const char*>& theirs) override {
-    if (world_.ever_excluded_.load(std::memory_order_relaxed)) return Status::kNotYet;
+    // Exchange knows what to do about a process left out, or a call refused.
+    if (world_.ever_excluded_.load(std::memory_order_relaxed) || world_.any_refused_.load(std::memory_order_relaxed)) {
+      return Status::kNotYet;
+    }
     const size_t n = links_.size();
     PeerSpin spin(world_.Block(), [this](int cpu) { return AnySpinsOn(links_, cpu); });
     int steps = 0;
@@ -531,7 +546,12 @@ bool World::Advance(Pending& p) {
       bytes = e->bytes;
       data = link.shm->Data(*e, &error);
       if (!data) {
-        p.done("reading the shared memory of " + link.Describe() + ": " + error, false, {});
+        // Its segments vanish with it: say that it exited, not which file is missing.
+        const std::string gone = ProcessGone(link.pid);
+        p.done(gone.empty() ? "reading the shared memory of " + link.Describe() + ": " + error
+                            : link.Describe() + " with " + plan.peer_desc[i] + " failed: " + gone +
+                                  " after it arrived at this call",
+               false, {});
         return true;
       }
       data += Parity(s.seq) * bytes;
@@ -573,8 +593,16 @@ bool World::Failure(Pending& p, std::string* error) {
   const auto now = Clock::now();
   const ExchangeSpec& s = p.spec;
   const ExchangePlan& plan = *s.plan;
-  if (now < p.next_check && now < s.deadline) return false;
+  // A TCP link that failed (its receiver saw the peer's connection close) is looked at
+  // at once: only the checks that cost system calls wait for their period.
+  bool link_failed = false;
+  for (size_t i = 0; i < p.links.size(); ++i) {
+    link_failed |= !p.left_out[i] && p.links[i]->tcp && p.links[i]->tcp->failed();
+  }
+  if (now < p.next_check && now < s.deadline && !link_failed) return false;
   p.next_check = now + kLivenessPeriod;
+  // Before the peers' health: a peer that found the mismatch first may have exited.
+  if (p.grace.count() > 0 && now - p.start >= p.grace && Mismatch(p, error)) return true;
   for (size_t i = 0; i < p.links.size(); ++i) {
     if (p.left_out[i]) continue;
     PeerLink& link = *p.links[i];
@@ -590,6 +618,9 @@ bool World::Failure(Pending& p, std::string* error) {
       }
       continue;
     }
+    // A peer that failed as one side of a mismatch may exit at once: the mismatch, if
+    // the other peers show it, is what this call fails of, not that exit.
+    if (p.grace.count() > 0 && Mismatch(p, error)) return true;
     *error = link.Describe() + " with " + plan.peer_desc[i] + " failed: " + gone +
              (p.blobs[i] ? " after it arrived at this call" : " before it arrived at this call");
     return true;
@@ -671,8 +702,45 @@ void World::Wake() {
   }
 }
 
+bool World::AdvanceSafely(Pending& p) {
+  // An exception escaping the progress thread would end the process: it fails the
+  // exchange instead.
+  std::string error;
+  try {
+    return Advance(p);
+  } catch (const std::exception& e) {
+    error = std::string("jaxcomm's progress thread failed on this exchange: ") + e.what();
+  } catch (...) {
+    error = "jaxcomm's progress thread failed on this exchange (unknown exception)";
+  }
+  try {
+    p.done(error, false, {});
+  } catch (...) {
+    std::fprintf(stderr, "jaxcomm: %s; reporting it failed too\n", error.c_str());
+  }
+  return true;
+}
+
 void World::Progress() {
+  // No exception may escape this thread (it would end the process): one that escapes an
+  // exchange fails that exchange (AdvanceSafely); any other is logged, and the thread
+  // goes on with the exchanges it holds.
   std::vector<std::unique_ptr<Pending>> mine;
+  int logged = 0;
+  while (!stop_.load()) {
+    try {
+      ProgressLoop(mine);
+    } catch (const std::exception& e) {
+      if (logged++ < 8) std::fprintf(stderr, "jaxcomm: the progress thread recovered from an error: %s\n", e.what());
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    } catch (...) {
+      if (logged++ < 8) std::fprintf(stderr, "jaxcomm: the progress thread recovered from an unknown error\n");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+}
+
+void World::ProgressLoop(std::vector<std::unique_ptr<Pending>>& mine) {
   auto last_progress = Clock::now();
   PeerSpin spin(Block(), [&mine](int cpu) {
     return std::any_of(mine.begin(), mine.end(), [cpu](const auto& p) { return AnySpinsOn(p->links, cpu); });
@@ -696,7 +764,7 @@ void World::Progress() {
     bool progressed = false;
     for (auto& p : mine) {
       const size_t before = p->settled;
-      if (Advance(*p)) {
+      if (AdvanceSafely(*p)) {
         p.reset();
         progressed = true;
       } else {
@@ -705,6 +773,7 @@ void World::Progress() {
     }
     mine.erase(std::remove(mine.begin(), mine.end(), nullptr), mine.end());
     const auto now = Clock::now();
+    ShowWaits(mine, now);
     if (progressed) {
       last_progress = now;
       spin.Stop();

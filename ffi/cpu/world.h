@@ -102,9 +102,28 @@ class World : public CrossProcess {
   ControlBlock* Block() const { return shm_ ? &shm_->block() : nullptr; }
   // Advances `p` as far as it goes now; true when finished (done called).
   bool Advance(Pending& p);
+  // Advance on the progress thread: an exception fails `p` instead of the process.
+  bool AdvanceSafely(Pending& p);
   // Checks the missing peers' health and the deadline (at most every 100 ms): true with
   // `error` when the exchange fails; a tolerant exchange leaves such peers out instead.
   bool Failure(Pending& p, std::string* error);
+
+  // The mismatch check (core/mismatch.h). Mismatch: true with `error` when a missing
+  // peer waits in another call for this process (its notice says so), which this
+  // process has not published; it then keeps its own notice up, failed, and refuses the
+  // peers' calls (Refused) so that they fail too.
+  bool Mismatch(Pending& p, std::string* error);
+  // The notice of `p`'s wait.
+  WaitNotice NoticeOf(const Pending& p) const;
+  // Shows this process's waits past their grace period to its peers (shared memory
+  // board, TCP notice frames) when they changed; at most every 100 ms. Progress thread.
+  void ShowWaits(const std::vector<std::unique_ptr<Pending>>& mine, std::chrono::steady_clock::time_point now);
+  // What `link`'s process shows of its waits.
+  std::vector<WaitNotice> NoticesOf(PeerLink& link) const;
+  // Whether this process published round `seq` of `key` for `link`'s process.
+  bool Published(PeerLink& link, uint64_t key, int64_t seq) const;
+  // The error of an exchange of a call this process refused after a mismatch, or "".
+  std::string Refused(uint64_t key, int64_t seq);
   // Phase 2 of a tolerant exchange: the survivors tell each other whom they heard from,
   // and keep the contributions that all of them received.
   void Agree(std::shared_ptr<const ExchangePlan> plan, int64_t seq,
@@ -137,6 +156,8 @@ class World : public CrossProcess {
   // Accepts connections that arrive while no Link() waits for one (rejoining processes).
   void AcceptLate();
   void Progress();
+  // Progress's loop, until stop_ or an exception; `mine`: the exchanges it holds.
+  void ProgressLoop(std::vector<std::unique_ptr<Pending>>& mine);
   void Wake();
 
   mutable std::mutex mu_;  // peers_, pending_, the endpoint
@@ -159,6 +180,22 @@ class World : public CrossProcess {
   std::vector<std::unique_ptr<Pending>> pending_;
   std::mutex bounce_mu_;
   std::vector<std::vector<char>> bounces_;  // Pull's spare buffers
+  // The mismatch check's state: notices of waits that failed as a mismatch, shown until
+  // `until`; calls refused, by (key, seq), with their error; what the board shows now,
+  // and the TCP peers last sent a non-empty one.
+  struct FailedNotice {
+    WaitNotice notice;
+    std::chrono::steady_clock::time_point until;
+  };
+  std::mutex mismatch_mu_;
+  std::vector<FailedNotice> failed_notices_;
+  std::map<std::pair<uint64_t, int64_t>, std::string> refused_;
+  std::atomic<bool> any_refused_{false};  // refused_ was ever not empty (a relaxed look per exchange)
+  std::vector<WaitNotice> shown_;  // progress thread
+  std::set<int64_t> told_;         // progress thread
+  std::chrono::steady_clock::time_point next_show_{};  // progress thread
+  std::atomic<bool> show_now_{false};  // a wait failed as a mismatch: show it before next_show_
+  std::string self_;  // "process 0 (host h (10.0.0.1), pid 7)", as peers describe it
   std::atomic<int> wakes_{0};
   std::atomic<bool> stop_{false};
   std::thread progress_;

@@ -51,6 +51,8 @@ struct World::Pending {
   size_t settled = 0;          // peers gathered or left out
   bool published = false;
   std::chrono::steady_clock::time_point next_check{};
+  std::chrono::steady_clock::time_point start{};
+  std::chrono::milliseconds grace{0};  // the mismatch check's (core/mismatch.h); 0: none
 };
 
 // Why process `pid` on this host is gone, or "" while it runs.

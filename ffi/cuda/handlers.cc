@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/call_attrs.h"
+#include "core/env.h"
 #include "core/moe_modes.h"
 #include "core/registry.h"
 #include "cuda/backend.h"
@@ -239,11 +240,11 @@ ffi::Error RaggedAllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal, f
   }
   if (n == 0) return Reject(c, "the number of slices must be a positive multiple of the group size");
   const auto mode = static_cast<logic::RaggedMode>(a.mode);
-  const bool transpose = mode == logic::RaggedMode::kTranspose;
+  const bool transpose = mode == logic::RaggedMode::kTransposeOperand;
   const int64_t rows = Rows(*result);
   const int64_t expect_in = transpose ? a.dst_rows : a.src_rows;
   const int64_t expect_out = transpose ? a.src_rows : a.dst_rows;
-  if ((mode != logic::RaggedMode::kZero && Rows(operand) != expect_in) || rows != expect_out ||
+  if ((mode != logic::RaggedMode::kZeroReceived && Rows(operand) != expect_in) || rows != expect_out ||
       Rows(output) != expect_out) {
     return Reject(c, "buffer shapes disagree with the call");
   }
@@ -338,11 +339,6 @@ struct CommonAttrs {
   ffi::Span<const int64_t> partition_devices;
 };
 
-bool OneRankNccl() {
-  const char* env = std::getenv("JAXCOMM_CUDA_ONE_RANK");
-  return env != nullptr && std::string_view(env) == "nccl";
-}
-
 std::string Who(std::string_view op, const CommonAttrs& a) {
   return "jaxcomm." + std::string(op) + " (CUDA) at " + std::string(a.call_site);
 }
@@ -357,18 +353,18 @@ ffi::ErrorOr<std::unique_ptr<CudaState>> MakeState(std::string_view op, const Co
   if (a.timeout_ms <= 0) {
     return ffi::Unexpected(BadAttr(op, a, "timeout_ms must be positive, got " + std::to_string(a.timeout_ms)));
   }
+  // JAXCOMM_CUDA_ONE_RANK=nccl: one-rank groups go through NCCL too (to test NCCL on one GPU).
+  std::string env_error;
+  const bool one_rank_nccl = env::Choice("JAXCOMM_CUDA_ONE_RANK", {"nccl"}, &env_error) == "nccl";
+  if (!env_error.empty()) return ffi::Unexpected(BadAttr(op, a, env_error));
   return std::make_unique<CudaState>(std::string(op), std::string(a.call_site), std::string(a.axis),
                                      std::move(*groups), Registry::Get().process_index(),
                                      std::chrono::milliseconds(a.timeout_ms), std::move(attrs),
-                                     OneRankNccl(), InstructionKey(a.call_site, a.axis, a.groups));
+                                     one_rank_nccl, InstructionKey(a.call_site, a.axis, a.groups));
 }
 
 ffi::ErrorOr<logic::ReduceOp> ReduceCode(std::string_view op, const CommonAttrs& a, int64_t code) {
-  if (!logic::IsReduceOp(code)) {
-    return ffi::Unexpected(BadAttr(op, a, "unknown reduction code " + std::to_string(code) +
-                                              " (jaxcomm/_src/ops/reduce.py's REDUCE_OPS: sum 0, "
-                                              "prod 1, min 2, max 3)"));
-  }
+  if (std::string why = CheckReduceOp(code); !why.empty()) return ffi::Unexpected(BadAttr(op, a, why));
   return static_cast<logic::ReduceOp>(code);
 }
 
@@ -454,13 +450,11 @@ ffi::ErrorOr<std::unique_ptr<CudaState>> InstBroadcast(JAXCOMM_COMMON_PARAMS, in
   return MakeState("broadcast", a, std::move(o));
 }
 
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstRagged(JAXCOMM_COMMON_PARAMS, int64_t mode, int64_t src_rows,
-                                                    int64_t dst_rows) {
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstRaggedAllToAll(JAXCOMM_COMMON_PARAMS, int64_t mode, int64_t src_rows,
+                                                            int64_t dst_rows) {
   const CommonAttrs a = JAXCOMM_COMMON_ARGS;
-  if (!logic::IsRaggedMode(mode)) {
-    return ffi::Unexpected(BadAttr("ragged_all_to_all", a, "unknown mode " + std::to_string(mode) +
-                                                               " (jaxcomm/_src/ops/ragged.py: forward 0, "
-                                                               "transpose 1, zero 2)"));
+  if (std::string why = CheckRaggedMode(mode); !why.empty()) {
+    return ffi::Unexpected(BadAttr("ragged_all_to_all", a, why));
   }
   JAXCOMM_ATTR_TRY(NonNegative("ragged_all_to_all", a, "src_rows", src_rows));
   JAXCOMM_ATTR_TRY(NonNegative("ragged_all_to_all", a, "dst_rows", dst_rows));
@@ -472,22 +466,19 @@ ffi::ErrorOr<std::unique_ptr<CudaState>> InstRagged(JAXCOMM_COMMON_PARAMS, int64
 }
 
 ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeOp(std::string_view op, const CommonAttrs& a, int64_t mode) {
-  if (!IsMoeMode(mode)) {
-    return ffi::Unexpected(BadAttr(op, a, "unknown mode " + std::to_string(mode) +
-                                              " (core/moe_modes.h: gather-copy 0, gather-scaled 1, "
-                                              "reduce 2, dot 3, gather-sparse 4, gather-dequant 5, "
-                                              "gather-dequant-sparse 6)"));
+  if (std::string why = CheckMoeMode(mode); !why.empty()) {
+    return ffi::Unexpected(BadAttr(op, a, why));
   }
   OpAttrs o;
   o.mode = mode;
   return MakeState(op, a, std::move(o));
 }
 
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoe(JAXCOMM_COMMON_PARAMS, int64_t mode) {
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeTransport(JAXCOMM_COMMON_PARAMS, int64_t mode) {
   return InstMoeOp("moe_transport", JAXCOMM_COMMON_ARGS, mode);
 }
 
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeSend(JAXCOMM_COMMON_PARAMS, int64_t mode) {
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeTransportSend(JAXCOMM_COMMON_PARAMS, int64_t mode) {
   return InstMoeOp("moe_transport_send", JAXCOMM_COMMON_ARGS, mode);
 }
 
@@ -522,32 +513,13 @@ ffi::Error Initialize(CudaState* st, int32_t ordinal) { return st->Initialize(or
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstAllReduce, InstAllReduce,
-                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("reduce_op"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstAllGather, InstAllGather,
-                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("axis_index"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstReduceScatter, InstReduceScatter,
-                              BindCallAttrs(ffi::Ffi::BindInstantiate())
-                                  .Attr<int64_t>("reduce_op")
-                                  .Attr<int64_t>("scatter_dimension"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstAllToAll, InstAllToAll,
-                              BindCallAttrs(ffi::Ffi::BindInstantiate())
-                                  .Attr<int64_t>("split_axis")
-                                  .Attr<int64_t>("concat_axis"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstPermute, InstPermute,
-                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<ffi::Span<const int64_t>>("sources"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstBroadcast, InstBroadcast,
-                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("root"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstRagged, InstRagged,
-                              BindCallAttrs(ffi::Ffi::BindInstantiate())
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("src_rows")
-                                  .Attr<int64_t>("dst_rows"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstMoe, InstMoe,
-                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("mode"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstMoeSend, InstMoeSend,
-                              BindCallAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("mode"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_InstMoeRecv, InstMoeRecv, BindCallAttrs(ffi::Ffi::BindInstantiate()));
+// Every op's instantiate stage, its attributes bound from core/op_table.h.
+#define JAXCOMM_CUDA_INSTANTIATE_(name, Handler, operands, results, backends) \
+  JAXCOMM_IF_CUDA_##backends(XLA_FFI_DEFINE_HANDLER_SYMBOL(                   \
+      jaxcomm_cuda_Inst##Handler, Inst##Handler,                            \
+      BindCallAttrs(ffi::Ffi::BindInstantiate()) JAXCOMM_BIND_ATTRS(name));)
+JAXCOMM_OPS(JAXCOMM_CUDA_INSTANTIATE_)
+#undef JAXCOMM_CUDA_INSTANTIATE_
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Initialize, Initialize,
                               ffi::Ffi::BindInitialize().Ctx<ffi::State<CudaState>>().Ctx<ffi::DeviceOrdinal>());
@@ -564,10 +536,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Permute, Permute,
                               Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Broadcast, Broadcast,
                               Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Ragged, RaggedAllToAll, Buffers<6>(Exec(ffi::Ffi::Bind())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Moe, Moe,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_RaggedAllToAll, RaggedAllToAll, Buffers<6>(Exec(ffi::Ffi::Bind())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_MoeTransport, Moe,
                               Buffers<5>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_MoeSend, MoeSend,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_MoeTransportSend, MoeSend,
                               Buffers<5>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>())
                                   .Ret<ffi::AnyBuffer>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_MoeRecv, MoeRecv,
@@ -586,27 +558,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Fp8Quantize, Fp8Quantize,
                                   .Ret<ffi::AnyBuffer>());
 
 const LocalTarget* LocalTargets() {
+#define JAXCOMM_CUDA_LOCAL_(name, Handler, operands, results, backends) \
+  JAXCOMM_IF_CUDA_##backends({#name, jaxcomm_cuda_##Handler},)
   static const LocalTarget kTargets[] = {
-      {"moe_fp8_quantize", jaxcomm_cuda_Fp8Quantize},
+      JAXCOMM_LOCAL_OPS(JAXCOMM_CUDA_LOCAL_)
       {nullptr, nullptr},
   };
+#undef JAXCOMM_CUDA_LOCAL_
   return kTargets;
 }
 
 const Stages* AllStages() {
+#define JAXCOMM_CUDA_STAGES_(name, Handler, operands, results, backends) \
+  JAXCOMM_IF_CUDA_##backends({#name, jaxcomm_cuda_Inst##Handler, jaxcomm_cuda_Initialize, jaxcomm_cuda_##Handler},)
   static const Stages kStages[] = {
-      {"all_reduce", jaxcomm_cuda_InstAllReduce, jaxcomm_cuda_Initialize, jaxcomm_cuda_AllReduce},
-      {"all_gather", jaxcomm_cuda_InstAllGather, jaxcomm_cuda_Initialize, jaxcomm_cuda_AllGather},
-      {"reduce_scatter", jaxcomm_cuda_InstReduceScatter, jaxcomm_cuda_Initialize, jaxcomm_cuda_ReduceScatter},
-      {"all_to_all", jaxcomm_cuda_InstAllToAll, jaxcomm_cuda_Initialize, jaxcomm_cuda_AllToAll},
-      {"ppermute", jaxcomm_cuda_InstPermute, jaxcomm_cuda_Initialize, jaxcomm_cuda_Permute},
-      {"broadcast", jaxcomm_cuda_InstBroadcast, jaxcomm_cuda_Initialize, jaxcomm_cuda_Broadcast},
-      {"ragged_all_to_all", jaxcomm_cuda_InstRagged, jaxcomm_cuda_Initialize, jaxcomm_cuda_Ragged},
-      {"moe_transport", jaxcomm_cuda_InstMoe, jaxcomm_cuda_Initialize, jaxcomm_cuda_Moe},
-      {"moe_transport_send", jaxcomm_cuda_InstMoeSend, jaxcomm_cuda_Initialize, jaxcomm_cuda_MoeSend},
-      {"moe_recv", jaxcomm_cuda_InstMoeRecv, jaxcomm_cuda_Initialize, jaxcomm_cuda_MoeRecv},
+      JAXCOMM_OPS(JAXCOMM_CUDA_STAGES_)
       {nullptr, nullptr, nullptr, nullptr},
   };
+#undef JAXCOMM_CUDA_STAGES_
   return kStages;
 }
 

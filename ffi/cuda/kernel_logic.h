@@ -9,18 +9,16 @@
 #include <cstdint>
 
 #include "core/number_formats.h"  // JAXCOMM_HD, and the conversions the kernels share with the host's
+#include "core/op_table.h"
 
 namespace jaxcomm::cuda::logic {
 
 // ----------------------------------------------------------------------------- codes
 
-// jaxcomm/_src/ops/reduce.py's REDUCE_OPS. Any other code is an error (attrs.cc).
-enum class ReduceOp : int { kSum = 0, kProd = 1, kMin = 2, kMax = 3 };
-constexpr bool IsReduceOp(int64_t code) { return code >= 0 && code <= 3; }
-// jaxcomm/_src/ops/ragged.py's modes: forward, transpose towards the operand, and the
-// zeroing of the rows a forward call writes (the transpose towards `output`).
-enum class RaggedMode : int { kForward = 0, kTranspose = 1, kZero = 2 };
-constexpr bool IsRaggedMode(int64_t code) { return code >= 0 && code <= 2; }
+// The op table's reduction codes and ragged_all_to_all modes (core/op_table.h); the
+// handlers reject any other code when they instantiate.
+using ::jaxcomm::RaggedMode;
+using ::jaxcomm::ReduceOp;
 
 // --------------------------------------------------------------------------- routing
 //

@@ -223,12 +223,12 @@ std::vector<float> RaggedOnHost(int mode, const std::vector<float>& operand, con
     }
   }
   const auto mode_ = static_cast<RaggedMode>(mode);
-  if (mode_ == RaggedMode::kForward || mode_ == RaggedMode::kZero) {  // RaggedForwardKernel
+  if (mode_ == RaggedMode::kForward || mode_ == RaggedMode::kZeroReceived) {  // RaggedForwardKernel
     for (int64_t j = 0; j < dst_rows; ++j) {
       const int64_t i = LastCover(ss, oo, n, j);
       if (i < 0) continue;
       for (int64_t e = 0; e < row_elems; ++e) {
-        result[j * row_elems + e] = mode_ == RaggedMode::kZero ? 0.f : operand[SourceRow(io, oo, i, j) * row_elems + e];
+        result[j * row_elems + e] = mode_ == RaggedMode::kZeroReceived ? 0.f : operand[SourceRow(io, oo, i, j) * row_elems + e];
       }
     }
     return result;

@@ -31,6 +31,7 @@ import numpy as np
 import jax
 
 from jaxcomm import _jaxcomm
+from jaxcomm._src import config, runtime
 
 log = logging.getLogger("jaxcomm")
 
@@ -73,7 +74,7 @@ def nccl_library_path() -> str | None:
     Found without importing the package (the ``nvidia`` namespace package has no code).
     ``JAXCOMM_NCCL_LIBRARY`` names a library to use instead.
     """
-    override = os.environ.get("JAXCOMM_NCCL_LIBRARY")
+    override = config.nccl_library()
     if override:
         return override
     try:
@@ -93,7 +94,7 @@ def nccl_library_path() -> str | None:
 def one_rank_nccl() -> bool:
     """JAXCOMM_CUDA_ONE_RANK=nccl: one-rank groups go through NCCL too (to test NCCL on one
     GPU); the C++ handlers read the same variable when a program is instantiated."""
-    return os.environ.get("JAXCOMM_CUDA_ONE_RANK", "") == "nccl"
+    return config.cuda_one_rank_nccl()
 
 
 def serves(op: str, group_size: int | None) -> bool:
@@ -129,11 +130,6 @@ def group_key(group: Sequence[int], partition_devices: np.ndarray) -> str:
     return "nccl:" + ",".join(f"{int(pd[p, 0])}/{int(pd[p, 1])}" for p in group)
 
 
-def _mark_batch_partitionable(name: str) -> None:
-    from jaxcomm._src import runtime  # late: runtime imports this module
-    runtime.mark_batch_partitionable(name)
-
-
 @functools.cache
 def ensure_registered() -> None:
     """Registers the CUDA handlers and their state type with XLA's CUDA backend, once.
@@ -146,7 +142,7 @@ def ensure_registered() -> None:
     """
     if not available():
         raise RuntimeError("jaxcomm: the CUDA handlers need a build with JAXCOMM_CUDA and a GPU backend")
-    from jaxcomm._src import runtime  # late: runtime imports this module
+    runtime.check_configuration()
     path = nccl_library_path()
     if path:
         _jaxcomm.cuda_set_nccl_path(path)
@@ -155,10 +151,10 @@ def ensure_registered() -> None:
     for op, stages in _jaxcomm.cuda_targets().items():
         name = runtime.target_name(op)
         jax.ffi.register_ffi_target(name, stages, platform="CUDA")
-        _mark_batch_partitionable(name)
-    # Kernels outside any group (an execute stage alone): called inside shard_map or on
-    # one shard's rows, never partitioned by XLA.
-    for op, stages in getattr(_jaxcomm, "cuda_local_targets", dict)().items():
+        runtime.mark_batch_partitionable(name)
+    # Kernels outside any group (the op table's local ops, an execute stage alone): called
+    # inside shard_map or on one shard's rows, never partitioned by XLA.
+    for op, stages in _jaxcomm.cuda_local_targets().items():
         jax.ffi.register_ffi_target(runtime.target_name(op), stages, platform="CUDA")
     _jaxcomm.set_process_index(jax.process_index())
 
@@ -231,7 +227,6 @@ def process_info(processes: Iterable[int], timeout_ms: int) -> dict[int, dict[st
 def _one_gpu_per_process_on_one_host() -> bool:
     """Whether every process of the job runs on this host with one GPU (where the MoE
     transport's own kernels reach every peer through CUDA IPC)."""
-    from jaxcomm._src import config
     infos = process_info(range(jax.process_count()), config.timeout_ms())
     hosts = {info["host"] for info in infos.values()}
     return len(hosts) == 1 and all(len(info["devices"]) == 1 for info in infos.values())

@@ -1,47 +1,12 @@
 """Joining a multi-process job: ``jaxcomm.init()`` and what the transports may rely on.
 
-A process started by ``python -m jaxcomm.launch`` finds its place in the job in these
-environment variables (the launcher sets all of them; the names are the contract between
-the launcher, :func:`init` and the multi-process transports):
-
-=========================  ==================================================================
-variable                   meaning
-=========================  ==================================================================
-JAXCOMM_COORDINATOR        ``host:port`` of the jax.distributed coordination service
-JAXCOMM_COORDINATION_SERVICE
-                           ``external``: the service runs outside the workers (the
-                           launcher's own process, :mod:`jaxcomm.launch.coordinator`),
-                           so process 0 does not start one and may die like any other;
-                           unset: process 0 starts it, as JAX does
-JAXCOMM_NUM_PROCESSES      processes in the job
-JAXCOMM_PROCESS_ID         this process's index, 0 .. JAXCOMM_NUM_PROCESSES-1
-                           (= ``jax.process_index()`` after :func:`init`)
-JAXCOMM_LOCAL_DEVICES      CPU devices per process (the launcher also puts it into
-                           ``XLA_FLAGS`` as ``--xla_force_host_platform_device_count``)
-JAXCOMM_JOB_ID             identifies the job: letters and digits only. Shared-memory
-                           segments are named ``jaxcomm-<job id>-...`` (see
-                           :func:`shm_prefix`); the launcher removes any left over
-JAXCOMM_LAUNCHER_PID       the launcher's pid; :func:`init` asks Linux to terminate the
-                           process when its parent (the launcher) dies
-JAXCOMM_JOB_SECRET         64 hex digits drawn by the launcher: a TCP connection to a
-                           jaxcomm process proves it belongs to the job with it (see
-                           :func:`job_secret`; without the launcher, agreed through the
-                           key-value store)
-=========================  ==================================================================
-
-Settings :func:`init` reads (keyword arguments take precedence):
-
-=============================  =========  ====================================================
-variable                       default    meaning
-=============================  =========  ====================================================
-JAXCOMM_INIT_TIMEOUT_S         60         how long to wait for all processes to join
-JAXCOMM_HEARTBEAT_TIMEOUT_S    10         after this long without a heartbeat, JAX's
-                                          coordination service declares a process dead and
-                                          aborts all the others (SIGABRT)
-JAXCOMM_SHUTDOWN_TIMEOUT_S     60         how long an exiting process waits in JAX's
-                                          shutdown barrier for the others to exit too; when
-                                          it expires JAX aborts every process of the job
-=============================  =========  ====================================================
+A process started by ``python -m jaxcomm.launch`` finds its place in the job in the
+variables of the launch contract (``JAXCOMM_COORDINATOR``, ``JAXCOMM_NUM_PROCESSES``,
+``JAXCOMM_PROCESS_ID``, ...; the names are the contract between the launcher, :func:`init`
+and the multi-process transports), and :func:`init` reads ``JAXCOMM_INIT_TIMEOUT_S``,
+``JAXCOMM_HEARTBEAT_TIMEOUT_S`` and ``JAXCOMM_SHUTDOWN_TIMEOUT_S`` (keyword arguments take
+precedence). All are in jaxcomm's configuration registry (jaxcomm/_src/config.py;
+docs/configuration.md lists them).
 
 How processes of a jax.distributed job end (jax 0.10.2, checked): at exit each process
 waits in a shutdown barrier until all have reached it. A process that dies (crash,
@@ -78,6 +43,8 @@ import signal
 import sys
 from typing import Any, Iterator
 
+from jaxcomm._src import config
+
 log = logging.getLogger("jaxcomm")
 
 ENV_COORDINATOR = "JAXCOMM_COORDINATOR"
@@ -109,16 +76,15 @@ _SECRET_RE = re.compile(r"^[0-9a-f]{64}$")
 _JOB_ID_KEY = "jaxcomm/job_id"
 _SECRET_KEY = "jaxcomm/job_secret"
 
-_DEFAULT_INIT_TIMEOUT_S = 60
-# JAX aborts every surviving process once the coordination service has missed a dead
-# process's heartbeats for this long; it must exceed the time jaxcomm's transports need to
-# notice the dead peer and raise their own, more precise error (a few seconds).
-_DEFAULT_HEARTBEAT_TIMEOUT_S = 10
-# A dead peer is caught by the heartbeat timeout, so this only bounds the wait for live
-# peers that have not finished: ranks legitimately finish apart (process 0 writing a
-# checkpoint), and expiry aborts the whole job, so it cannot be seconds; JAX's 300 s
-# holds a process behind a hung peer for five minutes.
-_DEFAULT_SHUTDOWN_TIMEOUT_S = 60
+# The defaults of the start-up timeouts (config.py's registry holds them):
+# JAXCOMM_HEARTBEAT_TIMEOUT_S (10 s): JAX aborts every surviving process once the
+# coordination service has missed a dead process's heartbeats for this long; it must exceed
+# the time jaxcomm's transports need to notice the dead peer and raise their own, more
+# precise error (a few seconds).
+# JAXCOMM_SHUTDOWN_TIMEOUT_S (60 s): a dead peer is caught by the heartbeat timeout, so this
+# only bounds the wait for live peers that have not finished: ranks legitimately finish
+# apart (process 0 writing a checkpoint), and expiry aborts the whole job, so it cannot be
+# seconds; JAX's 300 s holds a process behind a hung peer for five minutes.
 
 
 def is_valid_job_id(job_id: str) -> bool:
@@ -161,18 +127,9 @@ def _env_int(name: str, env: dict[str, str] | os._Environ) -> int:
                          f"python -m jaxcomm.launch; was the environment edited?)") from None
 
 
-def _env_seconds(name: str, default: int, env: dict[str, str] | None = None) -> int:
-    raw = (os.environ if env is None else env).get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {raw!r}")
-    # jax.distributed takes whole seconds; round up so 0.5 does not become 0 (= no limit).
-    return max(1, int(-(-value // 1)))
+def _env_seconds(name: str, env: dict[str, str] | None = None) -> int:
+    """Timeout variable ``name`` in whole seconds (jax.distributed's unit), validated."""
+    return config.seconds(name, env)
 
 
 def launch_spec(env: dict[str, str] | None = None) -> dict[str, Any] | None:
@@ -371,11 +328,12 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
         process could then only see its own devices); or an MPI job JAX cannot join.
       ValueError: the launcher's variables are inconsistent.
 
-    Example::
+    Example (first thing in a script; under ``python -m jaxcomm.launch -n 2`` it returns True)::
 
-        import jax, jaxcomm
-        jaxcomm.init()                      # first, before any JAX computation
-        mesh = jax.make_mesh((jax.device_count(),), ("x",))   # spans all processes
+        >>> import jax, jaxcomm
+        >>> jaxcomm.init()                      # run alone: nothing to join
+        False
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))   # spans all processes
     """
     import jax
 
@@ -395,22 +353,22 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
             + " but its backend already exists, so it could only see its own devices")
     timeouts = dict(
         initialization_timeout=(int(-(-timeout_s // 1)) if timeout_s is not None else
-                                _env_seconds("JAXCOMM_INIT_TIMEOUT_S", _DEFAULT_INIT_TIMEOUT_S)),
+                                _env_seconds("JAXCOMM_INIT_TIMEOUT_S")),
         heartbeat_timeout_seconds=(
             max(1, int(-(-heartbeat_timeout_s // 1))) if heartbeat_timeout_s is not None else
-            _env_seconds("JAXCOMM_HEARTBEAT_TIMEOUT_S", _DEFAULT_HEARTBEAT_TIMEOUT_S)),
+            _env_seconds("JAXCOMM_HEARTBEAT_TIMEOUT_S")),
         shutdown_timeout_seconds=(
             max(1, int(-(-shutdown_timeout_s // 1))) if shutdown_timeout_s is not None else
-            _env_seconds("JAXCOMM_SHUTDOWN_TIMEOUT_S", _DEFAULT_SHUTDOWN_TIMEOUT_S)),
+            _env_seconds("JAXCOMM_SHUTDOWN_TIMEOUT_S")),
     )
     _use_gloo()
     if spec is not None:
-        _set_parent_death_signal(os.environ.get(ENV_LAUNCHER_PID))
+        _set_parent_death_signal(config.raw(ENV_LAUNCHER_PID) or None)
         # JAX's preemption service catches SIGTERM to let a job checkpoint before a
         # scheduler stops it; from the launcher, SIGTERM means "stop now" (it follows a
         # failure elsewhere), and caught, it only delays the SIGKILL that follows.
         jax.config.update("jax_enable_preemption_service", False)
-        if os.environ.get(ENV_KEEP_GOING) == "1":
+        if config.get(ENV_KEEP_GOING):
             # Survivors of a dead process keep running (jaxcomm.ft); JAX's coordination
             # service would otherwise abort them at its heartbeat timeout. (This only
             # matters where process 0 hosts the service; the launcher's own service is
@@ -425,9 +383,7 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
     else:
         kwargs = _initialize_kwargs(
             cluster_detection_method=cluster if cluster == "mpi4py" else None, **timeouts)
-    external = os.environ.get(ENV_SERVICE, "").strip().lower()
-    if external not in ("", "external"):
-        raise ValueError(f"{ENV_SERVICE} must be 'external' or unset, got {external!r}")
+    external = config.get(ENV_SERVICE) or ""
     try:
         with _no_service_in_this_process(external == "external"):
             jax.distributed.initialize(**kwargs)
@@ -560,7 +516,7 @@ def _ensure_job_id(timeout_s: float = 60.0) -> str:
     first, so it works whichever process calls this first or last.
     """
     global _job_id
-    given = os.environ.get(ENV_JOB_ID)
+    given = config.raw(ENV_JOB_ID)
     if given:
         _job_id = given
         return given
@@ -605,7 +561,7 @@ def job_secret(timeout_s: float = 60.0) -> bytes:
     global _job_secret
     if _job_secret is not None:
         return _job_secret
-    given = os.environ.get(ENV_SECRET, "").strip().lower()
+    given = config.raw(ENV_SECRET).lower()
     if given:
         if not _SECRET_RE.match(given):
             raise ValueError(f"{ENV_SECRET} must be 64 hex digits (set by python -m "

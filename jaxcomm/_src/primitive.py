@@ -19,7 +19,8 @@ import jax
 from jax._src import core
 from jax._src.interpreters import batching, mlir
 
-from jaxcomm._src import compat, groups, partitioning, runtime, transport
+from jaxcomm._src import backends, compat, groups, partitioning, runtime
+from jaxcomm._src.ops import table
 
 # Params every collective primitive carries, besides the op's own. ``axis_index_groups``
 # (None, or groups.IndexGroups) may be absent where a primitive's params are built by hand.
@@ -42,28 +43,44 @@ class CollectiveSpec:
 
     Attributes:
       name: the primitive's name is ``jaxcomm_<name>``.
-      out_shape: the result shape from the operand shape, the group size and the params.
-      invariant_result: True when the result is the same on every member of the group
-        (all_reduce, broadcast): its type drops the group's axes from the varying set. A
+      invariant_result: True when the results are the same on every member of the group
+        (all_reduce, broadcast): their type drops the group's axes from the varying set. A
         function of the op's params where that depends on them.
-      ffi_attrs: the op's own handler attributes, from the params.
-      shift_axes: the params after a batch dimension is inserted in front (vmap).
-      aliases: whether the result reuses the operand's buffer when the operand is at most
-        ``ALIAS_MAX_BYTES`` (see there).
+      ffi_attrs: the op's own handler attributes, from the params, the operands' avals
+        (``avals_in``; ``x_aval`` is the first) and ``group_size``.
+      out_shape: one operand, one result: the result shape from the operand shape, the
+        group size and the params.
+      out_avals: several operands or results, instead of ``out_shape``: the results'
+        avals (shape, dtype) from the operands' avals, ``group_size`` and the params.
+      multiple_results: the primitive returns a list (as out_avals gives it).
+      shift_axes: the params after a batch dimension is inserted in front (vmap; one
+        operand).
+      batcher: the op's own vmap rule (a fancy batching rule); the default (one operand)
+        moves the batch dimension in front and binds with shift_axes's params.
+      aliases: True: the result reuses the operand's buffer when the operand is at most
+        ``ALIAS_MAX_BYTES`` (see there); a dict: {operand: result} always.
       batch_dims: how many leading dimensions XLA may split over auto mesh axes (in a
-        partially manual shard_map): those the op treats independently.
-      handler: the op whose FFI handler it lowers to (target ``jaxcomm_<handler>``);
-        default ``name``. Two primitives may share a handler and differ in typing.
+        partially manual shard_map): those the op treats independently; None: none.
+      handler: the op whose FFI handler it lowers to (the op table's entry); default
+        ``name``. Two primitives may share a handler and differ in typing.
+      public_name: the name in messages (``jaxcomm.<public_name>``); default ``name``.
+
+    Every spec's primitive lowers on the platforms of the backends the op table lists for
+    its handler (ffi/core/op_table.h).
     """
 
     name: str
-    out_shape: Callable[..., tuple[int, ...]]
     invariant_result: bool | Callable[..., bool]
     ffi_attrs: Callable[..., dict[str, Any]]
+    out_shape: Callable[..., tuple[int, ...]] | None = None
+    out_avals: Callable[..., Sequence[core.ShapedArray]] | None = None
+    multiple_results: bool = False
     shift_axes: Callable[[dict[str, Any]], dict[str, Any]] = lambda params: params
-    aliases: bool = False
-    batch_dims: Callable[..., int] = lambda ndim, **_: ndim
+    batcher: Callable[..., Any] | None = None
+    aliases: bool | dict[int, int] = False
+    batch_dims: Callable[..., int] | None = lambda ndim, **_: ndim
     handler: str = ""
+    public_name: str = ""
 
 
 def _outside_shard_map(name: str) -> Callable[..., Any]:
@@ -75,36 +92,43 @@ def _outside_shard_map(name: str) -> Callable[..., Any]:
 def define(spec: CollectiveSpec) -> core.Primitive:
     """Creates and registers the primitive described by ``spec``."""
     prim = core.Primitive(f"jaxcomm_{spec.name}")
-    prim.def_impl(_outside_shard_map(spec.name))
+    prim.multiple_results = spec.multiple_results
+    prim.def_impl(_outside_shard_map(spec.public_name or spec.name))
 
-    def abstract_eval(x: core.ShapedArray, **params: Any):
+    def abstract_eval(*avals: core.ShapedArray, **params: Any):
         axes = params["axes"]
         size = groups.group_size(axes, params.get("axis_index_groups"))
-        shape = spec.out_shape(x.shape, size, **_own(params))
-        out = x.update(shape=tuple(shape), weak_type=False)
+        if spec.out_avals is None:
+            (x,) = avals
+            outs = [x.update(shape=tuple(spec.out_shape(x.shape, size, **_own(params))), weak_type=False)]
+        else:
+            outs = [o.update(weak_type=False) for o in spec.out_avals(*avals, group_size=size, **_own(params))]
         if params["vma_checked"]:
-            # Over its axes the result is invariant (the same on every member) or varying;
+            # Over its axes a result is invariant (the same on every member) or varying;
             # an operand unreduced there (partial sums) is summed, so the result is not.
             invariant = spec.invariant_result
             if callable(invariant):
                 invariant = invariant(**_own(params))
-            varying = compat.vma(x) - frozenset(axes) if invariant else compat.vma(x) | frozenset(axes)
-            out = compat.with_vma(compat.without_unreduced(out, axes), varying)
-        return out, {compat.NamedAxisEffect(a) for a in axes}
+            vma = frozenset().union(*(compat.vma(a) for a in avals))
+            varying = vma - frozenset(axes) if invariant else vma | frozenset(axes)
+            outs = [compat.with_vma(compat.without_unreduced(o, axes), varying) for o in outs]
+        return (outs if spec.multiple_results else outs[0]), {compat.NamedAxisEffect(a) for a in axes}
 
     prim.def_effectful_abstract_eval(abstract_eval)
-    register_lowerings(prim, _ffi_lowering(spec))
-    batching.fancy_primitive_batchers[prim] = _batcher(spec, prim)
+    register_lowerings(prim, _ffi_lowering(spec), table.op(spec.handler or spec.name).backends)
+    batching.fancy_primitive_batchers[prim] = spec.batcher or _batcher(spec, prim)
     return prim
 
 
-def register_lowerings(prim: core.Primitive, lowering: Callable[..., Any]) -> None:
-    """Lowers ``prim`` to jaxcomm's custom call on every platform jaxcomm has handlers for.
+def register_lowerings(prim: core.Primitive, lowering: Callable[..., Any],
+                       served_by: Sequence[str] | None = None) -> None:
+    """Lowers ``prim`` to jaxcomm's custom call on the platform of every backend in
+    ``served_by`` (default: every backend).
 
-    The CUDA lowering is registered unconditionally: where the CUDA handlers are absent,
+    Registered whether or not the backend is available here: where it is not,
     ``ops.common.use_xla`` routes the op to jax.lax before the primitive is ever bound.
     """
-    for platform in ("cpu", "cuda"):
+    for platform in backends.lowering_platforms(served_by):
         mlir.register_lowering(prim, lowering, platform=platform)
 
 
@@ -123,29 +147,24 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
     finds its rank from its device ordinal. See ffi/cpu/launch.h for the C++ side.
 
     In a shard_map that is manual over only some mesh axes, XLA partitions the call over
-    the other (auto) axes along its first ``batch_dims`` dimensions (see DESIGN.md).
+    the other (auto) axes along its first ``batch_dims`` dimensions (see docs/design.md,
+    "Partially manual shard_map").
     """
-    platforms = tuple(ctx.module_context.platforms)
-    runtime.ensure_registered_for(platforms)
+    entry = table.check_attrs(op, len(operands), attrs)
+    serving = [backends.for_platform(p) for p in ctx.module_context.platforms]
+    for backend in serving:
+        backend.register()
     axis_context = ctx.module_context.axis_context
     axes = params["axes"]
     replica_groups = groups.replica_groups(axis_context, axes, params.get("axis_index_groups"))
-    if "cpu" in platforms:
-        peers = groups.peer_processes(axis_context, replica_groups)
-        if peers:
-            transport.ensure_linked(peers)
-    partition_devices = groups.partition_devices(axis_context, platforms[0])
-    if "cuda" in platforms:
-        # The groups' routes across processes, and every partition's local ordinal as all
-        # processes name it (ffi/cuda/routes.h).
-        from jaxcomm._src import cuda_runtime
-        cuda_devices = cuda_runtime.prepare_lowering(op, replica_groups, axis_context, params["timeout_ms"])
-        if platforms[0] == "cuda":
-            partition_devices = cuda_devices
+    # Each backend readies the groups (links, ids) and numbers the partitions' devices
+    # as its handlers do; the call carries the first platform's numbering.
+    partition_devices = [b.prepare_lowering(op, replica_groups, axis_context, params["timeout_ms"])
+                         for b in serving][0]
     extra = None
     if batch_dims is not None and groups.is_partially_manual(axis_context):
         extra = partitioning.batch_partitioning_attributes(ctx, batch_dims)
-    lower = jax.ffi.ffi_lowering(runtime.target_name(op), operand_output_aliases=aliases,
+    lower = jax.ffi.ffi_lowering(runtime.target_name(entry.name), operand_output_aliases=aliases,
                                  extra_attributes=extra)
     return lower(
         ctx, *operands,
@@ -160,15 +179,19 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
 
 
 def _ffi_lowering(spec: CollectiveSpec) -> Callable[..., Any]:
-    def lowering(ctx: mlir.LoweringRuleContext, x: Any, **params: Any) -> Any:
+    def lowering(ctx: mlir.LoweringRuleContext, *args: Any, **params: Any) -> Any:
         size = len(groups.replica_groups(ctx.module_context.axis_context, params["axes"],
                                          params.get("axis_index_groups"))[0])
         x_aval = ctx.avals_in[0]
-        attrs = spec.ffi_attrs(x_aval=x_aval, group_size=size, **_own(params))
-        in_place = spec.aliases and x_aval.size * x_aval.dtype.itemsize <= ALIAS_MAX_BYTES
-        return lower_collective(ctx, spec.handler or spec.name, [x], params, attrs,
-                                aliases={0: 0} if in_place else None,
-                                batch_dims=spec.batch_dims(ctx.avals_in[0].ndim, **_own(params)))
+        attrs = spec.ffi_attrs(x_aval=x_aval, avals_in=ctx.avals_in, group_size=size, **_own(params))
+        if isinstance(spec.aliases, dict):
+            aliases = spec.aliases
+        else:
+            in_place = spec.aliases and x_aval.size * x_aval.dtype.itemsize <= ALIAS_MAX_BYTES
+            aliases = {0: 0} if in_place else None
+        batch_dims = None if spec.batch_dims is None else spec.batch_dims(x_aval.ndim, **_own(params))
+        return lower_collective(ctx, spec.handler or spec.name, list(args), params, attrs,
+                                aliases=aliases, batch_dims=batch_dims)
     return lowering
 
 

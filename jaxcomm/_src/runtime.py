@@ -24,25 +24,35 @@ PLATFORMS = ("cpu",)
 
 def served_platforms() -> tuple[str, ...]:
     """``jax.default_backend()`` names that jaxcomm's own handlers serve in this process."""
-    from jaxcomm._src import cuda_runtime
-    return PLATFORMS + (("gpu",) if cuda_runtime.available() else ())
+    from jaxcomm._src import backends  # late: the backends register through this module
+    return backends.served_platforms()
 
 
 def target_name(op: str) -> str:
-    return f"jaxcomm_{op}"
+    """Op ``op``'s FFI target (the op table's)."""
+    from jaxcomm._src.ops import table
+    return table.op(op).target
 
 
 @functools.cache
 def ensure_registered() -> None:
-    """Registers every handler and the rendezvous state type with XLA:CPU."""
-    config.nontemporal_bytes()  # a malformed value fails here, not silently in C++
-    config.single_copy()
+    """Registers the host backend's handlers (every op of the table) and the rendezvous
+    state type with XLA:CPU (backends/cpu.py's registration)."""
+    check_configuration()
+    _jaxcomm.set_mismatch_grace_ms(int(round(config.mismatch_grace_s() * 1000)))
     jax.devices("cpu")  # the FFI type registry lives in the CPU client
     jax.ffi.register_ffi_type("jaxcomm_instruction_state", _jaxcomm.state_type(), platform="cpu")
     for op, stages in _jaxcomm.cpu_targets().items():
         jax.ffi.register_ffi_target(target_name(op), stages, platform="cpu")
         mark_batch_partitionable(target_name(op))
     _jaxcomm.set_process_index(jax.process_index())
+
+
+def check_configuration() -> None:
+    """Raises the first malformed variable the C++ runtime read at start (its error names
+    it), or one Python reads at start: before any handler runs with a default instead."""
+    config.raise_native_errors(list(_jaxcomm.config_errors()))
+    config.validate(config.AT_START)
 
 
 @functools.cache
@@ -53,13 +63,10 @@ def mark_batch_partitionable(name: str) -> None:
 
 
 def ensure_registered_for(platforms: tuple[str, ...]) -> None:
-    """Registers the handlers of every lowering platform (``"cpu"``, ``"cuda"``)."""
+    """Registers the handlers of every lowering platform's backend."""
+    from jaxcomm._src import backends  # late: the backends register through this module
     for platform in platforms:
-        if platform == "cpu":
-            ensure_registered()
-        elif platform == "cuda":
-            from jaxcomm._src import cuda_runtime
-            cuda_runtime.ensure_registered()
+        backends.for_platform(platform).register()
 
 
 @functools.cache

@@ -104,10 +104,19 @@ def stats(reset: bool = False) -> list[OpStats]:
     or ``jaxcomm.trace.set_enabled(False)``). ``reset=True`` returns the counters and
     zeroes them.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        for s in jaxcomm.stats():
-            print(s.op, s.group, s.calls, f"{s.mean_us:.1f} us", f"{s.busbw_gbps:.2f} GB/s")
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+        >>> f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x"), mesh=mesh,
+        ...                           in_specs=P("x"), out_specs=P()))
+        >>> _ = jaxcomm.stats(reset=True)         # start counting from here
+        >>> _ = jax.block_until_ready(f(x))
+        >>> [(s.op, s.group, s.calls) for s in jaxcomm.stats()]
+        [('all_reduce', (0, 1, 2, 3, 4, 5, 6, 7), 1)]
     """
     out = _aggregate(_jaxcomm.trace_stats())
     if reset:

@@ -42,7 +42,7 @@ def host_identity() -> str:
     ``JAXCOMM_HOST_ID`` replaces it: processes of one machine given different ids link
     through TCP as if on different hosts (how the tests exercise multi-host algorithms).
     """
-    override = os.environ.get("JAXCOMM_HOST_ID")
+    override = config.host_id()
     if override:
         return override
     parts = [socket.gethostname()]

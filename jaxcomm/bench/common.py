@@ -67,6 +67,12 @@ def format_bytes(n: int) -> str:
     return f"{n}B"
 
 
+def short_error(exc: BaseException, limit: int = 400) -> str:
+    """An exception as one bounded line for a table footnote."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 # --------------------------------------------------------------------------- process setup
 
 def set_host_device_count(n: int) -> None:

@@ -164,13 +164,21 @@ def overhead(rounds: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--deadline", type=float, default=5.0, help="the loop's timeout_s")
-    p.add_argument("--transport", choices=("auto", "tcp"), default="auto")
-    p.add_argument("--overhead-rounds", type=int, default=15)
-    p.add_argument("--skip-detection", action="store_true")
-    p.add_argument("--skip-overhead", action="store_true")
+    p = argparse.ArgumentParser(prog="python -m jaxcomm.bench.faults", description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs per fault (the table gives their median, min and max) (default %(default)s)")
+    p.add_argument("--deadline", type=float, default=5.0, metavar="SECONDS",
+                   help="the looped all_reduce's timeout_s (default %(default)g)")
+    p.add_argument("--transport", choices=("auto", "tcp"), default="auto",
+                   help="JAXCOMM_TRANSPORT of the jobs: auto (shared memory on one host) or tcp "
+                        "(default %(default)s)")
+    p.add_argument("--overhead-rounds", type=int, default=15,
+                   help="alternations of recorder on and off in the overhead measurement "
+                        "(default %(default)s)")
+    p.add_argument("--skip-detection", action="store_true",
+                   help="leave out the fault detection table (most of the run's time)")
+    p.add_argument("--skip-overhead", action="store_true",
+                   help="leave out the flight recorder's overhead")
     args = p.parse_args(argv)
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]

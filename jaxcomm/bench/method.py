@@ -122,13 +122,16 @@ def summary_line(peer: str, rows: Iterable[Mapping[str, object]], ours: str = "j
     ``rows``: records with ``op``, ``bytes`` and per side ``<side>_per_collective_us``
     and ``<side>_per_call_us`` (None where the side failed).
     """
-    ahead, behind, missing = [], [], []
+    ahead, behind, missing, unfit = [], [], [], []
     calls: dict[str, list[float]] = {ours: [], peer: []}
     for r in rows:
         case = f"{r['op']} {format_bytes(int(r['bytes']))}"
-        q = ratio(r.get(f"{peer}_per_collective_us"), r.get(f"{ours}_per_collective_us"))  # type: ignore[arg-type]
-        if q is None:
+        b_peer, b_ours = r.get(f"{peer}_per_collective_us"), r.get(f"{ours}_per_collective_us")
+        q = ratio(b_peer, b_ours)  # type: ignore[arg-type]
+        if b_peer is None or b_ours is None:
             missing.append(case)
+        elif q is None or q <= 0:
+            unfit.append(case)  # a slope <= 0: the load, not the collective, made the line
         elif q >= 1:
             ahead.append((q, case))
         else:
@@ -146,6 +149,8 @@ def summary_line(peer: str, rows: Iterable[Mapping[str, object]], ours: str = "j
                                  if behind else "none"))
     if missing:
         parts.append("not measured: " + ", ".join(missing))
+    if unfit:
+        parts.append("no fit (a slope <= 0): " + ", ".join(unfit))
     if calls[ours] and calls[peer]:
         parts.append(f"fixed cost per call (median over cases) {ours} "
                      f"{statistics.median(calls[ours]):.1f} us, {peer} "

@@ -52,11 +52,12 @@ Example::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
+from jaxcomm.bench import method
 from jaxcomm.bench.common import set_host_device_count
 
 MODES = ("normal", "low_latency", "fp8", "overlap")
@@ -80,7 +81,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5,
                    help="timed iterations of each side, in two alternating blocks (median reported)")
     p.add_argument("--skip-layer", action="store_true", help="leave out the MoE layer step")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the routing and the data (default 0)")
     args = p.parse_args(argv)
     args.modes = MODES if args.modes == "all" else tuple(m.strip() for m in args.modes.split(","))
     for m in args.modes:
@@ -160,7 +161,7 @@ def main(argv: list[str]) -> None:
               f"jaxcomm capacity C={bench.C}, baseline capacity {bench.cap} per (rank, expert); "
               f"{bench.pairs} (token, rank) pairs = {bench.nbytes / 2**20:.1f} MiB per direction "
               f"(DeepEP count; FP8: {bench.fp8_bytes / 2**20:.1f} MiB); load average "
-              f"{' '.join(open('/proc/loadavg').read().split()[:3]) if os.path.exists('/proc/loadavg') else '?'}")
+              f"{method.load_average()}")
         print(HEADER)
         for row in rows:
             print(row.format())
@@ -183,7 +184,7 @@ def _print_combine_ratios(args: argparse.Namespace) -> None:
         b = _Bench(args, jax.numpy.dtype(d))
         ex, _, handle = jax.jit(b.jc_disp)(b.xs, b.ids)
         calls[d] = (lambda e=ex, h=handle, w=b.ws: combine(e, h, w))
-    load = " ".join(open("/proc/loadavg").read().split()[:3]) if os.path.exists("/proc/loadavg") else "?"
+    load = method.load_average()
     for d in args.dtypes:
         if d == "float32":
             continue
@@ -493,3 +494,7 @@ class _Bench:
         tj, tb = _time_pair(lambda: js(xs, target, params), lambda: bs(xs, target, params), args.iters)
         return _Row("MoE layer train step", tj, tb, None, None,
                     f"F={F}; jaxcomm slabs of {slab} rows per expert, baseline R*cap = {R * cap}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from jaxcomm.bench import multiprocess
+from jaxcomm.bench import multiprocess, options
 
 
 def missing() -> str:
@@ -25,15 +25,15 @@ def missing() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--processes" or a.startswith("--processes=") for a in argv):
+        argv = ["--processes", "2", *argv]
+    options.parse(argv)  # --help and bad options, whether or not mpi4jax is here
     why = missing()
     if why:
         print(f"mpi4jax comparison skipped: {why} (apt-get install openmpi-bin libopenmpi-dev; "
               "pip install mpi4py mpi4jax)")
         return 0
-    if not any(a == "--processes" or a.startswith("--processes=") for a in argv):
-        argv = ["--processes", "2", *argv]
     return multiprocess.main(argv)
-
 
 if __name__ == "__main__":
     sys.exit(main())

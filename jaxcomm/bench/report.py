@@ -1,38 +1,37 @@
-"""Output of the benchmarks: tables (rich if importable, else plain text), JSON, plots.
+"""Output of the collective benchmark: its tables and summary lines, JSON, plots.
 
-Works on the records :func:`jaxcomm.bench.collectives.run` returns (plain dicts), so a
-saved JSON file can be re-plotted: ``report.plot(json.load(open(f)), "out.png")``.
+One format for every run, in one process or several (:mod:`jaxcomm.bench.measure` makes
+the records, plain dicts): per op, one row per size with each side's cost per collective
+(b of a + b*n) and per call (a), the ratio of every peer's b to jaxcomm's, the same
+ratio through each loop length's fastest call, and whether the results matched; a
+caption that states the processes, devices, placement, the command that started them
+and the load average; then one line per peer saying where jaxcomm is behind. A saved
+JSON file can be printed again (:func:`print_report` after :func:`refit`) or plotted.
+Nothing here imports jax.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
-from typing import Any, Iterable, Sequence, TextIO
+import statistics
+from typing import Any, Callable, Iterable, Sequence
 
-from jaxcomm.bench.common import format_bytes
+from jaxcomm.bench import common, method
 
 Record = dict[str, Any]
 
-# (header, record key, format) of each table column.
-_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("size", "bytes", "size"),
-    ("count", "count", "d"),
-    ("mode", "mode", "s"),
-    ("jaxcomm us", "jaxcomm_us", ".2f"),
-    ("algbw GB/s", "algbw_gbps", ".3g"),
-    ("busbw GB/s", "busbw_gbps", ".3g"),
-    ("xla us", "xla_us", ".2f"),
-    ("xla busbw", "xla_busbw_gbps", ".3g"),
-    ("local us", "local_us", ".2f"),
-    ("xla/local", "xla_vs_local", ".2f"),
-    ("ratio", "ratio", ".2f"),
-    ("ok", "match", "ok"),
-)
+#: Every side, in the order of the tables; "jaxcomm" is the one the others are compared to.
+SIDES = ("jaxcomm", "xla", "gloo", "mpi4jax", "plain")
+#: The sides compared with jaxcomm ("plain" is the fixed cost's reference only).
+PEERS = ("xla", "gloo", "mpi4jax")
+PLACEMENTS = {"cores": "bound: a core (share of the cores) per process",
+              "none": "not bound: the scheduler places the processes",
+              "process": "one process: the scheduler places its threads"}
 
-#: The DESIGN targets the summary checks: (label, predicate on a record, minimum ratio).
-TARGETS: tuple[tuple[str, Any, float], ...] = (
+#: DESIGN's targets against XLA in one process: (label, predicate on a record, minimum
+#: ratio of XLA's time per collective to jaxcomm's).
+TARGETS: tuple[tuple[str, Callable[[Record], bool], float], ...] = (
     ("all_reduce/ppermute latency, 4B..4KiB: <= 0.1x XLA's time",
      lambda r: r["op"] in ("all_reduce", "ppermute") and r["bytes"] <= 4096, 10.0),
     ("every op at >= 1MiB: at least XLA's throughput",
@@ -42,220 +41,222 @@ TARGETS: tuple[tuple[str, Any, float], ...] = (
 )
 
 
-def _cell(rec: Record, key: str, fmt: str) -> str:
-    """One table cell: ``ERR`` where a side failed, ``-`` where a figure is missing."""
-    value = rec.get(key)
-    if fmt == "ok":
-        return {True: "yes", False: "NO", None: "-"}[value]
-    if value is None:
-        return "ERR" if key in ("jaxcomm_us", "xla_us") and rec.get("error") else "-"
-    if fmt == "size":
-        return format_bytes(int(value))
-    return format(value, fmt)
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
 
 
-def _groups(records: Iterable[Record]) -> list[tuple[tuple[Any, str], list[Record]]]:
-    """Records grouped by (hugetlb, op), in order of first appearance."""
-    out: dict[tuple[Any, str], list[Record]] = {}
-    for rec in records:
-        out.setdefault((rec.get("hugetlb"), rec["op"]), []).append(rec)
-    return list(out.items())
+def job_key(rec: Record) -> tuple[Any, ...]:
+    """What tells the records of one job (one placement, one setting) from another's."""
+    return (rec.get("processes", 1), rec.get("devices"), rec.get("hosts", 1), rec.get("bind"),
+            rec.get("hugetlb"), rec.get("started_by"))
 
 
-def _title(rec: Record) -> str:
-    """A table's caption, from any record of its group."""
-    huge = {True: "on", False: "off"}.get(rec.get("hugetlb"), "?")
-    procs = rec.get("processes") or 1
-    where = (f"{procs} processes x {rec['devices'] // procs} devices" if procs > 1
-             else f"{rec['devices']} devices")
-    return (f"{rec['op']}  ({where}, {rec['dtype']}, hugetlb {huge}; "
-            f"ratio = xla time / jaxcomm time)")
+def job_label(rec: Record) -> str:
+    """A short name of a record's job for the summary lines: ``[cores]``, ``[none, 2 hosts]``,
+    ``[one process, hugetlb off]``."""
+    parts = ["one process" if rec.get("processes", 1) == 1 else rec.get("bind", "?")]
+    if rec.get("hosts", 1) > 1:
+        parts.append(f"{rec['hosts']} hosts")
+    if rec.get("hugetlb"):
+        parts.append("hugetlb on")
+    return "[" + ", ".join(parts) + "]"
+
+
+def caption(rec: Record) -> str:
+    """A table's first line, from any record of it: what ran where, started how, at what
+    load."""
+    procs = rec.get("processes", 1)
+    devs = rec["devices"] // procs
+    where = (f"{procs} process{'es' if procs > 1 else ''} x {devs} device{'s' if devs > 1 else ''}"
+             + (f" as {rec['hosts']} hosts" if rec.get("hosts", 1) > 1 else ""))
+    return (f"# {rec['op']}: {where}, {rec['dtype']}; "
+            f"{PLACEMENTS.get(rec.get('bind'), rec.get('bind'))} ({rec.get('started_by', '?')}); "
+            f"hugetlb {'on' if rec.get('hugetlb') else 'off'}; "
+            f"load average {rec.get('load_after', rec.get('load', '?'))}")
 
 
 def format_table(records: Sequence[Record]) -> str:
-    """One plain-text table (nccl-tests layout) for records of one op and setting."""
-    rows = [[_cell(r, key, fmt) for _, key, fmt in _COLUMNS] for r in records]
-    heads = [h for h, _, _ in _COLUMNS]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
-              for i, h in enumerate(heads)]
-    lines = [f"# {_title(records[0])}" if records else "#",
-             "  ".join(h.rjust(w) for h, w in zip(heads, widths))]
+    """One op's rows of one job: per collective and per call, every side, with ratios."""
+    sides = [s for s in SIDES if any(s in r["sides"] for r in records)]
+    peers = [s for s in sides if s in PEERS]
+    head = ["size", "lengths", "jaxcomm"]
+    for p in peers:
+        head += [p, f"{p}/jaxcomm"]
+    head += ["|"] + [f"{s} /call" for s in sides] + ["|", "fastest:"] + \
+        [f"{p}/jaxcomm" for p in peers] + ["ok"]
+    rows = []
+    for r in records:
+        row = [common.format_bytes(r["bytes"]), ",".join(map(str, r["lengths"])),
+               _fmt(r.get("jaxcomm_per_collective_us"))]
+        for p in peers:
+            row += [_fmt(r.get(f"{p}_per_collective_us")),
+                    _fmt(method.ratio(r.get(f"{p}_per_collective_us"), r.get("jaxcomm_per_collective_us")))]
+        row += ["|"] + [_fmt(r.get(f"{s}_per_call_us"), ".1f") for s in sides] + ["|", ""]
+        row += [_fmt(method.ratio(r.get(f"{p}_best_per_collective_us"), r.get("jaxcomm_best_per_collective_us")))
+                for p in peers]
+        row.append("ERR" if r["error"] else ("NO" if False in r["match"].values() else "yes"))
+        rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    lines = [caption(records[0]),
+             "# us per collective (b of a + b*n through the median call of each loop length; "
+             "ratio = peer / jaxcomm, above 1: jaxcomm faster), us per call (a), and the "
+             "ratios of b through each length's fastest call",
+             "  ".join(h.rjust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-    errors = [f"#   {format_bytes(r['bytes'])}: {r['error']}" for r in records if r.get("error")]
-    return "\n".join(lines + (["# errors:"] + errors if errors else []))
+    lines += [f"#   {common.format_bytes(r['bytes'])}: {r['error']}" for r in records if r["error"]]
+    return "\n".join(lines)
 
 
-def print_tables(records: Sequence[Record], file: TextIO | None = None) -> None:
-    """Prints one table per (hugetlb setting, op): with rich if importable."""
-    file = sys.stdout if file is None else file
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        for _, group in _groups(records):
-            print(format_table(group) + "\n", file=file)
-        return
-    console = Console(file=file)
-    if not console.is_terminal:
-        console = Console(file=file, width=150)  # else rich wraps at 80 columns in files
-    for _, group in _groups(records):
-        table = Table(title=_title(group[0]), title_justify="left")
-        for head, _, _ in _COLUMNS:
-            table.add_column(head, justify="right", no_wrap=True)
-        for rec in group:
-            cells = [_cell(rec, key, fmt) for _, key, fmt in _COLUMNS]
-            ratio = rec.get("ratio")
-            if ratio is not None:
-                cells[-2] = f"[{'green' if ratio >= 1 else 'red'}]{cells[-2]}[/]"
-            if rec.get("match") is False:
-                cells[-1] = f"[bold red]{cells[-1]}[/]"
-            table.add_row(*cells)
-        console.print(table)
-        for rec in group:
-            if rec.get("error"):
-                console.print(f"  {format_bytes(rec['bytes'])}: {rec['error']}", markup=False,
-                              style="red")
-
-
-def print_header(env: dict[str, Any], file: TextIO | None = None) -> None:
-    """One comment line describing the run, as nccl-tests starts its output."""
-    file = sys.stdout if file is None else file
-    print("# jaxcomm collective benchmark: " + "  ".join(f"{k}={v}" for k, v in env.items()),
-          file=file, flush=True)
-
-
-def _verdict(rec: Record) -> str:
-    """A record's ratio as the target summary shows it."""
-    if rec.get("ratio") is None:
-        return "ERR"
-    ceiling = rec.get("xla_vs_local")
-    return (f"{rec['ratio']:.2f}x"
-            + (f" (xla/local {ceiling:.2f}x)" if ceiling is not None else "")
-            + (" (wrong result)" if rec.get("match") is False else ""))
-
-
-def target_lines(records: Sequence[Record],
-                 targets: Sequence[tuple[str, Any, float]] = TARGETS) -> list[str]:
-    """One line per target and hugetlb setting: met, or the cases that miss it.
-
-    ``targets``: (label, predicate on a record, minimum ratio) each; default: DESIGN's.
-    """
+def summary_lines(records: Sequence[Record]) -> list[str]:
+    """For the records of one job: one line per peer (where jaxcomm is behind too), and
+    the fixed costs per call against a plain jit's."""
     lines = []
-    settings = sorted({r.get("hugetlb") for r in records}, key=lambda s: (s is None, s))
-    for label, applies, minimum in targets:
-        for setting in settings:
-            cases = [r for r in records if r.get("hugetlb") == setting and applies(r)]
-            if not cases:
-                continue
-            misses = [r for r in cases if r.get("ratio") is None or r["ratio"] < minimum
-                      or r.get("match") is False]
-            huge = {True: "on", False: "off"}.get(setting, "?")
-            if not misses:
-                lines.append(f"met    [hugetlb {huge}] {label} ({len(cases)} cases)")
-            else:
-                worst = ", ".join(f"{r['op']}@{format_bytes(r['bytes'])}=" + _verdict(r)
-                                  for r in misses)
-                lines.append(f"MISSED [hugetlb {huge}] {label}: {worst}")
+    for peer in PEERS:
+        rows = [r for r in records if peer in r["sides"]]
+        if rows:
+            lines.append(method.summary_line(peer, rows))
+    calls = {s: [r[f"{s}_per_call_us"] for r in records if r.get(f"{s}_per_call_us") is not None]
+             for s in SIDES}
+    if calls["jaxcomm"] and calls["plain"]:
+        ours, plain = statistics.median(calls["jaxcomm"]), statistics.median(calls["plain"])
+        lines.append(f"fixed cost per call (median over cases): jaxcomm {ours:.1f} us, plain jit "
+                     f"{plain:.1f} us ({_fmt(method.ratio(ours, plain))}x)"
+                     + "".join(f", {p} {statistics.median(calls[p]):.1f} us"
+                               for p in PEERS if calls[p]))
     return lines
 
 
-def print_targets(records: Sequence[Record], file: TextIO | None = None,
-                  targets: Sequence[tuple[str, Any, float]] = TARGETS) -> None:
-    """Prints :func:`target_lines` under a heading (nothing if no record applies)."""
-    lines = target_lines(records, targets)
-    if lines:
-        file = sys.stdout if file is None else file
-        print("# targets (ratio = xla time / jaxcomm time; xla/local = xla time / the time "
-              "XLA takes to move the same bytes without communicating)", file=file)
-        for line in lines:
-            print("  " + line, file=file)
+def report_lines(records: Sequence[Record]) -> list[str]:
+    """Every job's tables (one per op) and summary lines, in the order they ran."""
+    out = []
+    for key in dict.fromkeys(job_key(r) for r in records):
+        mine = [r for r in records if job_key(r) == key]
+        for op in dict.fromkeys(r["op"] for r in mine):
+            out += [format_table([r for r in mine if r["op"] == op]), ""]
+        out += [f"# {job_label(mine[0])} {line}" for line in summary_lines(mine)]
+        out += [f"# {job_label(mine[0])} target {line}" for line in target_lines(mine)]
+    return out
 
 
-def finish(records: Sequence[Record], json_path: str | None = None,
-           plot_path: str | None = None,
-           targets: Sequence[tuple[str, Any, float]] = TARGETS) -> bool:
-    """Ends a benchmark run: the target summary, then JSON and plot files if asked.
+def print_report(records: Sequence[Record]) -> None:
+    """Prints :func:`report_lines`."""
+    for line in report_lines(records):
+        print(line, flush=True)
 
-    Returns whether some record failed or disagreed with XLA (the run's exit status 1).
-    """
-    print_targets(records, targets=targets)
-    if json_path:
-        write_json(records, json_path)
-        print(f"wrote {json_path}")
-    if plot_path and records:
-        plot(records, plot_path)
-        print(f"wrote {plot_path}")
-    return any(r["error"] or r["match"] is False for r in records)
+
+def target_lines(records: Sequence[Record],
+                 targets: Sequence[tuple[str, Callable[[Record], bool], float]] = TARGETS) -> list[str]:
+    """Against XLA (one process): one line per target, met or the cases that miss it."""
+    lines = []
+    for label, applies, minimum in targets:
+        cases = [r for r in records if "xla" in r["sides"] and applies(r)]
+        if not cases:
+            continue
+        ratios = [(r, method.ratio(r.get("xla_per_collective_us"), r.get("jaxcomm_per_collective_us")))
+                  for r in cases]
+        misses = [(r, q) for r, q in ratios if q is None or q < minimum or False in r["match"].values()]
+        if not misses:
+            lines.append(f"met: {label} ({len(cases)} cases)")
+        else:
+            lines.append(f"MISSED: {label}: " + ", ".join(
+                f"{r['op']} {common.format_bytes(r['bytes'])} {_fmt(q)}x" for r, q in misses))
+    return lines
+
+
+def refit(records: Iterable[Record]) -> list[Record]:
+    """The records with every side's a and b fitted again from their saved medians
+    (:func:`jaxcomm.bench.method.fit`): a saved run re-read by ``--show``."""
+    out = []
+    for r in records:
+        r = dict(r)
+        for side, fig in r["sides"].items():
+            f = method.fit({int(m): [t] for m, t in fig["medians_us"].items()})
+            r[f"{side}_per_call_us"], r[f"{side}_per_collective_us"] = f.per_call_us, f.per_collective_us
+            if "fastest_us" in fig:
+                best = method.fit({int(m): [t] for m, t in fig["fastest_us"].items()})
+                r[f"{side}_best_per_collective_us"] = best.per_collective_us
+        out.append(r)
+    return out
+
+
+def failed(records: Iterable[Record]) -> bool:
+    """Whether some case failed or some peer's result differed from jaxcomm's."""
+    return any(r["error"] or False in r["match"].values() for r in records)
 
 
 def write_json(records: Sequence[Record], path: str) -> None:
-    """Writes the records as one JSON list (NaN-free: missing figures are null)."""
+    """Writes the records as one JSON list (missing figures are null)."""
     with open(path, "w") as f:
         json.dump(list(records), f, indent=1)
         f.write("\n")
 
 
-def plot(records: Sequence[Record], path: str) -> None:
-    """Bus bandwidth against size, jaxcomm and XLA, one log-log subplot per op.
+def read_json(path: str) -> list[Record]:
+    """Records saved by :func:`write_json`, fitted again (:func:`refit`)."""
+    with open(path) as f:
+        return refit(json.load(f))
 
-    Colour tells jaxcomm from XLA; line style tells the hugetlb settings apart. Uses the
-    Agg canvas directly, so it neither needs a display nor changes pyplot's backend.
-    """
+
+def busbw_gbps(rec: Record, side: str) -> float | None:
+    """A side's bus bandwidth per collective (GB/s) from its b, by nccl-tests' factors."""
+    from jaxcomm._src.stats import bus_factor
+    b = rec.get(f"{side}_per_collective_us")
+    if b is None or b <= 0:
+        return None
+    return rec["bytes"] / (b * 1e-6) / 1e9 * bus_factor(rec["op"], rec["devices"])
+
+
+def plot(records: Sequence[Record], path: str) -> None:
+    """Bus bandwidth per collective against size, every side but plain, one log-log
+    subplot per op; line styles tell jobs (placements, hugetlb) apart. Uses the Agg
+    canvas directly, so it needs no display and leaves pyplot's backend alone."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ops = list(dict.fromkeys(r["op"] for r in records))
-    settings = list(dict.fromkeys(r.get("hugetlb") for r in records))
+    jobs = list(dict.fromkeys(job_key(r) for r in records))
     ncols = min(3, len(ops))
     nrows = math.ceil(len(ops) / ncols)
     fig = Figure(figsize=(5.2 * ncols, 4.0 * nrows), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    styles = {False: ("-", "o"), True: ("--", "s"), None: ("-", "o")}
-    first = records[0]
+    styles = ["-", "--", ":", "-."]
+    colors = {s: f"C{i}" for i, s in enumerate(SIDES)}
     for ax, op in zip(axes, ops):
-        for setting in settings:
-            recs = sorted((r for r in records if r["op"] == op and r.get("hugetlb") == setting),
+        for j, key in enumerate(jobs):
+            recs = sorted((r for r in records if r["op"] == op and job_key(r) == key),
                           key=lambda r: r["bytes"])
-            line, marker = styles.get(setting, ("-", "o"))
-            huge = {True: " (hugetlb)", False: "", None: ""}[setting]
-            if len(settings) > 1 and setting is False:
-                huge = " (no hugetlb)"
-            for key, name, color in (("busbw_gbps", "jaxcomm", "C0"),
-                                     ("xla_busbw_gbps", "XLA", "C3")):
-                pts = [(r["bytes"], r[key]) for r in recs if r.get(key) and r[key] > 0]
+            if not recs:
+                continue
+            label = job_label(recs[0]) if len(jobs) > 1 else ""
+            for side in SIDES:
+                if side == "plain":
+                    continue
+                pts = [(r["bytes"], busbw_gbps(r, side)) for r in recs]
+                pts = [(x, y) for x, y in pts if y]
                 if pts:
                     xs, ys = zip(*pts)
-                    ax.plot(xs, ys, linestyle=line, marker=marker, markersize=3.5, color=color,
-                            label=f"{name}{huge}")
+                    ax.plot(xs, ys, linestyle=styles[j % len(styles)], marker="o", markersize=3.5,
+                            color=colors[side], label=f"{side} {label}".strip())
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         # Plain numbers ("0.01", "2") read faster than 10^k powers; minor labels would crowd.
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.xaxis.set_major_locator(LogLocator(base=4))
-        ax.xaxis.set_major_formatter(
-            FuncFormatter(lambda v, _: format_bytes(int(v)) if v >= 1 else ""))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: common.format_bytes(int(v)) if v >= 1 else ""))
         ax.tick_params(axis="x", labelrotation=45, labelsize=8)
         ax.set_title(op)
         ax.set_xlabel("size per device")
-        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_ylabel("bus bandwidth per collective (GB/s)")
         ax.grid(True, which="major", alpha=0.35)
         ax.grid(True, which="minor", alpha=0.1)
-        # Latency (looped) and single-call figures are measured differently: mark the seam.
-        looped = [r["bytes"] for r in records if r["op"] == op and r.get("mode") == "loop"]
-        called = [r["bytes"] for r in records if r["op"] == op and r.get("mode") == "call"]
-        if looped and called:
-            seam = math.sqrt(max(looped) * min(called))
-            ax.axvline(seam, color="0.5", linestyle=":", linewidth=1)
-            ax.text(seam, 0.02, " 1 call/program ", transform=ax.get_xaxis_transform(),
-                    fontsize=6.5, color="0.4", ha="left", va="bottom")
-            ax.text(seam, 0.02, " looped (latency) ", transform=ax.get_xaxis_transform(),
-                    fontsize=6.5, color="0.4", ha="right", va="bottom")
         # Bandwidth rises with size, so the upper left corner is where the lines are not.
         ax.legend(fontsize=7, loc="upper left")
     for ax in axes[len(ops):]:
         ax.set_visible(False)
-    fig.suptitle(f"jaxcomm vs XLA collectives: {first['devices']} devices, {first['dtype']}")
+    first = records[0]
+    fig.suptitle(f"jaxcomm and its peers: {first.get('processes', 1)} process(es), "
+                 f"{first['devices']} devices, {first['dtype']}")
     fig.savefig(path, dpi=110)

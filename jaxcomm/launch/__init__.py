@@ -52,7 +52,7 @@ import time
 from typing import IO, Iterator, Sequence
 
 import jaxcomm
-from jaxcomm._src import distributed as _dist
+from jaxcomm._src import config as _config, distributed as _dist
 from jaxcomm.trace import causes as _causes
 
 __all__ = ["LaunchResult", "free_port", "launch", "main", "run"]
@@ -312,10 +312,8 @@ class _Service:
                  out: _Output) -> None:
         from jaxcomm.launch import coordinator
 
-        heartbeat = _dist._env_seconds("JAXCOMM_HEARTBEAT_TIMEOUT_S",
-                                       _dist._DEFAULT_HEARTBEAT_TIMEOUT_S, env)
-        shutdown = _dist._env_seconds("JAXCOMM_SHUTDOWN_TIMEOUT_S",
-                                      _dist._DEFAULT_SHUTDOWN_TIMEOUT_S, env)
+        heartbeat = _dist._env_seconds("JAXCOMM_HEARTBEAT_TIMEOUT_S", env)
+        shutdown = _dist._env_seconds("JAXCOMM_SHUTDOWN_TIMEOUT_S", env)
         why = ""
         for _ in range(1 if port else 3):
             address = f"127.0.0.1:{port or free_port()}"
@@ -472,7 +470,7 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
         raise ValueError(f"{_dist.ENV_SECRET} must be 64 lowercase hex digits")
     service = _Service(n, port, {**base, _dist.ENV_JOB_ID: job_id}, keep_going, out)
     coordinator = service.address
-    trace_dir = base.get("JAXCOMM_TRACE_DIR") or None
+    trace_dir = _config.raw("JAXCOMM_TRACE_DIR", base) or None
 
     procs: list[subprocess.Popen] = []
     interrupts: list[int] = []
@@ -579,8 +577,12 @@ def _summarize(result: LaunchResult, out: _Output, procs: list[subprocess.Popen]
         for p in result.cause:
             code = result.returncodes[p] if p < len(result.returncodes) else None
             what.append(f"process {p}" + (f" ({_describe(code)})" if code is not None else ""))
-        out.note(f"the failure starts at {', '.join(what)}: the other processes' errors "
-                 f"lead back to it")
+        if any(_causes.is_mismatch(text) for text in result.errors.values()):
+            out.note(f"the processes ran different collectives: {', '.join(what)} waited in "
+                     f"one while their peers waited in another (MISMATCH)")
+        else:
+            out.note(f"the failure starts at {', '.join(what)}: the other processes' errors "
+                     f"lead back to it")
     for r in order:
         out.note(f"rank {r}: {result.errors[r]}")
     if trace_dir:

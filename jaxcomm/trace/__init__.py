@@ -3,7 +3,7 @@
 Every rank (partition) records its last ``JAXCOMM_TRACE_ENTRIES`` (2048) jaxcomm calls:
 op, group, call site, execution count, dtype, sizes, peers, algorithm, enqueue / start /
 end wall-clock times and state. One JSON file per process holds all its ranks (format:
-README.md, "Tracing and fault localization"). Files are written
+docs/tracing.md, "Dumps"). Files are written
 
 * by :func:`dump`;
 * automatically, when ``JAXCOMM_TRACE_DIR`` is set: on a collective timeout or transport
@@ -43,10 +43,19 @@ config.trace_entries()
 def snapshot(reason: str = "snapshot") -> dict[str, Any]:
     """This process's flight recorder as a dict (the dump's JSON document, parsed).
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        entries = jaxcomm.trace.snapshot()["entries"]
-        done = [e for e in entries if e["op"] == "all_reduce" and e["state"] == "done"]
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+        >>> f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x"), mesh=mesh,
+        ...                           in_specs=P("x"), out_specs=P()))
+        >>> _ = jax.block_until_ready(f(x))
+        >>> last = jaxcomm.trace.snapshot()["entries"][-1]     # the latest call of some rank
+        >>> last["op"], last["state"], last["group"]
+        ('all_reduce', 'done', [0, 1, 2, 3, 4, 5, 6, 7])
     """
     return json.loads(_jaxcomm.trace_json(reason))
 
@@ -67,9 +76,21 @@ def dump(path: str | os.PathLike[str] | None = None, reason: str = "manual") -> 
         ``.json``. Default: JAXCOMM_TRACE_DIR, else the current directory.
       reason: recorded in the file (``"manual"``, ``"exit"``, ...).
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        jaxcomm.trace.dump("/tmp/traces")   # then: python -m jaxcomm.trace analyze /tmp/traces
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> import tempfile
+        >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+        >>> f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x"), mesh=mesh,
+        ...                           in_specs=P("x"), out_specs=P()))
+        >>> _ = jax.block_until_ready(f(x))
+        >>> traces = tempfile.mkdtemp()
+        >>> path = jaxcomm.trace.dump(traces)   # every process of a job may dump there
+        >>> jaxcomm.trace.analyze(traces).kind  # or: python -m jaxcomm.trace analyze DIR
+        'clean'
     """
     target = os.fspath(path) if path is not None else None
     if target is None or not target.endswith(".json"):

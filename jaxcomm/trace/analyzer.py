@@ -8,8 +8,11 @@ arrived (has an entry), who did not (group members without one), and how it ende
 Findings, most serious first:
 
 * ``mismatch``: ranks stuck in different collectives at the same time, each waiting for
-  the others (a ``lax.cond`` that differs by rank, or processes running different
-  programs), or ranks that ran different ops/sizes at the same call.
+  the others (a ``lax.cond`` that differs by rank, processes running different programs
+  or dispatching them in different orders: jaxcomm fails these within its grace period
+  with a ``MISMATCH:`` error naming both sides), or ranks that ran different ops/sizes
+  at the same call. The finding names both call sites and the ranks (and processes)
+  on each side, from the dumps or, when one side left none, from the errors.
 * ``dead``: a process died during a call (its peers saw it exit or its connection
   close).
 * ``hang``: ranks that never arrived at a call their peers waited in (and timed out in,
@@ -51,7 +54,8 @@ VERSIONS = (1,)
 
 _SEVERITY = {"mismatch": 0, "dead": 1, "hang": 2, "failed": 3, "straggler": 4}
 _UNFINISHED = ("pending", "active")
-_MISMATCH_RE = re.compile(r"runs a different collective|^MISMATCH:")
+_SAME_CALL_MISMATCH = re.compile(r"runs a different collective")
+_MISMATCH = re.compile(r"^MISMATCH:")
 # What a dead process's peers said of it: "failed: it exited before it arrived ...".
 _WHY_DEAD = re.compile(r"failed: (.*?)(?: after it arrived| before it arrived|;|$)")
 _LATE = "arrived too late"  # rendezvous.cc: a rank that came after its peers timed out
@@ -299,6 +303,73 @@ def _process_finding(c: Call, waiting: list[int], errors: list[str], base: dict[
                    consequences=consequences, **base, details=details + errors[:3])
 
 
+def _cross_call_mismatch(c: Call, waiting: list[int], errors: list[str], base: dict[str, Any],
+                         stuck: list[Call], stuck_in: dict[int, Call], stuck_s: float,
+                         process_of: dict[int, int],
+                         explained: set[tuple[str, int, int]]) -> Finding | None:
+    """The finding of ranks that wait in ``c`` while other ranks of its group wait in
+    other calls, each side for the other: the ranks ``c`` misses are stuck elsewhere (the
+    dumps say so), or ``c`` failed with ``MISMATCH:`` errors that name the other sides
+    (their calls are found in the dumps, or known from the errors alone when their
+    processes left none). None when neither."""
+    def stuck_ranks(o: Call) -> list[int]:
+        return sorted(r for r, e in o.entries.items() if _is_stuck(e, stuck_s))
+
+    def call_at(op: str, call_site: str, execution: int) -> Call | None:
+        return next((o for o in stuck if (o.op, o.call_site, o.key[2]) == (op, call_site, execution)
+                     and o.group == c.group), None)
+
+    # Across processes, the errors say who waited where (each names every side, its own
+    # included): a process that only reached a call after the mismatch failed there too,
+    # but did not wait in it.
+    told: dict[Any, tuple[list[int], str]] = {}
+    for x in errors:
+        if not _MISMATCH.search(x):
+            continue
+        for b in causes.blames(x):
+            if b.kind != "mismatch" or not b.op:
+                continue
+            o = call_at(b.op, b.call_site, b.execution)
+            key = o.key if o is not None else (b.op, b.call_site, b.execution)
+            where = o.where() if o is not None else (
+                f"{b.op} at {b.call_site} (axis {c.axis}, execution {b.execution})")
+            ranks, _ = told.setdefault(key, ([], where))
+            ranks.extend(r for r in b.partitions if r not in ranks)
+    sides: dict[Any, tuple[list[int], str]] = {}
+    if len(told) > 1:
+        sides = {k: (sorted(rs), where) for k, (rs, where) in told.items()}
+    else:
+        # Within a process, the dumps: the ranks this call misses wait in other calls.
+        sides[c.key] = (sorted(waiting), c.where())
+        for r in c.missing:
+            o = stuck_in.get(r)
+            if o is not None and o.key != c.key:
+                sides.setdefault(o.key, (stuck_ranks(o), o.where()))
+    sides = {k: v for k, v in sides.items() if v[0]}
+    if len(sides) < 2:
+        return None
+    for k in sides:
+        if isinstance(k, tuple):
+            explained.add(k)
+    mine = sides.get(c.key, ([], ""))[0]
+    culprits = sorted({r for k, (rs, _) in sides.items() if k != c.key for r in rs} - set(mine))
+    several = len(set(process_of.values())) > 1
+
+    def who(ranks: list[int]) -> str:
+        procs = sorted({process_of[r] for r in ranks if r in process_of})
+        return f"ranks {_ranks(ranks)}" + (
+            f" (process{'es' if len(procs) > 1 else ''} {', '.join(map(str, procs))})"
+            if several and procs else "")
+
+    processes = sorted({process_of[r] for rs, _ in sides.values() for r in rs if r in process_of})
+    return Finding(
+        "mismatch", "program mismatch: " + " while ".join(f"{who(rs)} wait in {where}"
+                                                         for rs, where in sides.values()) +
+        ": each side waits for the other (ranks take different branches, or processes run "
+        "different programs or dispatch them in different orders)",
+        culprits=culprits, **base, details=errors[:3], processes=processes if several else [])
+
+
 def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
             stuck_s: float = 5.0, pids: Iterable[int] | None = None) -> Report:
     """Analyzes the dumps in ``directory``.
@@ -363,7 +434,7 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
         shapes: dict[tuple[str, str, int], list[int]] = collections.defaultdict(list)
         for r, e in sorted(c.entries.items()):
             shapes[(e["op"], e["dtype"], e["bytes"])].append(r)
-        if len(shapes) > 1 or any(_MISMATCH_RE.search(x) for x in errors):
+        if len(shapes) > 1 or any(_SAME_CALL_MISMATCH.search(x) for x in errors):
             sides = sorted(shapes.items(), key=lambda kv: kv[1])
             parts = [f"ranks {_ranks(rs)} run {op} of {dtype}, {b} B per rank"
                      for (op, dtype, b), rs in sides]
@@ -375,19 +446,10 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
             explained.add(c.key)
             continue
         # The missing ranks are stuck in other collectives: they wait for each other.
-        others = {stuck_in[r].key: stuck_in[r] for r in c.missing
-                  if r in stuck_in and stuck_in[r].key != c.key}
-        if others:
-            sides = [f"ranks {_ranks(waiting)} wait in {c.where()}"]
-            for o in others.values():
-                o_wait = [r for r, e in o.entries.items() if _is_stuck(e, stuck_s)]
-                sides.append(f"ranks {_ranks(o_wait)} wait in {o.where()}")
-                explained.add(o.key)
-            culprits = sorted(r for r in c.missing if r in stuck_in)
-            findings.append(Finding(
-                "mismatch", "program mismatch: " + " while ".join(sides) +
-                ": each side waits for the other (ranks take different branches or run "
-                "different programs)", culprits=culprits, **base, details=errors[:3]))
+        finding = _cross_call_mismatch(c, waiting, errors, base, stuck, stuck_in, stuck_s,
+                                       process_of, explained)
+        if finding is not None:
+            findings.append(finding)
             explained.add(c.key)
             continue
         # Processes that died, never arrived or ran late, as the errors of this call and
@@ -439,7 +501,8 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
     unique = []
     for f in sorted(findings, key=lambda f: f.seconds):
         key = (f.kind, tuple(f.processes))
-        if f.processes and key in seen_faults:
+        # (A mismatch's calls are one finding already; two mismatches are two.)
+        if f.processes and f.kind != "mismatch" and key in seen_faults:
             continue
         seen_faults.add(key)
         unique.append(f)

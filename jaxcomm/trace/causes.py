@@ -13,9 +13,15 @@ it, failed because of that other process (it gave up waiting for it, then exited
 the others saw it exit). The flight recorder's analyzer and the launcher's summary both
 use it. :func:`clean` strips what JAX's asynchronous dispatch wraps around an error.
 
-A mismatch error (different collectives on different processes; detected in seconds by
-a later change) is expected to start with ``MISMATCH:`` and to name each side the same
-way, followed by `` waits in <op> at <call site>``; :func:`blames` reads both sides.
+A mismatch error (different collectives on different processes, each waiting for the
+other; ``ffi/core/mismatch.h``) starts with ``MISMATCH:`` and names each side the same
+way, followed by `` waits in <op> at <call site> (execution #N)``; :func:`blames` reads
+every side, this process's own included::
+
+    MISMATCH: process 0 (host h, pid 7) with ranks [0] (partitions [0]) waits in
+    all_reduce at train.py:9 (step) (execution #1, this call); process 1 (host h, pid 8)
+    with ranks [1] (partitions [1]) waits in all_gather at train.py:12 (step)
+    (execution #1); each side waits for the other, ...
 
 Example::
 
@@ -37,7 +43,8 @@ _PROCESS = re.compile(r"process (\d+) \(host [^,]*, pid (\d+)\) with ranks \[([^
 # What follows a process's description says what happened to it.
 _DEAD = re.compile(r" failed: |: (?=connection (?:closed|reset))")
 _ARRIVED = re.compile(r" (after|before) it arrived at this call")
-_MISMATCH_SIDE = re.compile(r" (?:runs a different collective|waits in (\S+) at ([^;]*))")
+_MISMATCH_SIDE = re.compile(r" (?:runs a different collective|waits in (\S+) at (.*?)"
+                            r"(?: \(execution #(\d+)(?:, this call)?\))?(?:;|$))")
 _EXCLUDED = re.compile(r" was left out of the job")
 _DISPATCH = re.compile(r"(?:(?:INTERNAL|[A-Z_]+): )?Error dispatching computation: ")
 _STATUS = re.compile(r"^(?:[A-Za-z_.]+(?:Error|Exception): )?(?:[A-Z_]{4,}: )*")
@@ -58,7 +65,7 @@ class Blame:
       process: its process index; pid: its pid.
       partitions: its ranks' partition ids.
       arrived: for ``dead``: whether it had arrived at the call (None: not said).
-      call_site: for ``mismatch`` errors that name it, where that side waits.
+      call_site, op, execution: for ``MISMATCH`` errors, where that side waits.
       said: for ``dead``: what the error says happened (``it exited``, ``connection
         closed by the peer (its process exited?)``).
     """
@@ -70,6 +77,8 @@ class Blame:
     arrived: bool | None = None
     call_site: str = ""
     said: str = ""
+    op: str = ""
+    execution: int = 0
 
 
 def blames(error: str | None) -> list[Blame]:
@@ -85,7 +94,7 @@ def blames(error: str | None) -> list[Blame]:
         return []
     out = []
     for m in _PROCESS.finditer(error):
-        after = error[m.end():m.end() + 200]
+        after = error[m.end():m.end() + 400]
         process, pid = int(m.group(1)), int(m.group(2))
         parts = tuple(int(p) for p in m.group(4).replace(",", " ").split())
         if (dead := _DEAD.match(after)) is not None:
@@ -95,8 +104,8 @@ def blames(error: str | None) -> list[Blame]:
             out.append(Blame("dead", process, pid, parts,
                              None if arrived is None else arrived.group(1) == "after", said=said))
         elif (side := _MISMATCH_SIDE.match(after)) is not None:
-            out.append(Blame("mismatch", process, pid, parts,
-                             call_site=(side.group(2) or "").strip()))
+            out.append(Blame("mismatch", process, pid, parts, call_site=(side.group(2) or "").strip(),
+                             op=side.group(1) or "", execution=int(side.group(3) or 0)))
         elif _EXCLUDED.match(after):
             out.append(Blame("excluded", process, pid, parts))
         else:
@@ -120,6 +129,11 @@ def clean(text: str) -> str:
     if m is not None:
         return m.group(1).strip()
     return _STATUS.sub("", text).strip()
+
+
+def is_mismatch(error: str) -> bool:
+    """Whether ``error`` is a MISMATCH error (ranks waiting in different collectives)."""
+    return "MISMATCH: " in error
 
 
 def is_jaxcomm_error(line: str) -> bool:

@@ -49,9 +49,17 @@ def _float16_sum(x: Any) -> None:
 def psum(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
     """``jax.lax.psum``: the sum of ``x`` (a pytree of arrays) over the group.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        grads = jaxcomm.lax.psum(grads, "dp")
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+        >>> f = jax.shard_map(lambda v: jaxcomm.lax.psum(v, "x"), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=P())
+        >>> jax.jit(f)(x)
+        Array([28.], dtype=float32)
     """
     axes = compat.skip_size_one_axes(route.axes_of(axis_name))
     if not axes:
@@ -106,10 +114,17 @@ def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, axis_ind
                  tiled: bool = False) -> Any:
     """``jax.lax.psum_scatter``: rank i keeps block i of the sum over the group.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        # x: f32[8, 3] on each of 8 ranks -> f32[3] (tiled=False) or f32[1, 3] (tiled=True)
-        jaxcomm.lax.psum_scatter(x, "x")
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.ones((64, 3)), NamedSharding(mesh, P("x")))  # f32[8, 3] per rank
+        >>> f = jax.shard_map(lambda v: jaxcomm.lax.psum_scatter(v, "x"), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=P("x"))       # f32[3] per rank
+        >>> np.asarray(jax.jit(f)(x)).reshape(8, 3)[0]
+        array([8., 8., 8.], dtype=float32)
     """
     axes = compat.skip_size_one_axes((axis_name,) if not isinstance(axis_name, tuple) else axis_name)
     if not axes:
@@ -135,10 +150,17 @@ def all_gather(x: Any, axis_name: Any, *, axis_index_groups: Any = None, axis: i
                tiled: bool = False, to: str = "varying") -> Any:
     """``jax.lax.all_gather``: every rank's ``x`` stacked (or, tiled, concatenated) on ``axis``.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        # x: f32[2] on each of 4 ranks -> f32[4, 2] (tiled=False) or f32[8] (tiled=True)
-        jaxcomm.lax.all_gather(x, "x")
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("x")))  # f32[2] per rank
+        >>> f = jax.shard_map(lambda v: jaxcomm.lax.all_gather(v, "x"), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=P("x"))       # f32[8, 2] per rank
+        >>> np.asarray(jax.jit(f)(x)).reshape(8, 8, 2)[5, 3]  # rank 5's row 3
+        array([6., 7.], dtype=float32)
     """
     if to not in gather.RESULT_TYPES:
         raise ValueError(f"jaxcomm.lax.all_gather: to={to!r} is not one of {gather.RESULT_TYPES}, "
@@ -164,10 +186,17 @@ def all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int, *,
                axis_index_groups: Any = None, tiled: bool = False) -> Any:
     """``jax.lax.all_to_all``: block j of ``split_axis`` goes to rank j, arriving on ``concat_axis``.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        # x: f32[8, 16] on each of 8 ranks; row j goes to rank j
-        jaxcomm.lax.all_to_all(x, "x", 0, 0, tiled=True)
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("x")))  # f32[8] per rank
+        >>> f = jax.shard_map(lambda v: jaxcomm.lax.all_to_all(v, "x", 0, 0, tiled=True),
+        ...                   mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> np.asarray(jax.jit(f)(x)).reshape(8, 8)[1]  # what rank 1 received
+        array([ 1.,  9., 17., 25., 33., 41., 49., 57.], dtype=float32)
     """
     def ours(leaf: Any) -> jax.Array:
         route.check_served(leaf, route.axes_of(axis_name), axis_index_groups)
@@ -194,10 +223,18 @@ def ppermute(x: Any, axis_name: Any, perm: Sequence[Sequence[int]]) -> Any:
     ``axis_index`` order); jaxcomm.lax renumbers ``perm`` to match (or raises where the
     installed jax raises for that, ``jax_raise_on_ppermute_sort_diff``).
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        # a ring shift over the 8 ranks of "x"
-        jaxcomm.lax.ppermute(x, "x", [(i, (i + 1) % 8) for i in range(8)])
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+        >>> ring = [(i, (i + 1) % 8) for i in range(8)]         # rank i sends to rank i + 1
+        >>> f = jax.shard_map(lambda v: jaxcomm.lax.ppermute(v, "x", ring), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=P("x"))
+        >>> jax.jit(f)(x)
+        Array([7., 0., 1., 2., 3., 4., 5., 6.], dtype=float32)
     """
     axes = route.axes_of(axis_name)
 

@@ -65,11 +65,21 @@ def use_for_lax(*names: str) -> LaxSwitch:
     traced before the switch keeps its compiled program until it is traced again (new
     shapes, or ``jax.clear_caches()``). Switches undo in reverse order of making.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        jaxcomm.use_for_lax()            # for the rest of the program, or
-        with jaxcomm.use_for_lax():      # for one block
-            step = jax.jit(train_step)   # its jax.lax.pmean runs jaxcomm's all_reduce
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh,
+        ...                           in_specs=P(), out_specs=P(), check_vma=False))
+        >>> with jaxcomm.use_for_lax():           # programs traced in here run jaxcomm's
+        ...     f(jnp.ones(2))
+        Array([8., 8.], dtype=float32)
+        >>> jax.lax.psum is jaxcomm.lax.psum      # switched back after the block
+        False
+        >>> switch = jaxcomm.use_for_lax("psum")  # or until undone
+        >>> switch.undo()
     """
     unknown = [n for n in names if n not in collectives.COLLECTIVES]
     if unknown:

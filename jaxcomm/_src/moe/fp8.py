@@ -74,11 +74,15 @@ mlir.register_lowering(quantize_p, mlir.lower_fun(quantize, multiple_results=Tru
 
 
 def _quantize_cuda(ctx, x):
-    from jaxcomm._src import cuda_runtime, runtime
-    if not cuda_runtime.available():
+    # The op table's local CUDA kernel (no group, no call attributes) where this process
+    # has the CUDA backend; jax.numpy elsewhere.
+    from jaxcomm._src import backends
+    from jaxcomm._src.ops import table
+    cuda = backends.for_platform("cuda")
+    if not cuda.available():
         return mlir.lower_fun(quantize, multiple_results=True)(ctx, x)
-    runtime.ensure_registered_for(("cuda",))
-    return jax.ffi.ffi_lowering(runtime.target_name("moe_fp8_quantize"))(ctx, x)
+    cuda.register()
+    return jax.ffi.ffi_lowering(table.op("moe_fp8_quantize").target)(ctx, x)
 
 
 mlir.register_lowering(quantize_p, _quantize_cuda, platform="cuda")

@@ -21,8 +21,9 @@ the lowering (inside shard_map, or the global view through custom_partitioning),
 * ``moe_transport_send`` and ``moe_recv``: split-phase halves (moe_dispatch with
   ``split=True`` is the host dispatch's send half; ffi/cpu/moe_split.h, ffi/cuda/split.h).
   The send returns at once with results the data movement fills later; the receive half
-  takes them (aliased: no copy) and completes when it is done. The receive half's value equals the fused call on the operands it keeps
-  alive, so its JVP is that call's, and the send half's results carry no tangent.
+  takes them (aliased: no copy) and completes when it is done. The receive half's value
+  equals the fused call on the operands it keeps alive, so its JVP is that call's, and
+  the send half's results carry no tangent.
 
 Every call is a collective over the expert-parallel axis.
 """
@@ -40,12 +41,19 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm._src import callsite, compat, config, primitive
 from jaxcomm._src.moe import globalview
-from jaxcomm._src.ops import common
+from jaxcomm._src.ops import common, table
 
-# core/moe_modes.h's MoeMode.
-GATHER_COPY, GATHER_SCALED, REDUCE, DOT, GATHER_SPARSE, GATHER_DEQUANT, GATHER_DEQUANT_SPARSE = range(7)
+GATHER_COPY = table.moe_mode("gather_copy")
+GATHER_SCALED = table.moe_mode("gather_scaled")
+REDUCE = table.moe_mode("reduce")
+DOT = table.moe_mode("dot")
+GATHER_SPARSE = table.moe_mode("gather_sparse")
+GATHER_DEQUANT = table.moe_mode("gather_dequant")
+GATHER_DEQUANT_SPARSE = table.moe_mode("gather_dequant_sparse")
 # moe_dispatch's FP8 modes: none, delivered dequantized (in x's dtype), delivered as FP8.
-FP8_NONE, FP8_DEQUANTIZED, FP8_RAW = 0, 1, 2
+FP8_NONE = table.moe_fp8("none")
+FP8_DEQUANTIZED = table.moe_fp8("dequantize")
+FP8_RAW = table.moe_fp8("raw")
 # One float32 scale per this many channels of a token (core/number_formats.h kFp8Block).
 FP8_BLOCK = 128
 # int32 words of a split call's status block (ffi/cpu/moe_split.h kStatusWords).
@@ -157,7 +165,7 @@ def _define(name: str, out_avals: Callable[..., list[tuple[tuple[int, ...], Any]
             return mlir.lower_fun(run, multiple_results=multiple_results)(ctx, *args)
         return primitive.lower_collective(ctx, name, list(args), params, attrs(params), aliases=aliases)
 
-    primitive.register_lowerings(prim, lowering)
+    primitive.register_lowerings(prim, lowering, table.op(name).backends)
     # The global view's lowering hands the devices to custom_partitioning; jax gives a
     # lowering the program's devices only when one of its primitives asks.
     compat.require_devices_at_lowering(prim)

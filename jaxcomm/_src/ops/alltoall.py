@@ -54,10 +54,17 @@ def all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int, *,
         removed and a new dimension of size R appears at ``concat_axis``).
       axis_index_groups: as in jax.lax; R is then the size of one group.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        # x: f32[8, 16] on each of 8 ranks; block j (row j) goes to rank j
-        jaxcomm.all_to_all(x, "x", 0, 0, tiled=True)
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("x")))  # f32[8] per rank
+        >>> f = jax.shard_map(lambda v: jaxcomm.all_to_all(v, "x", 0, 0, tiled=True), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=P("x"))  # element j goes to rank j
+        >>> np.asarray(jax.jit(f)(x)).reshape(8, 8)[1]  # what rank 1 received
+        array([ 1.,  9., 17., 25., 33., 41., 49., 57.], dtype=float32)
     """
     return jax.tree.map(lambda leaf: _all_to_all(leaf, axis_name, split_axis, concat_axis, tiled,
                                                  axis_index_groups, timeout_s), x)

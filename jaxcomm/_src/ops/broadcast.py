@@ -53,9 +53,17 @@ def broadcast(x: Any, axis_name: Any, *, root: int = 0, axis_index_groups: Any =
       axis_index_groups: groups of axis indices, as in :func:`all_reduce`; each group
         receives its own rank ``root``'s value.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        jaxcomm.broadcast(params, "dp", root=0)
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+        >>> f = jax.shard_map(lambda v: jaxcomm.broadcast(v, "x", root=3), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=P())
+        >>> jax.jit(f)(x)
+        Array([3.], dtype=float32)
     """
     axes = groups.normalize_axes("broadcast", axis_name)
     index_groups = groups.normalize_index_groups("broadcast", axis_index_groups, axes)

@@ -10,7 +10,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jaxcomm._src import callsite, compat, config, groups, runtime
+from jaxcomm._src import backends, callsite, compat, config, groups, runtime
 
 
 def prepare(op: str, x: Any, axis_name: Any, timeout_s: float | None,
@@ -62,9 +62,9 @@ def use_xla(op: str, dtype: Any = None, group_size: int | None = None) -> bool:
     """Whether ``op`` lowers to its jax.lax equivalent in the program being traced.
 
     Besides JAXCOMM_BACKEND and the platform, sub-byte dtypes (int4, float4, ...) go to
-    jax.lax: XLA packs them two per byte, which the host kernels do not address. On CUDA,
-    reductions over dtypes NCCL cannot reduce, and groups of ``group_size`` that the op's
-    CUDA handler does not serve (``cuda_runtime.serves``), go there too.
+    jax.lax: XLA packs them two per byte, which the host kernels do not address. So do
+    the calls the platform's backend does not serve (``Backend.fallback_reason``: e.g.
+    dtypes NCCL cannot reduce, group sizes a handler does not take).
     """
     choice = config.backend()
     if choice == "xla":
@@ -76,18 +76,14 @@ def use_xla(op: str, dtype: Any = None, group_size: int | None = None) -> bool:
     if choice == "jaxcomm":
         return False
     platform = jax.default_backend()
-    if platform != "cpu" and platform not in runtime.served_platforms():
+    backend = backends.for_jax_backend(platform)
+    if backend is None:
         runtime.log_fallback_once(op, f"jaxcomm has no handler for platform {platform!r} here")
         return True
-    if platform == "gpu":
-        from jaxcomm._src import cuda_runtime
-        if op in ("all_reduce", "reduce_scatter") and dtype is not None \
-                and not cuda_runtime.nccl_reducible(dtype):
-            runtime.log_fallback_once(op, f"NCCL cannot reduce {np.dtype(dtype).name}")
-            return True
-        if not cuda_runtime.serves(op, group_size):
-            runtime.log_fallback_once(op, f"the CUDA handler does not serve groups of {group_size}")
-            return True
+    reason = backend.fallback_reason(op, dtype, group_size)
+    if reason:
+        runtime.log_fallback_once(op, reason)
+        return True
     return False
 
 

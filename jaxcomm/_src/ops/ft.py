@@ -13,41 +13,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax._src import core
-from jax._src.interpreters import batching, mlir
 
-from jaxcomm._src import compat, groups, primitive
+from jaxcomm._src import groups, primitive
 from jaxcomm._src.ops import common
-
-ft_all_reduce_p = core.Primitive("jaxcomm_ft_all_reduce")
-ft_all_reduce_p.multiple_results = True
-ft_all_reduce_p.def_impl(primitive._outside_shard_map("ft.all_reduce"))
-
-
-def _abstract_eval(x: core.ShapedArray, *, axes: tuple, vma_checked: bool, **_: Any):
-    total = x.update(weak_type=False)
-    mask = core.ShapedArray((groups.group_size(axes),), jnp.bool_)
-    if vma_checked:  # the same on every survivor: invariant over the group's axes
-        varying = compat.vma(x) - frozenset(axes)
-        total, mask = compat.with_vma(total, varying), compat.with_vma(mask, varying)
-    return [total, mask], {compat.NamedAxisEffect(a) for a in axes}
-
-
-ft_all_reduce_p.def_effectful_abstract_eval(_abstract_eval)
-
-
-def _lowering(ctx: mlir.LoweringRuleContext, x: Any, **params: Any):
-    return primitive.lower_collective(ctx, "ft_all_reduce", [x], params, {})
-
-
-mlir.register_lowering(ft_all_reduce_p, _lowering, platform="cpu")
-
 
 def _batcher(axis_data: Any, vals_in: Any, dims_in: Any, **params: Any):
     raise NotImplementedError("jaxcomm.ft.all_reduce under jax.vmap: call it on the batched "
                               "array inside shard_map instead")
 
 
-batching.fancy_primitive_batchers[ft_all_reduce_p] = _batcher
+# Results: the sum, and which ranks contributed (bool [group size]); both the same on
+# every survivor. The host backend's only (the op table's): lowers on CPU alone.
+ft_all_reduce_p = primitive.define(primitive.CollectiveSpec(
+    name="ft_all_reduce",
+    public_name="ft.all_reduce",
+    out_avals=lambda x, group_size, **_: [x, core.ShapedArray((group_size,), jnp.bool_)],
+    multiple_results=True,
+    invariant_result=True,
+    ffi_attrs=lambda **_: {},
+    batcher=_batcher,
+    batch_dims=None,
+))
 
 
 def all_reduce(x: jax.Array, axis_name: Any, *, timeout_s: float | None = None
@@ -75,12 +61,18 @@ def all_reduce(x: jax.Array, axis_name: Any, *, timeout_s: float | None = None
     ``JAXCOMM_BACKEND=xla``, and on GPU, it is ``jax.lax.psum`` with an all-True mask
     (no tolerance: the host backend's cross-process exchange provides it).
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        def step(params, batch):
-            grads = jax.grad(loss)(params, batch)
-            total, alive = jaxcomm.ft.all_reduce(grads, "dp")
-            return params - lr * total / alive.sum()
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+        >>> f = jax.shard_map(lambda v: jaxcomm.ft.all_reduce(v, "x"), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=(P(), P()))
+        >>> total, contributed = jax.jit(f)(x)    # in a job, a dead process is left out
+        >>> total, contributed.sum()
+        (Array([28.], dtype=float32), Array(8, dtype=int32))
     """
     x, params = common.prepare("ft.all_reduce", x, axis_name, timeout_s)
     if not jnp.issubdtype(x.dtype, jnp.number):

@@ -86,10 +86,17 @@ def all_gather(x: Any, axis_name: Any, *, axis: int = 0, tiled: bool = False,
         ``"varying"`` (transposes to reduce_scatter), ``"invarying"`` (every member holds
         one value; transposes to taking this rank's block) or ``"reduced"``.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        # x: f32[2] on each of 4 ranks -> f32[4, 2] (tiled=False) or f32[8] (tiled=True)
-        jaxcomm.all_gather(x, "x")
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("x")))  # f32[2] per rank
+        >>> f = jax.shard_map(lambda v: jaxcomm.all_gather(v, "x"), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=P("x"))       # f32[8, 2] per rank
+        >>> np.asarray(jax.jit(f)(x)).reshape(8, 8, 2)[5, 3]  # rank 5's row 3
+        array([6., 7.], dtype=float32)
     """
     if to not in RESULT_TYPES:
         raise ValueError(f"jaxcomm.all_gather: to={to!r} is not one of {RESULT_TYPES}")

@@ -72,10 +72,18 @@ def ppermute(x: Any, axis_name: Any, perm: Sequence[Sequence[int]], *,
         ``perm`` then applies within each group, in its ranks (jax.lax has no such
         parameter for ppermute; this is the same ``perm`` expanded over the groups).
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        # a ring shift over 8 ranks
-        jaxcomm.ppermute(x, "x", [(i, (i + 1) % 8) for i in range(8)])
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+        >>> ring = [(i, (i + 1) % 8) for i in range(8)]         # rank i sends to rank i + 1
+        >>> f = jax.shard_map(lambda v: jaxcomm.ppermute(v, "x", ring), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=P("x"))
+        >>> jax.jit(f)(x)
+        Array([7., 0., 1., 2., 3., 4., 5., 6.], dtype=float32)
     """
     axes = groups.normalize_axes("ppermute", axis_name)
     index_groups = groups.normalize_index_groups("ppermute", axis_index_groups, axes)

@@ -17,43 +17,69 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import ad, batching
 
 from jaxcomm._src import compat, groups, primitive
-from jaxcomm._src.ops import common
+from jaxcomm._src.ops import common, table
 
-FORWARD, TRANSPOSE_OPERAND, ZERO_RECEIVED = 0, 1, 2
-
-ragged_all_to_all_p = core.Primitive("jaxcomm_ragged_all_to_all")
-ragged_all_to_all_p.def_impl(primitive._outside_shard_map("ragged_all_to_all"))
-
-
-def _abstract_eval(operand, output, *idx, axes, vma_checked, **_):
-    out = output.update(shape=output.shape, weak_type=False)
-    if vma_checked:
-        varying = frozenset().union(*(compat.vma(a) for a in (operand, output, *idx)))
-        out = compat.with_vma(out, varying)
-    return out, {compat.NamedAxisEffect(a) for a in axes}
+FORWARD = table.ragged_mode("forward")
+TRANSPOSE_OPERAND = table.ragged_mode("transpose_operand")
+ZERO_RECEIVED = table.ragged_mode("zero_received")
 
 
-ragged_all_to_all_p.def_effectful_abstract_eval(_abstract_eval)
-
-
-def _lowering(ctx: mlir.LoweringRuleContext, *args: Any, mode: int, src_rows: int, **params: Any):
-    operand, output = ctx.avals_in[:2]
-    rows = lambda a: int(a.shape[0])
+def _ffi_attrs(avals_in: Any, mode: int, src_rows: int, **_: Any) -> dict[str, int]:
+    """The handler's rows: ``src_rows`` read and ``dst_rows`` written, per mode."""
+    operand, output = (int(a.shape[0]) for a in avals_in[:2])
     if mode == FORWARD:
-        src, dst = rows(operand), rows(output)
+        src, dst = operand, output
     elif mode == TRANSPOSE_OPERAND:
-        src, dst = rows(output), rows(operand)
+        src, dst = output, operand
     else:
-        src, dst = src_rows, rows(output)
-    return primitive.lower_collective(ctx, "ragged_all_to_all", list(args), params,
-                                      {"mode": int(mode), "src_rows": src, "dst_rows": dst},
-                                      aliases={1: 0})
+        src, dst = src_rows, output
+    return {"mode": int(mode), "src_rows": src, "dst_rows": dst}
 
 
-primitive.register_lowerings(ragged_all_to_all_p, _lowering)
+def _batcher(axis_data, vals_in, dims_in, *, mode: int, src_rows: int, **params):
+    if axis_data.name in params["axes"]:
+        raise NotImplementedError(
+            f"jaxcomm.ragged_all_to_all over the vmap axis {axis_data.name!r}: use a shard_map axis")
+    if all(d is None for d in dims_in):
+        return ragged_all_to_all_p.bind(*vals_in, mode=mode, src_rows=src_rows, **params), None
+    size = axis_data.size
+
+    def front(x, d):
+        return batching.bdim_at_front(x, d, size)
+
+    def second(x, d):  # index arrays as [slices, batch], so merged slice k*B+b keeps k's rank
+        if d is None:
+            return jnp.broadcast_to(x[:, None], (x.shape[0], size))
+        return jnp.moveaxis(x, d, 1)
+
+    operand, output = (front(v, d) for v, d in zip(vals_in[:2], dims_in[:2]))
+    io, ss, oo, rs = (second(v, d) for v, d in zip(vals_in[2:], dims_in[2:]))
+    b = jnp.arange(size, dtype=io.dtype)[None, :]
+    n_op, n_out = operand.shape[1], output.shape[1]
+    if mode == FORWARD:
+        io, oo = io + b * n_op, oo + b * n_out
+    elif mode == TRANSPOSE_OPERAND:
+        io, oo = io + b * n_out, oo + b * n_op
+    else:
+        io, oo = io + b * src_rows, oo + b * n_out
+    merge = lambda x: x.reshape(-1, *x.shape[2:])
+    out = ragged_all_to_all_p.bind(merge(operand), merge(output), *(x.reshape(-1) for x in (io, ss, oo, rs)),
+                                   mode=mode, src_rows=src_rows * size, **params)
+    return out.reshape(size, n_out, *out.shape[1:]), 0
+
+
+ragged_all_to_all_p = primitive.define(primitive.CollectiveSpec(
+    name="ragged_all_to_all",
+    out_avals=lambda operand, output, *idx, **_: [output],  # result: output, slices written
+    invariant_result=False,
+    ffi_attrs=_ffi_attrs,
+    aliases={1: 0},  # the result is written into `output`'s buffer
+    batcher=_batcher,
+    batch_dims=None,
+))
 
 
 def _jvp(primals, tangents, **params):
@@ -105,41 +131,6 @@ def _transpose(ct, operand, output, *idx, mode: int, src_rows: int, **params):
 
 
 ad.primitive_transposes[ragged_all_to_all_p] = _transpose
-
-
-def _batcher(axis_data, vals_in, dims_in, *, mode: int, src_rows: int, **params):
-    if axis_data.name in params["axes"]:
-        raise NotImplementedError(
-            f"jaxcomm.ragged_all_to_all over the vmap axis {axis_data.name!r}: use a shard_map axis")
-    if all(d is None for d in dims_in):
-        return ragged_all_to_all_p.bind(*vals_in, mode=mode, src_rows=src_rows, **params), None
-    size = axis_data.size
-
-    def front(x, d):
-        return batching.bdim_at_front(x, d, size)
-
-    def second(x, d):  # index arrays as [slices, batch], so merged slice k*B+b keeps k's rank
-        if d is None:
-            return jnp.broadcast_to(x[:, None], (x.shape[0], size))
-        return jnp.moveaxis(x, d, 1)
-
-    operand, output = (front(v, d) for v, d in zip(vals_in[:2], dims_in[:2]))
-    io, ss, oo, rs = (second(v, d) for v, d in zip(vals_in[2:], dims_in[2:]))
-    b = jnp.arange(size, dtype=io.dtype)[None, :]
-    n_op, n_out = operand.shape[1], output.shape[1]
-    if mode == FORWARD:
-        io, oo = io + b * n_op, oo + b * n_out
-    elif mode == TRANSPOSE_OPERAND:
-        io, oo = io + b * n_out, oo + b * n_op
-    else:
-        io, oo = io + b * src_rows, oo + b * n_out
-    merge = lambda x: x.reshape(-1, *x.shape[2:])
-    out = ragged_all_to_all_p.bind(merge(operand), merge(output), *(x.reshape(-1) for x in (io, ss, oo, rs)),
-                                   mode=mode, src_rows=src_rows * size, **params)
-    return out.reshape(size, n_out, *out.shape[1:]), 0
-
-
-batching.fancy_primitive_batchers[ragged_all_to_all_p] = _batcher
 
 
 def _index_dtype(arrays: list) -> Any:
@@ -229,14 +220,21 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
     and slice when an offset or size would read or write outside a buffer, or recv_sizes
     disagree with send_sizes; nothing is written then.
 
-    Example (the jax.lax docstring's, axis of size 2)::
+    Example (jax.lax's, on an axis of 2 ranks)::
 
-        # rank 0: operand [1, 2, 2], input_offsets [0, 1], send_sizes [1, 2],
-        #         output_offsets [0, 0], recv_sizes [1, 1]
-        # rank 1: operand [3, 4, 0], input_offsets [0, 1], send_sizes [1, 1],
-        #         output_offsets [1, 2], recv_sizes [2, 1]
-        y = jaxcomm.ragged_all_to_all(operand, jnp.zeros(4), io, ss, oo, rs, axis_name="x")
-        # rank 0: [1, 3, 0, 0]; rank 1: [2, 2, 4, 0]
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+        >>> put = lambda a: jax.device_put(jnp.array(a), NamedSharding(mesh, P("x")))
+        >>> operand = put([1., 2., 2., 3., 4., 0.])  # rank 0: [1, 2, 2], rank 1: [3, 4, 0]
+        >>> input_offsets, send_sizes = put([0, 1, 0, 1]), put([1, 2, 1, 1])
+        >>> output_offsets, recv_sizes = put([0, 0, 1, 2]), put([1, 1, 2, 1])
+        >>> f = jax.shard_map(
+        ...     lambda *a: jaxcomm.ragged_all_to_all(a[0], jnp.zeros(4), *a[1:], axis_name="x"),
+        ...     mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        >>> jax.jit(f)(operand, input_offsets, send_sizes, output_offsets, recv_sizes)
+        Array([1., 3., 0., 0., 2., 2., 4., 0.], dtype=float32)
     """
     operand, output = jnp.asarray(operand), jnp.asarray(output)
     idx = [jnp.asarray(a) for a in (input_offsets, send_sizes, output_offsets, recv_sizes)]

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from jax._src.interpreters import ad
 
 from jaxcomm._src import compat, groups, primitive
-from jaxcomm._src.ops import common, gather
+from jaxcomm._src.ops import common, gather, table
 from jaxcomm._src.ops.gather import all_gather_p
 
-REDUCE_OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
+REDUCE_OPS = table.REDUCE_OPS  # {"sum": 0, "prod": 1, "min": 2, "max": 3}
 # The dtypes ffi/cpu/kernels.cc reduces (bool sums are taken as int32, as psum does).
 REDUCIBLE_DTYPES = frozenset(np.dtype(d) for d in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -45,7 +45,7 @@ all_reduce_p = primitive.define(primitive.CollectiveSpec(
     name="all_reduce",
     out_shape=lambda shape, size, **_: shape,
     invariant_result=True,
-    ffi_attrs=lambda op, **_: {"reduce_op": REDUCE_OPS[op]},
+    ffi_attrs=lambda op, **_: {"reduce_op": table.reduce_code(op)},
     aliases=True,
 ))
 
@@ -113,12 +113,17 @@ def all_reduce(x: Any, axis_name: Any, *, op: str = "sum", axis_index_groups: An
       ``max``/``min`` propagate NaN, as ``jnp.max`` does (``jaxcomm.lax.pmax``/``pmin``
       give jax.lax's answer instead, see :func:`skip_nan`).
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        mesh = jax.make_mesh((8,), ("x",))
-        f = jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x"), mesh=mesh,
-                          in_specs=P("x"), out_specs=P())
-        jax.jit(f)(jnp.arange(8.0))   # -> [28.]
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))  # f32[1] per rank
+        >>> f = jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x"), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=P())
+        >>> jax.jit(f)(x)
+        Array([28.], dtype=float32)
     """
     leaves, treedef = jax.tree.flatten(x)
     return treedef.unflatten(reduce_leaves(leaves, axis_name, op, axis_index_groups, timeout_s))
@@ -228,7 +233,7 @@ reduce_scatter_p = primitive.define(primitive.CollectiveSpec(
     name="reduce_scatter",
     out_shape=_reduce_scatter_shape,
     invariant_result=False,
-    ffi_attrs=lambda op, scatter_dimension, **_: {"reduce_op": REDUCE_OPS[op],
+    ffi_attrs=lambda op, scatter_dimension, **_: {"reduce_op": table.reduce_code(op),
                                                    "scatter_dimension": scatter_dimension},
     shift_axes=lambda p: {**p, "scatter_dimension": p["scatter_dimension"] + 1},
     batch_dims=lambda ndim, scatter_dimension, **_: scatter_dimension,
@@ -274,10 +279,17 @@ def reduce_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0, op: st
       tiled: keep the dimension (size divided by R) instead of removing it.
       axis_index_groups: as in :func:`all_reduce`; R is then the size of one group.
 
-    Example::
+    Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
 
-        # x: f32[8, 3] on each of 8 ranks of axis "x" -> f32[3] on each rank
-        jaxcomm.reduce_scatter(x, "x")
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxcomm
+        >>> mesh = jax.make_mesh((8,), ("x",))
+        >>> x = jax.device_put(jnp.ones((64, 3)), NamedSharding(mesh, P("x")))  # f32[8, 3] per rank
+        >>> f = jax.shard_map(lambda v: jaxcomm.reduce_scatter(v, "x"), mesh=mesh,
+        ...                   in_specs=P("x"), out_specs=P("x"))       # f32[3] per rank
+        >>> np.asarray(jax.jit(f)(x)).reshape(8, 3)[0]
+        array([8., 8., 8.], dtype=float32)
     """
     return jax.tree.map(lambda leaf: _reduce_scatter(leaf, axis_name, scatter_dimension, op, tiled,
                                                      axis_index_groups, timeout_s), x)

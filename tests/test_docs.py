@@ -1,0 +1,249 @@
+"""Every code example of the documentation runs: README.md, docs/*.md and public docstrings.
+
+Markdown: each ```python block of README.md and docs/*.md runs, in file order, in one
+namespace per file (a block may use what an earlier block of its file defined), in this
+process, on the 8 CPU devices conftest.py sets up. docs/moe.md is left to
+tests/test_moe_docs.py. A block that cannot run here (it needs `python -m jaxcomm.launch`,
+several processes, or a GPU) is marked by an HTML comment on the line right above its
+opening fence, which renders as nothing:
+
+    <!-- docs-test: skip (why it cannot run here, and what runs it instead) -->
+
+Blocks in other languages (```, ```bash, ...) are shown, never run.
+
+Docstrings: the ``>>>`` examples of the public API run as doctests, in a namespace with
+``jax``, ``jnp``, ``np``, ``P``, ``NamedSharding`` and ``jaxcomm`` already imported
+(the examples import them too, so that they run verbatim from ``help()``). Every public
+function and class has such an example; a line that cannot run in one process carries
+``# doctest: +SKIP``.
+
+Examples must leave the process as they found it: a block that switches ``jax.lax`` to
+jaxcomm (``use_for_lax``) must undo it, which the test checks.
+"""
+
+from __future__ import annotations
+
+import doctest
+import inspect
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxcomm
+from jaxcomm._src.dropin import collectives as dropin
+
+ROOT = Path(__file__).resolve().parent.parent
+# docs/moe.md: tests/test_moe_docs.py runs its examples (with the MoE layer's own meshes).
+SKIPPED_FILES = {"docs/moe.md"}
+SKIP_MARK = re.compile(r"<!--\s*docs-test:\s*skip\b\s*(?:\((?P<why>.*)\))?\s*-->")
+FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    path: str  # relative to the repository root
+    line: int  # of the opening fence, 1-based
+    code: str
+    skip: str | None  # the reason, when marked to skip
+
+
+def markdown_files() -> list[str]:
+    files = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
+    return [f for f in files if f not in SKIPPED_FILES]
+
+
+def python_blocks(path: str) -> list[Block]:
+    """The ```python blocks of one markdown file, with their skip marks."""
+    lines = (ROOT / path).read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, indent, lang = i, len(m.group("indent")), m.group("lang")
+        i += 1
+        body = []
+        while i < len(lines) and not re.match(rf"^ {{{indent}}}```\s*$", lines[i]):
+            body.append(lines[i][indent:])
+            i += 1
+        if i == len(lines):
+            raise ValueError(f"{path}:{start + 1}: a code block that is never closed")
+        i += 1
+        if lang != "python":
+            continue
+        above = lines[start - 1] if start > 0 else ""
+        mark = SKIP_MARK.search(above)
+        skip = (mark.group("why") or "marked docs-test: skip") if mark else None
+        blocks.append(Block(path, start + 1, "\n".join(body) + "\n", skip))
+    return blocks
+
+
+ALL_BLOCKS = [b for f in markdown_files() for b in python_blocks(f)]
+_namespaces: dict[str, dict] = {}
+
+
+# jax.lax's own collectives, taken before any example runs.
+_LAX = {name: getattr(jax.lax, name) for name in dropin.COLLECTIVES}
+
+
+@pytest.fixture(autouse=True)
+def _lax_left_alone():
+    yield
+    switched = sorted(n for n, fn in _LAX.items() if getattr(jax.lax, n) is not fn)
+    for name in switched:  # put them back for the tests that run after this one, then fail
+        setattr(jax.lax, name, _LAX[name])
+    assert not switched, f"the example left jax.lax.{switched} switched (use_for_lax without undo)"
+
+
+@pytest.mark.parametrize("block", ALL_BLOCKS, ids=[f"{b.path}:{b.line}" for b in ALL_BLOCKS])
+def test_markdown_example(block: Block, monkeypatch):
+    if block.skip:
+        pytest.skip(block.skip)
+    # An example may set XLA_FLAGS before importing jax, as a script must; here jax has
+    # long started with conftest's 8 devices, so that setting would only leak into the
+    # subprocesses of later tests.
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    ns = _namespaces.setdefault(block.path, {"__name__": f"docs_{Path(block.path).stem}"})
+    code = compile(block.code, f"{block.path}:{block.line}", "exec")
+    exec(code, ns)  # noqa: S102 - running the documentation is the point
+
+
+def test_skip_marks_name_a_block():
+    """A skip mark that is not right above a ```python fence would skip nothing silently."""
+    for path in markdown_files():
+        lines = (ROOT / path).read_text().splitlines()
+        for i, line in enumerate(lines):
+            if SKIP_MARK.search(line):
+                nxt = lines[i + 1] if i + 1 < len(lines) else ""
+                assert nxt.strip() == "```python", f"{path}:{i + 1}: skip mark not above a python block"
+
+
+def test_every_file_has_been_read():
+    # The parser must see the README's example (the one a new user copies first).
+    assert any(b.path == "README.md" and not b.skip for b in ALL_BLOCKS)
+
+
+# Pages linked before they are written (none now): a link to one is not reported broken.
+PENDING_PAGES: set[str] = set()
+LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings."""
+    out = set()
+    for line in path.read_text().splitlines():
+        m = re.match(r"^#{1,6} (.*)", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            out.add(slug)
+    return out
+
+
+def test_links_resolve():
+    """Every relative link of README.md and docs/*.md names a file (and heading) that exists."""
+    broken = []
+    for path in ["README.md"] + [f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")]:
+        text = re.sub(r"```.*?```", "", (ROOT / path).read_text(), flags=re.S)
+        for m in LINK.finditer(text):
+            target = m.group("target")
+            if re.match(r"^[a-z]+:", target):
+                continue  # http:, https:, mailto:
+            file_part, _, anchor = target.partition("#")
+            resolved = (ROOT / path).parent / file_part if file_part else ROOT / path
+            rel = os.path.relpath(resolved, ROOT)
+            if not resolved.exists():
+                if rel not in PENDING_PAGES:
+                    broken.append(f"{path}: {target}")
+                continue
+            if anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                broken.append(f"{path}: {target} (no such heading)")
+    assert not broken, broken
+
+
+# --- docstrings -------------------------------------------------------------------------
+
+def public_api() -> dict[str, object]:
+    """Every public function and class of jaxcomm and its public modules, by dotted name."""
+    out: dict[str, object] = {}
+    for mod_name, mod in (("jaxcomm", jaxcomm), ("jaxcomm.moe", jaxcomm.moe),
+                          ("jaxcomm.ft", jaxcomm.ft), ("jaxcomm.trace", jaxcomm.trace)):
+        names = getattr(mod, "__all__", None) or [n for n in vars(mod) if not n.startswith("_")]
+        for name in names:
+            obj = getattr(mod, name)
+            if inspect.isfunction(obj) or inspect.isclass(obj):
+                out[f"{mod_name}.{name}"] = obj
+    return out
+
+
+def lax_api() -> dict[str, object]:
+    """jaxcomm.lax's own functions (its other names are jax.lax's, with jax's docstrings)."""
+    return {f"jaxcomm.lax.{n}": getattr(jaxcomm.lax, n) for n in jaxcomm.lax.__all__
+            if getattr(getattr(jaxcomm.lax, n), "__module__", "").startswith("jaxcomm")}
+
+
+# Public names whose docstring needs no example: data holders, and functions whose one
+# call is their whole story (another example, the module docstring or docs/ shows them).
+NO_EXAMPLE = {
+    "jaxcomm.LaxSwitch",  # made by use_for_lax, whose example shows it
+    "jaxcomm.moe.Handle",  # returned by dispatch, whose example shows it
+    "jaxcomm.moe.combine", "jaxcomm.moe.combine_padded",  # in dispatch's examples
+    "jaxcomm.moe.combine_low_latency",  # in dispatch_low_latency's example
+    "jaxcomm.moe.PendingDispatch", "jaxcomm.moe.PendingCombine",  # returned by the send halves
+    "jaxcomm.moe.dispatch_recv", "jaxcomm.moe.combine_send", "jaxcomm.moe.combine_recv",  # in dispatch_send's
+    "jaxcomm.reset_stats",  # stats(reset=True)
+    "jaxcomm.ft.excluded",  # a list of process indices
+    "jaxcomm.trace.analyze",  # in dump's example
+    "jaxcomm.trace.dump_path", "jaxcomm.trace.enabled", "jaxcomm.trace.set_enabled",
+}
+
+
+def doctests() -> list[doctest.DocTest]:
+    finder = doctest.DocTestFinder(recurse=False)
+    tests = []
+    objs = dict(public_api())
+    objs.update(lax_api())
+    for name, obj in sorted(objs.items()):
+        for t in finder.find(obj, name, globs={}):
+            if t.examples:
+                tests.append(t)
+    return tests
+
+
+DOCTESTS = doctests()
+
+
+def test_public_api_has_examples():
+    have = {t.name for t in DOCTESTS}
+    missing = sorted(set(public_api()) - have - NO_EXAMPLE)
+    assert not missing, f"public functions without a >>> example in their docstring: {missing}"
+
+
+def test_no_example_left_unrun():
+    """An ``Example::`` block without ``>>>`` would be shown by help() and never run."""
+    objs = dict(public_api())
+    objs.update(lax_api())
+    stale = []
+    for name, obj in objs.items():
+        doc = inspect.getdoc(obj) or ""
+        for m in re.finditer(r"Example[^\n]*::\n", doc):
+            if ">>>" not in doc[m.end():m.end() + 400]:
+                stale.append(name)
+    assert not stale, f"examples that no test runs (write them as >>> doctests): {stale}"
+
+
+@pytest.mark.parametrize("test", DOCTESTS, ids=[t.name for t in DOCTESTS])
+def test_docstring_example(test: doctest.DocTest):
+    test.globs = {"jax": jax, "jnp": jnp, "np": np, "P": P, "NamedSharding": NamedSharding,
+                  "jaxcomm": jaxcomm}
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    out: list[str] = []
+    runner.run(test, out=out.append, clear_globs=True)
+    assert runner.failures == 0, "".join(out)
