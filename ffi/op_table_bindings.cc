@@ -9,7 +9,9 @@
 #include "core/op_table.h"
 #include "cpu/ft.h"
 #include "cpu/handlers.h"
+#include "cpu/moe_dispatch.h"
 #include "cpu/moe_kernels.h"
+#include "cpu/moe_split.h"
 #include "cpu/ragged.h"
 
 namespace nb = nanobind;
@@ -28,13 +30,23 @@ void RegisterOpTable(nb::module_& m) {
     op["target"] = "jaxcomm_" #name;                                                     \
     op["operands"] = operands;                                                           \
     op["results"] = results;                                                             \
-    op["backends"] = std::string(#backends) == "CPU" ? nb::make_tuple("cpu")             \
-                                                     : nb::make_tuple("cpu", "cuda");    \
+    op["backends"] = std::string(#backends) == "CPU"    ? nb::make_tuple("cpu")          \
+                     : std::string(#backends) == "CUDA" ? nb::make_tuple("cuda")         \
+                                                        : nb::make_tuple("cpu", "cuda"); \
     op["attrs"] = attrs;                                                                 \
+    op["variadic"] = false;                                                              \
+    op["local"] = false;                                                                 \
     ops[#name] = op;                                                                     \
   }
     JAXCOMM_OPS(JAXCOMM_OP_ENTRY_)
+    JAXCOMM_LOCAL_OPS(JAXCOMM_OP_ENTRY_)
 #undef JAXCOMM_OP_ENTRY_
+#define JAXCOMM_VARIADIC_ENTRY_(name) ops[#name]["variadic"] = true;
+    JAXCOMM_VARIADIC_OPS(JAXCOMM_VARIADIC_ENTRY_)
+#undef JAXCOMM_VARIADIC_ENTRY_
+#define JAXCOMM_LOCAL_ENTRY_(name, Handler, operands, results, backends) ops[#name]["local"] = true;
+    JAXCOMM_LOCAL_OPS(JAXCOMM_LOCAL_ENTRY_)
+#undef JAXCOMM_LOCAL_ENTRY_
 #undef JAXCOMM_ATTR_ENTRY_
     nb::dict table;
     table["ops"] = ops;
@@ -50,12 +62,14 @@ void RegisterOpTable(nb::module_& m) {
 #undef JAXCOMM_CODE_ENTRY_
     return table;
   }, "core/op_table.h: {'ops': {name: {target, operands, results, backends, attrs: {name: "
-     "type}}}, 'reduce_op': {name: code}, 'ragged_mode': {...}, 'moe_mode': {...}}.");
+     "type}, variadic, local}}, 'reduce_op': {name: code}, 'ragged_mode': {...}, 'moe_mode': "
+     "{...}, 'moe_fp8': {...}}.");
 
   m.def("op_code_error", [](const std::string& kind, int64_t code) {
     if (kind == "reduce_op") return CheckReduceOp(code);
     if (kind == "ragged_mode") return CheckRaggedMode(code);
     if (kind == "moe_mode") return CheckMoeMode(code);
+    if (kind == "moe_fp8") return CheckMoeFp8(code);
     throw nb::value_error(("op_code_error: no code list " + kind).c_str());
   }, nb::arg("kind"), nb::arg("code"),
      "What every backend's parsing says of `code` as a `kind` code ('' when valid); tests.");

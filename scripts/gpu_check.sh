@@ -14,6 +14,8 @@
 #             scripts/build_gpu_module.sh and carried into jaxcomm/ is used.
 #   loopback  MoE dispatch/combine kernels, 8 logical ranks, T=4096, H=7168, top-8, 256
 #             experts, bf16, GB/s (DeepEP's byte count) against a device-to-device copy
+#   decode    the same at decode size (T=128) in the low-latency layout, with and without
+#             FP8 dispatch
 #   jit       through jax.jit on one GPU, four collectives 4 B..1 GiB and MoE, against
 #             jax.lax on the same data (tests/gpu/figures.py jit)
 #   mp        4 processes sharing the GPU: dispatch+combine through CUDA IPC against a
@@ -27,7 +29,7 @@
 # printed), versions.txt, build.log, figures.log, figures.json, tests.log, tests.xml,
 # summary.json. GPU_CHECK_SKIP_BUILD=1 reuses the module already in jaxcomm/ (a rerun on
 # a machine still warm); GPU_CHECK_BUILD_S caps the build (default 300 s);
-# GPU_CHECK_STAGES lists the stages to run (default build,loopback,jit,mp,tests), e.g.
+# GPU_CHECK_STAGES lists the stages to run (default build,loopback,decode,jit,mp,tests), e.g.
 # GPU_CHECK_SKIP_BUILD=1 GPU_CHECK_STAGES=tests for a second call that only tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,7 +80,7 @@ skip() {
   record "$1" -1 0 "skipped: $2"
 }
 
-SELECTED=",${GPU_CHECK_STAGES:-build,loopback,jit,mp,tests},"
+SELECTED=",${GPU_CHECK_STAGES:-build,loopback,decode,jit,mp,tests},"
 selected() { [[ "$SELECTED" == *",$1,"* ]]; }
 
 # -------------------------------------------------------------------------- versions
@@ -167,6 +169,8 @@ figure() {
 }
 figure loopback 60 "$PY" -m jaxcomm._src.cuda_loopback --ranks 8 --tokens 4096 --hidden 7168 \
   --topk 8 --experts 256 --dtype bfloat16 --layouts packed,padded --iters 10 --json "$WORK/loopback.json"
+figure decode 30 "$PY" -m jaxcomm._src.cuda_loopback --ranks 8 --tokens 128 --hidden 7168 \
+  --topk 8 --experts 256 --dtype bfloat16 --layouts low_latency --fp8 both --iters 20 --json "$WORK/decode.json"
 figure jit 100 "$PY" tests/gpu/figures.py jit --json "$WORK/jit.json" --budget-s 80
 figure mp 90 "$PY" tests/gpu/figures.py mp --json "$WORK/mp.json" --budget-s 75
 
@@ -178,7 +182,8 @@ elif ! selected tests; then
   skip tests "not in GPU_CHECK_STAGES"
 else
   stage tests 400 "$OUT_DIR/tests.log" "$PY" -m pytest -q -ra -p no:cacheprovider \
-    tests/gpu/test_collectives_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_multiprocess_gpu.py \
+    tests/gpu/test_collectives_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_moe_inference_gpu.py \
+    tests/gpu/test_multiprocess_gpu.py \
     tests/gpu/test_cuda_host.py --timeout=240 --junitxml="$OUT_DIR/tests.xml" -o junit_family=xunit1
 fi
 
@@ -192,7 +197,7 @@ for line in open(os.path.join(work, "stages.tsv")):
     name, rc, secs, note = (line.rstrip("\n").split("\t") + [""])[:4]
     res["stages"][name] = {"rc": int(rc), "seconds": int(secs or 0), "note": note}
 figures = {}
-for name in ("loopback", "jit", "mp"):
+for name in ("loopback", "decode", "jit", "mp"):
     try:
         figures[name] = json.load(open(os.path.join(work, f"{name}.json")))
     except Exception as e:  # a skipped or failed stage leaves no file: say so

@@ -197,6 +197,9 @@ NO_EXAMPLE = {
     "jaxcomm.LaxSwitch",  # made by use_for_lax, whose example shows it
     "jaxcomm.moe.Handle",  # returned by dispatch, whose example shows it
     "jaxcomm.moe.combine", "jaxcomm.moe.combine_padded",  # in dispatch's examples
+    "jaxcomm.moe.combine_low_latency",  # in dispatch_low_latency's example
+    "jaxcomm.moe.PendingDispatch", "jaxcomm.moe.PendingCombine",  # returned by the send halves
+    "jaxcomm.moe.dispatch_recv", "jaxcomm.moe.combine_send", "jaxcomm.moe.combine_recv",  # in dispatch_send's
     "jaxcomm.reset_stats",  # stats(reset=True)
     "jaxcomm.ft.excluded",  # a list of process indices
     "jaxcomm.trace.analyze",  # in dump's example

@@ -14,8 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomm
 from conftest import per_device
-
-R = 8
+from moe_reference import R, np_combine, np_dispatch, routing, tagged_x
 
 
 def _mesh(r=R):
@@ -25,68 +24,6 @@ def _mesh(r=R):
 def per_rank(f, *args, r=R):
     """Rank k gets args[i][k]; returns f's outputs stacked over ranks (pytree)."""
     return per_device(f, _mesh(r), *args)
-
-
-# ------------------------------------------------------------------------ NumPy reference
-
-def np_dispatch(xs, ids, E, capacity=None, padded=False):
-    """Returns expert_x [R, ...], sizes [R, El], row_of {(s, t, k): (d, flat row)}, dropped [R]."""
-    Rn, T, K = ids.shape
-    El = E // Rn
-    H = xs.shape[-1]
-    rows = El * Rn * T if padded else (capacity or Rn * T * min(K, El))
-    ex = np.zeros((Rn, rows, H), xs.dtype)
-    sizes = np.zeros((Rn, El), np.int32)
-    row_of, dropped = {}, np.zeros(Rn, np.int32)
-    for d in range(Rn):
-        n = 0
-        for el in range(El):
-            e = d * El + el
-            members = [(s, t, k) for s in range(Rn) for t in range(T) for k in range(K)
-                       if ids[s, t, k] == e]
-            if padded:
-                kept, base = members[:Rn * T], el * Rn * T
-            else:
-                kept, base = members[:max(0, rows - n)], n
-            for j, (s, t, k) in enumerate(kept):
-                ex[d, base + j] = xs[s, t]
-                row_of[(s, t, k)] = (d, base + j)
-            for (s, _, _) in members[len(kept):]:
-                dropped[s] += 1
-            sizes[d, el] = len(kept)
-            n += len(kept)
-    if padded:
-        ex = ex.reshape(Rn, El, Rn * T, H)
-    return ex, sizes, row_of, dropped
-
-
-def np_combine(eys, row_of, w, T, H):
-    Rn = w.shape[0]
-    flat = eys.reshape(Rn, -1, H)
-    y = np.zeros((Rn, T, H), np.float64)
-    for (s, t, k), (d, row) in row_of.items():
-        y[s, t] += w[s, t, k] * flat[d, row].astype(np.float64)
-    return y
-
-
-def routing(T, K, E, seed, p_none=0.1, distinct=True):
-    rng = np.random.default_rng(seed)
-    if distinct:
-        ids = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(T)]) for _ in range(R)])
-    else:
-        ids = rng.integers(0, E, size=(R, T, K))
-    ids = ids.astype(np.int32)
-    ids[rng.random(ids.shape) < p_none] = -1
-    return ids
-
-
-def tagged_x(T, H, seed=0):
-    """Token rows carry (source rank, token index) in columns 0 and 1."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(R, T, H)).astype(np.float32)
-    x[:, :, 0] = np.arange(R)[:, None]
-    x[:, :, 1] = np.arange(T)[None, :]
-    return x
 
 
 def run_moe(x, ids, w, E, capacity=None, padded=False, ey_fn=lambda e: 2.0 * e + 1.0):

@@ -12,12 +12,18 @@
 
 namespace jaxcomm {
 
-// What a transport call's operands say: tokens T, slots K, hidden H, result rows, the
-// bytes of one moved row, and whether the mode gathers rows (kGatherCopy/kGatherScaled).
+// What a transport call's operands say: tokens T, slots K, hidden H, result rows (the
+// gathers') or src rows (the others), the bytes of one result row, whether the mode
+// gathers rows, and the element types of src, g and the result.
 struct MoeOperandShape {
   int64_t T = 0, K = 0, H = 0, rows = 0, row_bytes = 0;
   bool gather = false;
+  xla::ffi::DataType src_type = xla::ffi::DataType::F32, g_type = xla::ffi::DataType::F32,
+                     out_type = xla::ffi::DataType::F32;
 };
+
+// float32, bfloat16 or float16: the float types the transports take.
+bool IsMoeFloat(xla::ffi::DataType t);
 
 // Checks a transport call's operands against its mode; returns "" and fills `shape`, or
 // why the call is malformed.

@@ -7,8 +7,8 @@
 // Adding an op: one JAXCOMM_OPS line, one JAXCOMM_ATTRS_<name> line, then the op's own
 // files (its Python primitive under jaxcomm/_src/ops/, its handler per backend, named
 // k<Handler> in jaxcomm::cpu and jaxcomm_cuda_<Handler> / jaxcomm_cuda_Inst<Handler> in
-// jaxcomm::cuda). Adding a reduction code or a mode: one line of its list, then the
-// kernels that implement it.
+// jaxcomm::cuda). A kernel called outside any group: one JAXCOMM_LOCAL_OPS line. Adding
+// a reduction code or a mode: one line of its list, then the kernels that implement it.
 //
 // No XLA or CUDA header here: the CUDA kernels (kernels.cu) include it through
 // cuda/kernel_logic.h.
@@ -19,17 +19,33 @@
 
 // X(name, Handler, operands, results, backends): the op `name` (Python's name, and the
 // FFI target jaxcomm_<name>), its handlers' C++ name, how many buffers it takes and
-// returns, and which backends serve it (CPU, or CPU_CUDA).
-#define JAXCOMM_OPS(X)                                   \
-  X(all_reduce, AllReduce, 1, 1, CPU_CUDA)               \
-  X(all_gather, AllGather, 1, 1, CPU_CUDA)               \
-  X(reduce_scatter, ReduceScatter, 1, 1, CPU_CUDA)       \
-  X(all_to_all, AllToAll, 1, 1, CPU_CUDA)                \
-  X(ppermute, Permute, 1, 1, CPU_CUDA)                   \
-  X(broadcast, Broadcast, 1, 1, CPU_CUDA)                \
-  X(ragged_all_to_all, RaggedAllToAll, 6, 1, CPU_CUDA)   \
-  X(moe_transport, MoeTransport, 5, 1, CPU_CUDA)         \
+// returns, and which backends serve it (CPU, or CPU_CUDA). Every op runs over a group:
+// it binds the common call attributes (core/call_attrs.h) and has an instantiate stage.
+#define JAXCOMM_OPS(X)                                      \
+  X(all_reduce, AllReduce, 1, 1, CPU_CUDA)                  \
+  X(all_gather, AllGather, 1, 1, CPU_CUDA)                  \
+  X(reduce_scatter, ReduceScatter, 1, 1, CPU_CUDA)          \
+  X(all_to_all, AllToAll, 1, 1, CPU_CUDA)                   \
+  X(ppermute, Permute, 1, 1, CPU_CUDA)                      \
+  X(broadcast, Broadcast, 1, 1, CPU_CUDA)                   \
+  X(ragged_all_to_all, RaggedAllToAll, 6, 1, CPU_CUDA)      \
+  X(moe_transport, MoeTransport, 5, 1, CPU_CUDA)            \
+  X(moe_transport_send, MoeTransportSend, 5, 2, CPU_CUDA)   \
+  X(moe_recv, MoeRecv, 2, 2, CPU_CUDA)                      \
+  X(moe_dispatch, MoeDispatch, 2, 4, CPU)                   \
   X(ft_all_reduce, FtAllReduce, 1, 2, CPU)
+
+// Ops whose operand count above is a minimum, X(name): moe_recv takes the send half's two
+// results, then every operand the send published, which XLA keeps alive until the round
+// is over (cpu/moe_split.h).
+#define JAXCOMM_VARIADIC_OPS(X) X(moe_recv)
+
+// Kernels a program calls on one device's data, outside any group (no call attributes,
+// no state, an execute stage alone), X as JAXCOMM_OPS's; backends CUDA. moe_fp8_quantize:
+// x [T, H] float32/bfloat16/float16 -> (FP8 codes [T, H], f32 scales [T, ceil(H/128)]),
+// jaxcomm's FP8 token format (core/number_formats.h); the host backend quantizes inside
+// moe_dispatch instead.
+#define JAXCOMM_LOCAL_OPS(X) X(moe_fp8_quantize, Fp8Quantize, 1, 2, CUDA)
 
 // Each op's own attributes, in binding order, after those every call carries
 // (core/call_attrs.h): A(type, name), type I64 (int64_t) or I64S (a span of int64_t).
@@ -41,7 +57,12 @@
 #define JAXCOMM_ATTRS_broadcast(A) A(I64, root)
 #define JAXCOMM_ATTRS_ragged_all_to_all(A) A(I64, mode) A(I64, src_rows) A(I64, dst_rows)
 #define JAXCOMM_ATTRS_moe_transport(A) A(I64, mode)
+#define JAXCOMM_ATTRS_moe_transport_send(A) A(I64, mode)
+#define JAXCOMM_ATTRS_moe_recv(A)
+#define JAXCOMM_ATTRS_moe_dispatch(A) \
+  A(I64, num_experts) A(I64, slab) A(I64, fp8) A(I64, zero_unused) A(I64, check_ids) A(I64, split)
 #define JAXCOMM_ATTRS_ft_all_reduce(A)
+#define JAXCOMM_ATTRS_moe_fp8_quantize(A)  // a local op: no common attributes either
 
 // Appends op `name`'s own attributes to an FFI binding: BindCallAttrs(b)
 // JAXCOMM_BIND_ATTRS(all_reduce) gives .Attr<int64_t>("reduce_op"). Only where
@@ -53,6 +74,7 @@
 
 // Expands `x` only for the ops a backend serves: JAXCOMM_IF_CUDA_##backends(x).
 #define JAXCOMM_IF_CUDA_CPU_CUDA(...) __VA_ARGS__
+#define JAXCOMM_IF_CUDA_CUDA(...) __VA_ARGS__
 #define JAXCOMM_IF_CUDA_CPU(...)
 
 // The codes of the ops' enum attributes: X(name, code, Enumerator). Python's names are
@@ -63,13 +85,19 @@
 //   (towards `operand`; towards `output`: the rows a forward call writes, zeroed).
 #define JAXCOMM_RAGGED_MODES(X) \
   X(forward, 0, kForward) X(transpose_operand, 1, kTransposeOperand) X(zero_received, 2, kZeroReceived)
-//   mode of moe_transport (core/moe_modes.h says what each does):
-#define JAXCOMM_MOE_MODES(X) \
-  X(gather_copy, 0, kGatherCopy) X(gather_scaled, 1, kGatherScaled) X(reduce, 2, kReduce) X(dot, 3, kDot)
+//   mode of moe_transport and moe_transport_send (core/moe_modes.h says what each does):
+#define JAXCOMM_MOE_MODES(X)                                                             \
+  X(gather_copy, 0, kGatherCopy) X(gather_scaled, 1, kGatherScaled) X(reduce, 2, kReduce) \
+  X(dot, 3, kDot) X(gather_sparse, 4, kGatherSparse) X(gather_dequant, 5, kGatherDequant) \
+  X(gather_dequant_sparse, 6, kGatherDequantSparse)
+//   fp8 of moe_dispatch: tokens travel in their dtype, or as FP8 delivered dequantized to
+//   their dtype, or delivered as FP8 (codes and scales). Python's fp8= names these.
+#define JAXCOMM_MOE_FP8(X) X(none, 0, kNone) X(dequantize, 1, kDequantize) X(raw, 2, kRaw)
 
 // Every enum list, X(list, attribute): the attribute that carries its codes.
-#define JAXCOMM_CODE_LISTS(X) \
-  X(JAXCOMM_REDUCE_OPS, reduce_op) X(JAXCOMM_RAGGED_MODES, ragged_mode) X(JAXCOMM_MOE_MODES, moe_mode)
+#define JAXCOMM_CODE_LISTS(X)                                                \
+  X(JAXCOMM_REDUCE_OPS, reduce_op) X(JAXCOMM_RAGGED_MODES, ragged_mode)      \
+  X(JAXCOMM_MOE_MODES, moe_mode) X(JAXCOMM_MOE_FP8, moe_fp8)
 
 #define JAXCOMM_ENUMERATOR_(name, code, Enumerator) Enumerator = code,
 
@@ -77,9 +105,10 @@ namespace jaxcomm {
 
 enum class ReduceOp : int { JAXCOMM_REDUCE_OPS(JAXCOMM_ENUMERATOR_) };
 enum class RaggedMode : int { JAXCOMM_RAGGED_MODES(JAXCOMM_ENUMERATOR_) };
+enum class MoeFp8 : int { JAXCOMM_MOE_FP8(JAXCOMM_ENUMERATOR_) };
 
 // IsReduceOp(code), ReduceOpCodes() ("sum 0, prod 1, min 2, max 3"), and the same for
-// RaggedMode and MoeMode.
+// RaggedMode, MoeMode and MoeFp8.
 #define JAXCOMM_IS_CODE_(name, code, Enumerator) || c == code
 #define JAXCOMM_APPEND_CODE_(name, code, Enumerator) s += std::string(s.empty() ? "" : ", ") + #name " " #code;
 #define JAXCOMM_CODE_FUNCTIONS_(LIST, Kind)                                     \
@@ -92,6 +121,7 @@ enum class RaggedMode : int { JAXCOMM_RAGGED_MODES(JAXCOMM_ENUMERATOR_) };
 JAXCOMM_CODE_FUNCTIONS_(JAXCOMM_REDUCE_OPS, ReduceOp)
 JAXCOMM_CODE_FUNCTIONS_(JAXCOMM_RAGGED_MODES, RaggedMode)
 JAXCOMM_CODE_FUNCTIONS_(JAXCOMM_MOE_MODES, MoeMode)
+JAXCOMM_CODE_FUNCTIONS_(JAXCOMM_MOE_FP8, MoeFp8)
 #undef JAXCOMM_CODE_FUNCTIONS_
 #undef JAXCOMM_APPEND_CODE_
 #undef JAXCOMM_IS_CODE_
@@ -110,6 +140,9 @@ inline std::string CheckRaggedMode(int64_t code) {
 }
 inline std::string CheckMoeMode(int64_t code) {
   return IsMoeMode(code) ? std::string() : UnknownCode("MoE transport mode", code, MoeModeCodes());
+}
+inline std::string CheckMoeFp8(int64_t code) {
+  return IsMoeFp8(code) ? std::string() : UnknownCode("MoE dispatch fp8 mode", code, MoeFp8Codes());
 }
 
 // The name of a reduction, for messages.

@@ -19,8 +19,8 @@ void AdviseHugePages(void* data, size_t bytes) {
 }
 
 Peer Buffers(const ffi::AnyBuffer& in, ffi::AnyBuffer& out,
-             std::initializer_list<const ffi::AnyBuffer*> aux) {
-  AdviseHugePages(out.untyped_data(), out.size_bytes());
+             std::initializer_list<const ffi::AnyBuffer*> aux, bool written_whole) {
+  if (written_whole) AdviseHugePages(out.untyped_data(), out.size_bytes());
   Peer p;
   p.in = in.untyped_data();
   p.in_bytes = in.size_bytes();

@@ -107,9 +107,11 @@ ffi::Future Reject(const Common& c, const std::string& why);
 void AdviseHugePages(void* data, size_t bytes);
 
 // This rank's buffers: operand `in`, result `out`, and up to four further operands.
-// Advises huge pages for `out` (see AdviseHugePages): every op's result is written whole.
+// Advises huge pages for `out` (see AdviseHugePages) when it is written whole, as every
+// op's result is but the MoE low-latency layout's (`written_whole` false: it is mostly
+// rows nobody writes, and each 2 MiB page a few rows touch would be zeroed whole).
 Peer Buffers(const ffi::AnyBuffer& in, ffi::AnyBuffer& out,
-             std::initializer_list<const ffi::AnyBuffer*> aux = {});
+             std::initializer_list<const ffi::AnyBuffer*> aux = {}, bool written_whole = true);
 
 // The ranks whose results this process writes (those of other processes have no
 // `out`), dealt out to `num_parts` parts; calls f(rank) for part `part`'s share.

@@ -15,106 +15,216 @@
 
 #include "core/rendezvous.h"
 #include "cpu/launch.h"
+#include "cpu/moe_convert.h"
+#include "cpu/moe_split.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cpu {
 namespace {
 
-
+// A transport call's operands as checked (CheckMoeOperands), with the host kernels'
+// element types.
 struct MoePlan : MoeOperandShape {
   int64_t mode = 0, R = 0;
+  Real src = Real::kF32, out = Real::kF32, g = Real::kF32;
 };
 
-// Peer::aux: dest, pos, w, g.
-std::string RunMoe(const MoePlan& p, const std::vector<Peer>& peers, int r) {
-  const int32_t* my_dest = static_cast<const int32_t*>(peers[r].aux[0]);
-  const int32_t* my_pos = static_cast<const int32_t*>(peers[r].aux[1]);
-  const float* my_w = static_cast<const float*>(peers[r].aux[2]);
-  if (p.mode == kGatherCopy || p.mode == kGatherScaled) {
-    char* out = static_cast<char*>(peers[r].out);
-    std::vector<char> written(static_cast<size_t>(p.rows), 0);
-    for (int64_t s = 0; s < p.R; ++s) {
-      const int32_t* dest = static_cast<const int32_t*>(peers[s].aux[0]);
-      const int32_t* pos = static_cast<const int32_t*>(peers[s].aux[1]);
-      const float* w = static_cast<const float*>(peers[s].aux[2]);
-      const char* src = static_cast<const char*>(peers[s].in);
-      for (int64_t i = 0; i < p.T * p.K; ++i) {
-        const int64_t row = pos[i];
-        if (dest[i] != r || row < 0 || row >= p.rows) continue;
-        written[row] = 1;
-        const char* in = src + (i / p.K) * p.row_bytes;
-        if (p.mode == kGatherCopy) {
-          std::memcpy(out + row * p.row_bytes, in, p.row_bytes);
-        } else {
-          float* o = reinterpret_cast<float*>(out + row * p.row_bytes);
-          const float* x = reinterpret_cast<const float*>(in);
-          const float a = w[i];
-          for (int64_t h = 0; h < p.H; ++h) o[h] = a * x[h];
-        }
-      }
+std::string CheckHostMoeOperands(int64_t mode, const ffi::AnyBuffer& src, const ffi::AnyBuffer& dest,
+                                 const ffi::AnyBuffer& pos, const ffi::AnyBuffer& w, const ffi::AnyBuffer& g,
+                                 const ffi::AnyBuffer& result, MoePlan* p) {
+  if (std::string why = CheckMoeOperands(mode, src, dest, pos, w, g, result, p); !why.empty()) return why;
+  // The copies move bytes; the float modes' types are float32, bfloat16 or float16 (FP8
+  // codes for the dequantizing gathers' src).
+  if (mode == kGatherCopy || mode == kGatherSparse) return "";
+  AsReal(p->out_type, &p->out);
+  AsReal(p->g_type, &p->g);
+  if (!AsReal(p->src_type, &p->src)) p->src = Real::kE4M3;
+  return "";
+}
+
+// Receiver r's incoming rows: f(source s, slot i, row) for every slot of every source
+// whose destination is r, sources ascending, slots in (token, slot) order. `tables(s)`
+// gives source s's (dest, pos) slot tables.
+template <typename Tables, typename F>
+void ForEachArrival(int r, int64_t R, int64_t slots, int64_t rows, Tables&& tables, F&& f) {
+  for (int64_t s = 0; s < R; ++s) {
+    const auto [dest, pos] = tables(static_cast<int>(s));
+    for (int64_t i = 0; i < slots; ++i) {
+      const int64_t row = pos[i];
+      if (dest[i] != r || row < 0 || row >= rows) continue;
+      f(static_cast<int>(s), i, row);
     }
-    for (int64_t row = 0; row < p.rows; ++row) {
-      if (!written[row]) std::memset(out + row * p.row_bytes, 0, p.row_bytes);
-    }
-    return "";
   }
-  if (p.mode == kReduce) {
-    float* out = static_cast<float*>(peers[r].out);
-    std::vector<float> part(static_cast<size_t>(p.H));
+}
+
+// Peer::aux: dest, pos, w, g.
+std::pair<const int32_t*, const int32_t*> SlotTables(const Peer& p) {
+  return {static_cast<const int32_t*>(p.aux[0]), static_cast<const int32_t*>(p.aux[1])};
+}
+
+void RunGather(const MoePlan& p, const std::vector<Peer>& peers, int r) {
+  char* out = static_cast<char*>(peers[r].out);
+  const bool zero = ZeroesUnwritten(p.mode);
+  const bool dequant = p.mode == kGatherDequant || p.mode == kGatherDequantSparse;
+  std::vector<char> written(zero ? static_cast<size_t>(p.rows) : 0, 0);
+  // The copies move rows of any dtype, src's the result's.
+  const int64_t in_row_bytes = p.mode == kGatherScaled || dequant ? p.H * RealBytes(p.src) : p.row_bytes;
+  const int64_t nb = Fp8Blocks(p.H);
+  // copy(destination row, source token row, slot weight, the token's FP8 scales)
+  auto rows = [&](auto copy) {
+    ForEachArrival(r, p.R, p.T * p.K, p.rows, [&](int s) { return SlotTables(peers[s]); },
+                   [&](int s, int64_t i, int64_t row) {
+                     if (zero) written[row] = 1;
+                     const int64_t t = i / p.K;
+                     const char* in = static_cast<const char*>(peers[s].in) + t * in_row_bytes;
+                     copy(out + row * p.row_bytes, in, static_cast<const float*>(peers[s].aux[2])[i],
+                          static_cast<const float*>(peers[s].aux[3]) + t * nb);
+                   });
+  };
+  if (p.mode == kGatherScaled) {
+    WithReal(p.src, [&](auto in) {
+      WithReal(p.out, [&](auto o) {
+        rows([&](char* dst, const char* src, float a, const float*) {
+          ConvertRow<decltype(in), decltype(o)>(dst, src, a, p.H);
+        });
+      });
+    });
+  } else if (dequant) {
+    WithReal(p.out, [&](auto o) {
+      rows([&](char* dst, const char* src, float, const float* scales) {
+        DequantizeRowE4M3<decltype(o)>(dst, reinterpret_cast<const uint8_t*>(src), scales, p.H);
+      });
+    });
+  } else {
+    rows([&](char* dst, const char* src, float, const float*) { std::memcpy(dst, src, p.row_bytes); });
+  }
+  if (!zero) return;
+  for (int64_t row = 0; row < p.rows; ++row) {
+    if (!written[row]) std::memset(out + row * p.row_bytes, 0, p.row_bytes);
+  }
+}
+
+// Rank s: y[t] = sum over ranks d in order of (sum over slots k with dest_s[t, k] == d, in
+// order, of w_s[t, k] * src_d[pos_s[t, k]]), in float32. A rank with one slot adds its
+// product straight into y: without contraction into fused multiply-adds (-O3 without
+// -march emits none) that rounds exactly as adding the one-term partial sum.
+void RunReduce(const MoePlan& p, const std::vector<Peer>& peers, int r) {
+  const auto [my_dest, my_pos] = SlotTables(peers[r]);
+  const float* my_w = static_cast<const float*>(peers[r].aux[2]);
+  const int64_t in_row_bytes = p.H * RealBytes(p.src);
+  std::vector<float> part(static_cast<size_t>(p.H)), y32(p.out == Real::kF32 ? 0 : static_cast<size_t>(p.H));
+  WithReal(p.src, [&](auto in) {
+    using In = decltype(in);
     for (int64_t t = 0; t < p.T; ++t) {
-      float* y = out + t * p.H;
+      float* y = p.out == Real::kF32 ? static_cast<float*>(peers[r].out) + t * p.H : y32.data();
       bool y_set = false;
       for (int64_t d = 0; d < p.R; ++d) {
-        const float* src = static_cast<const float*>(peers[d].in);
-        bool part_set = false;
+        const char* src = static_cast<const char*>(peers[d].in);
+        int n = 0;
+        int64_t first = -1;
         for (int64_t k = 0; k < p.K; ++k) {
           const int64_t i = t * p.K + k, row = my_pos[i];
           if (my_dest[i] != d || row < 0 || row >= p.rows) continue;
-          const float a = my_w[i];
-          const float* x = src + row * p.H;
-          if (!part_set) {
-            for (int64_t h = 0; h < p.H; ++h) part[h] = a * x[h];
-            part_set = true;
+          const char* x = src + row * in_row_bytes;
+          if (n == 0) {
+            first = i;
           } else {
-            for (int64_t h = 0; h < p.H; ++h) part[h] += a * x[h];
+            if (n == 1) ScaleRow<In>(part.data(), src + my_pos[first] * in_row_bytes, my_w[first], p.H);
+            AxpyRow<In>(part.data(), x, my_w[i], p.H);
           }
+          ++n;
         }
-        if (!part_set) continue;
-        if (!y_set) {
-          std::memcpy(y, part.data(), sizeof(float) * p.H);
-          y_set = true;
+        if (n == 0) continue;
+        if (n == 1) {
+          const char* x = src + my_pos[first] * in_row_bytes;
+          if (y_set) {
+            AxpyRow<In>(y, x, my_w[first], p.H);
+          } else {
+            ScaleRow<In>(y, x, my_w[first], p.H);
+          }
+        } else if (y_set) {
+          AxpyRow<F32T>(y, part.data(), 1.f, p.H);
         } else {
-          for (int64_t h = 0; h < p.H; ++h) y[h] += part[h];
+          std::memcpy(y, part.data(), sizeof(float) * p.H);
         }
+        y_set = true;
       }
-      if (!y_set) std::memset(y, 0, sizeof(float) * p.H);
-    }
-    return "";
-  }
-  if (p.mode == kDot) {
-    float* out = static_cast<float*>(peers[r].out);
-    const float* g = static_cast<const float*>(peers[r].aux[3]);
-    for (int64_t i = 0; i < p.T * p.K; ++i) {
-      const int64_t row = my_pos[i], d = my_dest[i];
-      out[i] = 0.f;
-      if (d < 0 || d >= p.R || row < 0 || row >= p.rows) continue;
-      const float* x = static_cast<const float*>(peers[d].in) + row * p.H;
-      const float* gt = g + (i / p.K) * p.H;
-      // Eight independent partial sums: a single accumulator is a serial dependency chain
-      // the compiler may not vectorise (it would reorder float additions).
-      float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      int64_t h = 0;
-      for (; h + 8 <= p.H; h += 8) {
-        for (int l = 0; l < 8; ++l) lane[l] += gt[h + l] * x[h + l];
+      if (!y_set) std::fill(y, y + p.H, 0.f);
+      if (p.out != Real::kF32) {
+        char* dst = static_cast<char*>(peers[r].out) + t * p.row_bytes;
+        WithReal(p.out, [&](auto o) { StoreRow<decltype(o)>(dst, y, p.H); });
       }
-      float acc = 0.f;
-      for (; h < p.H; ++h) acc += gt[h] * x[h];
-      for (int l = 0; l < 8; ++l) acc += lane[l];
-      out[i] = acc;
     }
-    return "";
+  });
+}
+
+// Rank s: out[t, k] = <g_s[t], src_d[pos_s[t, k]]> for d = dest_s[t, k], else 0.
+void RunDot(const MoePlan& p, const std::vector<Peer>& peers, int r) {
+  const auto [my_dest, my_pos] = SlotTables(peers[r]);
+  float* out = static_cast<float*>(peers[r].out);
+  const char* g = static_cast<const char*>(peers[r].aux[3]);
+  const int64_t in_row_bytes = p.H * RealBytes(p.src), g_row_bytes = p.H * RealBytes(p.g);
+  WithReal(p.src, [&](auto in) {
+    WithReal(p.g, [&](auto gt) {
+      for (int64_t i = 0; i < p.T * p.K; ++i) {
+        const int64_t row = my_pos[i], d = my_dest[i];
+        out[i] = 0.f;
+        if (d < 0 || d >= p.R || row < 0 || row >= p.rows) continue;
+        const char* x = static_cast<const char*>(peers[d].in) + row * in_row_bytes;
+        out[i] = DotRow<decltype(gt), decltype(in)>(g + (i / p.K) * g_row_bytes, x, p.H);
+      }
+    });
+  });
+}
+
+std::string RunMoe(const MoePlan& p, const std::vector<Peer>& peers, int r) {
+  switch (p.mode) {
+    case kGatherCopy:
+    case kGatherScaled:
+    case kGatherSparse:
+    case kGatherDequant:
+    case kGatherDequantSparse:
+      RunGather(p, peers, r);
+      return "";
+    case kReduce:
+      RunReduce(p, peers, r);
+      return "";
+    case kDot:
+      RunDot(p, peers, r);
+      return "";
+    default:
+      return "moe transport: unknown mode";
   }
-  return "moe transport: unknown mode";
+}
+
+ffi::Future Transport(const Common& c, ffi::AnyBuffer src, ffi::AnyBuffer dest, ffi::AnyBuffer pos,
+                      ffi::AnyBuffer w, ffi::AnyBuffer g, ffi::AnyBuffer& result, int64_t group_size,
+                      int64_t mode, void* split_table) {
+  MoePlan p{};
+  p.mode = mode;
+  p.R = group_size;
+  if (std::string why = CheckHostMoeOperands(mode, src, dest, pos, w, g, result, &p); !why.empty()) {
+    return Reject(c, why);
+  }
+  const Peer mine = Buffers(src, result, {&dest, &pos, &w, &g});
+  WorkFn work = [p](const std::vector<Peer>& peers, int part, int parts) -> std::string {
+    std::string err;
+    ForEachOwnedRank(peers, part, parts, [&](int r) {
+      if (err.empty()) err = RunMoe(p, peers, r);
+    });
+    return err;
+  };
+  // Bytes the whole group touches: decides whether the work is split over the ranks'
+  // threads (a dot-product call has a small result but reads T*K rows per rank).
+  const size_t in_row = static_cast<size_t>(p.H * RealBytes(p.src));
+  const size_t touched = static_cast<size_t>(p.R) *
+                         (p.gather ? static_cast<size_t>(p.rows * p.row_bytes)
+                                   : static_cast<size_t>(p.T * p.K) * in_row + result.size_bytes());
+  if (split_table != nullptr) {
+    OpenSend(split_table, result.untyped_data());
+    return LaunchSend(c, mine, touched, std::move(work), split_table);
+  }
+  return Launch(c, mine, touched, std::move(work));
 }
 
 ffi::Future MoeTransport(InstructionState* st, ffi::RunId run, int32_t ordinal,
@@ -124,30 +234,39 @@ ffi::Future MoeTransport(InstructionState* st, ffi::RunId run, int32_t ordinal,
                          ffi::Span<const int64_t>, int64_t group_size, ffi::Span<const int64_t>,
                          int64_t mode) {
   Common c{st, run, ordinal, "moe_transport", call_site, axis, timeout_ms};
-  MoePlan p{};
-  p.mode = mode;
-  p.R = group_size;
-  if (std::string why = CheckMoeOperands(mode, src, dest, pos, w, g, *result, &p); !why.empty()) {
-    return Reject(c, why);
-  }
-  const bool gather = p.gather;
-  const Peer mine = Buffers(src, *result, {&dest, &pos, &w, &g});
-  const WorkFn work = [p](const std::vector<Peer>& peers, int part, int parts) -> std::string {
-    std::string err;
-    ForEachOwnedRank(peers, part, parts, [&](int r) {
-      if (err.empty()) err = RunMoe(p, peers, r);
-    });
-    return err;
-  };
-  // Bytes the whole group touches: decides whether the work is split over the ranks' threads
-  // (a dot-product call has a small result but reads T*K rows per rank).
-  const size_t touched = static_cast<size_t>(p.R) *
-                         (gather ? static_cast<size_t>(p.rows * p.row_bytes)
-                                 : static_cast<size_t>(p.T * p.K * p.H) * 4 + result->size_bytes());
-  return Launch(c, mine, touched, std::move(work));
+  return Transport(c, src, dest, pos, w, g, *result, group_size, mode, nullptr);
+}
+
+// The send half of a split transport (combine_send): the result is written in the
+// background; `status` is the table combine_recv waits on (moe_split.h).
+ffi::Future MoeTransportSend(InstructionState* st, ffi::RunId run, int32_t ordinal,
+                             ffi::AnyBuffer src, ffi::AnyBuffer dest, ffi::AnyBuffer pos,
+                             ffi::AnyBuffer w, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> result,
+                             ffi::Result<ffi::AnyBuffer> status, std::string_view call_site,
+                             std::string_view axis, int64_t timeout_ms, ffi::Span<const int64_t>,
+                             int64_t group_size, ffi::Span<const int64_t>, int64_t mode) {
+  Common c{st, run, ordinal, "moe_transport_send", call_site, axis, timeout_ms};
+  if (status->size_bytes() < static_cast<size_t>(kStatusWords) * 4) return Reject(c, "status block too small");
+  return Transport(c, src, dest, pos, w, g, *result, group_size, mode, status->untyped_data());
 }
 
 }  // namespace
+
+bool AsReal(ffi::DataType t, Real* r) {
+  switch (t) {
+    case ffi::DataType::F32:
+      *r = Real::kF32;
+      return true;
+    case ffi::DataType::BF16:
+      *r = Real::kBF16;
+      return true;
+    case ffi::DataType::F16:
+      *r = Real::kF16;
+      return true;
+    default:
+      return false;
+  }
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_MoeTransport, MoeTransport,
                               BindCommon(ffi::Ffi::Bind(),
@@ -155,5 +274,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_MoeTransport, MoeTransport,
                                   JAXCOMM_BIND_ATTRS(moe_transport));
 
 XLA_FFI_Handler* const kMoeTransport = jaxcomm_cpu_MoeTransport;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_MoeTransportSend, MoeTransportSend,
+                              BindCommon(ffi::Ffi::Bind(),
+                                         [](auto b) {
+                                           return BindBuffers<5>(std::move(b)).template Ret<ffi::AnyBuffer>();
+                                         })
+                                  JAXCOMM_BIND_ATTRS(moe_transport_send));
+
+XLA_FFI_Handler* const kMoeTransportSend = jaxcomm_cpu_MoeTransportSend;
 
 }  // namespace jaxcomm::cpu

@@ -1,6 +1,7 @@
 // The CUDA backend's process-wide state, in one object: the NCCL communicators, what the
 // job's processes published about themselves, the CUDA IPC mappings of peer processes'
-// buffers and events, and the completion watcher. Created on first use and never
+// buffers and events, the completion watcher, and the split-phase MoE sends waiting for
+// their receive halves. Created on first use and never
 // destroyed: communicators and mappings torn down during interpreter exit would race
 // with the CUDA driver's own teardown (NCCL's proxy threads would touch a dead context).
 #pragma once
@@ -8,6 +9,7 @@
 #include "cuda/ipc.h"
 #include "cuda/nccl_comm.h"
 #include "cuda/routes.h"
+#include "cuda/split.h"
 #include "cuda/watcher.h"
 
 namespace jaxcomm::cuda {
@@ -22,6 +24,7 @@ class Backend {
   ProcessTable& processes() { return processes_; }
   IpcRegistry& ipc() { return ipc_; }
   CompletionWatcher& watcher() { return watcher_; }
+  SplitSends& splits() { return splits_; }
 
  private:
   Backend() = default;
@@ -29,6 +32,7 @@ class Backend {
   ProcessTable processes_;
   IpcRegistry ipc_;
   CompletionWatcher watcher_;
+  SplitSends splits_;
 };
 
 }  // namespace jaxcomm::cuda

@@ -70,6 +70,17 @@ void RegisterCuda(nb::module_& m) {
     return targets;
   }, "Maps op name -> {stage: handler capsule} for platform CUDA (registered without traits).");
 
+  m.def("cuda_local_targets", [] {
+    nb::dict targets;
+    for (const LocalTarget* t = LocalTargets(); t->op != nullptr; ++t) {
+      nb::dict d;
+      d["execute"] = Capsule(t->execute);
+      targets[t->op] = d;
+    }
+    return targets;
+  }, "Maps op name -> {'execute': capsule} of the CUDA kernels called outside any group "
+     "(no state; registered without traits).");
+
   m.def("cuda_state_type", [] {
     nb::dict d;
     d["type_id"] = nb::capsule(reinterpret_cast<void*>(&CudaState::id));
@@ -258,7 +269,7 @@ void RegisterCuda(nb::module_& m) {
   m.def("cuda_moe_loopback",
         [](nb::bytes x, nb::bytes ids, nb::bytes w, int R, int64_t T, int64_t H, int64_t K,
            int64_t E, int64_t capacity, bool padded, bool bf16, int iters, bool return_expert_x,
-           int device, bool per_rank) {
+           int device, bool per_rank, bool f16, bool low_latency, bool fp8) {
           LoopbackConfig cfg;
           cfg.device = device;
           cfg.R = R;
@@ -272,7 +283,10 @@ void RegisterCuda(nb::module_& m) {
           cfg.iters = iters;
           cfg.return_expert_x = return_expert_x;
           cfg.per_rank = per_rank;
-          const size_t item = bf16 ? 2 : 4;
+          cfg.f16 = f16;
+          cfg.low_latency = low_latency;
+          cfg.fp8 = fp8;
+          const size_t item = bf16 || f16 ? 2 : 4;
           if (x.size() != R * T * H * item || ids.size() != R * T * K * 4 || w.size() != R * T * K * 4) {
             throw std::invalid_argument("cuda_moe_loopback: x, ids or w has the wrong size");
           }
@@ -303,6 +317,7 @@ void RegisterCuda(nb::module_& m) {
         nb::arg("x"), nb::arg("ids"), nb::arg("w"), nb::arg("R"), nb::arg("T"), nb::arg("H"),
         nb::arg("K"), nb::arg("E"), nb::arg("capacity"), nb::arg("padded"), nb::arg("bf16"),
         nb::arg("iters"), nb::arg("return_expert_x"), nb::arg("device") = 0, nb::arg("per_rank") = false,
+        nb::arg("f16") = false, nb::arg("low_latency") = false, nb::arg("fp8") = false,
         "Runs MoE routing, dispatch and combine for R logical ranks on one GPU (see "
         "ffi/cuda/loopback.h); raw little-endian bytes in and out.");
 }

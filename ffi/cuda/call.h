@@ -69,9 +69,13 @@ ffi::Error PeerReduceScatter(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuf
 ffi::Error PeerAllToAll(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 ffi::Error PeerPermute(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 ffi::Error PeerBroadcast(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
-// The MoE transport on any route but NCCL (one rank: its own buffers).
+// The MoE transport on any route but NCCL (one rank: its own buffers). With `split`, the
+// send half of a split-phase call: the movement runs on that stream (split.h) and the
+// receive half finds it by the result's address.
 ffi::Error MoeTransport(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& src,
                         const ffi::AnyBuffer& dest, const ffi::AnyBuffer& pos, const ffi::AnyBuffer& w,
-                        const ffi::AnyBuffer& g, ffi::AnyBuffer& result);
+                        const ffi::AnyBuffer& g, ffi::AnyBuffer& result, cudaStream_t split = nullptr);
+// The receive half: XLA's stream waits for the send of `data` (aliased to `data_out`).
+ffi::Error MoeReceive(const Call& c, const ffi::AnyBuffer& data, const ffi::AnyBuffer& data_out);
 
 }  // namespace jaxcomm::cuda

@@ -114,7 +114,7 @@ namespace {
 // nothing for an empty operand.
 template <typename F>
 ffi::Error Watched(Call& c, const ffi::AnyBuffer& x, F&& f) {
-  if (x.element_count() == 0 && c.st->op() != "moe_transport") return ffi::Error::Success();
+  if (x.element_count() == 0 && c.st->op().rfind("moe_", 0) != 0) return ffi::Error::Success();
   CompletionWatcher& watcher = Backend::Get().watcher();
   Watch w = watcher.Begin(c.slot.info, c.slot.comm, c.device, c.where.rank, c.where.partition,
                           c.slot.execution, c.st->timeout(), c.run_id,
@@ -277,7 +277,56 @@ ffi::Error Moe(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId r
   return Watched(c, src, [&] { return MoeTransport(c, scratch, src, dest, pos, w, g, *result); });
 }
 
+// The send half of a split transport (split.h): the movement runs on jaxcomm's stream, and
+// the watcher follows it there. `status` is the receive half's second operand; nothing
+// reads it on this backend, so it is zeroed.
+ffi::Error MoeSend(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
+                   ffi::ScratchAllocator scratch, ffi::AnyBuffer src, ffi::AnyBuffer dest, ffi::AnyBuffer pos,
+                   ffi::AnyBuffer w, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> result,
+                   ffi::Result<ffi::AnyBuffer> status) {
+  JAXCOMM_BEGIN(c);
+  if (c.route() == Route::kNccl) {
+    return Reject(c, "the CUDA MoE transport runs on jaxcomm's own kernels, which this group's "
+                     "layout does not allow (JAXCOMM_CUDA_ONE_RANK=nccl?)");
+  }
+  JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(status->untyped_data(), 0, status->size_bytes(), c.stream));
+  auto side = Backend::Get().splits().Stream(c.device, c.ctx);
+  if (side.has_error()) return side.error();
+  Call on_side = c;
+  on_side.stream = *side;
+  return Watched(on_side, src, [&] { return MoeTransport(c, scratch, src, dest, pos, w, g, *result, *side); });
+}
+
+ffi::Error MoeRecv(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer data,
+                   ffi::AnyBuffer, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> data_out,
+                   ffi::Result<ffi::AnyBuffer>) {
+  JAXCOMM_BEGIN(c);
+  return MoeReceive(c, data, *data_out);
+}
+
 #undef JAXCOMM_BEGIN
+
+ffi::Error Fp8Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
+                       ffi::Result<ffi::AnyBuffer> scales) {
+  auto xd = x.dimensions(), qd = q->dimensions(), sd = scales->dimensions();
+  int per = 1;
+  Elem elem = Elem::kU8;
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || !ElemOf(x.element_type(), &elem, &per) ||
+      !(elem == Elem::kF32 || elem == Elem::kBF16 || elem == Elem::kF16) ||
+      q->element_type() != ffi::DataType::F8E4M3FN || scales->element_type() != ffi::DataType::F32 ||
+      qd[0] != xd[0] || qd[1] != xd[1] || sd[0] != xd[0] || sd[1] != Fp8Blocks(xd[1])) {
+    return ffi::Error::InvalidArgument(
+        "jaxcomm.moe FP8 quantize (CUDA): x must be float32, bfloat16 or float16 [T, H], q "
+        "float8_e4m3fn [T, H] and scales float32 [T, ceil(H/128)]");
+  }
+  const cudaError_t err = LaunchFp8Quantize(elem, x.untyped_data(), xd[0], xd[1],
+                                            static_cast<uint8_t*>(q->untyped_data()),
+                                            static_cast<float*>(scales->untyped_data()), stream);
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jaxcomm.moe FP8 quantize (CUDA): ") + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
 
 // ----------------------------------------------------------------------- instantiate
 
@@ -416,14 +465,25 @@ ffi::ErrorOr<std::unique_ptr<CudaState>> InstRaggedAllToAll(JAXCOMM_COMMON_PARAM
   return MakeState("ragged_all_to_all", a, std::move(o));
 }
 
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeTransport(JAXCOMM_COMMON_PARAMS, int64_t mode) {
-  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeOp(std::string_view op, const CommonAttrs& a, int64_t mode) {
   if (std::string why = CheckMoeMode(mode); !why.empty()) {
-    return ffi::Unexpected(BadAttr("moe_transport", a, why));
+    return ffi::Unexpected(BadAttr(op, a, why));
   }
   OpAttrs o;
   o.mode = mode;
-  return MakeState("moe_transport", a, std::move(o));
+  return MakeState(op, a, std::move(o));
+}
+
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeTransport(JAXCOMM_COMMON_PARAMS, int64_t mode) {
+  return InstMoeOp("moe_transport", JAXCOMM_COMMON_ARGS, mode);
+}
+
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeTransportSend(JAXCOMM_COMMON_PARAMS, int64_t mode) {
+  return InstMoeOp("moe_transport_send", JAXCOMM_COMMON_ARGS, mode);
+}
+
+ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeRecv(JAXCOMM_COMMON_PARAMS) {
+  return MakeState("moe_recv", JAXCOMM_COMMON_ARGS, OpAttrs{});
 }
 
 #undef JAXCOMM_ATTR_TRY
@@ -479,6 +539,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Broadcast, Broadcast,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_RaggedAllToAll, RaggedAllToAll, Buffers<6>(Exec(ffi::Ffi::Bind())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_MoeTransport, Moe,
                               Buffers<5>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_MoeTransportSend, MoeSend,
+                              Buffers<5>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>())
+                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_MoeRecv, MoeRecv,
+                              Exec(ffi::Ffi::Bind())
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Fp8Quantize, Fp8Quantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+const LocalTarget* LocalTargets() {
+#define JAXCOMM_CUDA_LOCAL_(name, Handler, operands, results, backends) \
+  JAXCOMM_IF_CUDA_##backends({#name, jaxcomm_cuda_##Handler},)
+  static const LocalTarget kTargets[] = {
+      JAXCOMM_LOCAL_OPS(JAXCOMM_CUDA_LOCAL_)
+      {nullptr, nullptr},
+  };
+#undef JAXCOMM_CUDA_LOCAL_
+  return kTargets;
+}
 
 const Stages* AllStages() {
 #define JAXCOMM_CUDA_STAGES_(name, Handler, operands, results, backends) \

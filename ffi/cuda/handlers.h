@@ -21,4 +21,14 @@ struct Stages {
 // Every op's stages, ending with an entry whose `op` is nullptr.
 const Stages* AllStages();
 
+// Kernels a program calls on one device's data, outside any group: an execute stage
+// alone (no state), ending with an entry whose `op` is nullptr. moe_fp8_quantize: x [T, H]
+// float32, bfloat16 or float16 -> (q [T, H] float8_e4m3fn, scales [T, ceil(H/128)] f32),
+// jaxcomm's FP8 token format (core/number_formats.h).
+struct LocalTarget {
+  const char* op;
+  XLA_FFI_Handler* execute;
+};
+const LocalTarget* LocalTargets();
+
 }  // namespace jaxcomm::cuda

@@ -8,13 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/number_formats.h"  // JAXCOMM_HD, and the conversions the kernels share with the host's
 #include "core/op_table.h"
-
-#if defined(__CUDACC__)
-#define JAXCOMM_HD __host__ __device__ inline
-#else
-#define JAXCOMM_HD inline
-#endif
 
 namespace jaxcomm::cuda::logic {
 
@@ -123,6 +118,35 @@ JAXCOMM_HD int StageSlotsByRank(const int32_t* d, const int32_t* row, const floa
     }
   }
   return n;
+}
+
+// ------------------------------------------------------------------------- FP8
+//
+// LaunchFp8Quantize: one warp per (token, 128-channel block); lane `lane` holds channels
+// lane + 32 i of the block (coalesced), the block's amax is the warp's integer maximum
+// of their MagnitudeBits (core/number_formats.h), then every lane encodes its channels.
+constexpr int kFp8PerLane = static_cast<int>(kFp8Block / 32);
+
+// Loads lane `lane`'s channels of a block of `n` channels into v (zeros past n); returns
+// their largest MagnitudeBits.
+template <typename In>
+JAXCOMM_HD uint32_t Fp8LoadLane(const typename In::Storage* block, int64_t n, int lane, float* v) {
+  uint32_t amax = 0;
+  for (int i = 0; i < kFp8PerLane; ++i) {
+    const int64_t h = i * 32 + lane;
+    v[i] = h < n ? In::Load(block[h]) : 0.f;
+    const uint32_t m = MagnitudeBits(v[i]);
+    amax = m > amax ? m : amax;
+  }
+  return amax;
+}
+
+// Stores lane `lane`'s channels' FP8 codes.
+JAXCOMM_HD void Fp8StoreLane(const float* v, int64_t n, int lane, float multiplier, uint8_t* block) {
+  for (int i = 0; i < kFp8PerLane; ++i) {
+    const int64_t h = i * 32 + lane;
+    if (h < n) block[h] = static_cast<uint8_t>(Fp8Encode(v[i], multiplier));
+  }
 }
 
 // -------------------------------------------------------------------- ragged_all_to_all

@@ -169,17 +169,20 @@ __device__ void StageSlots(const MoePeers& p, const MoeShape& s, int src, int64_
 }
 
 // Rank s's token t goes into every destination row of its slots: read once, written to
-// each row (a scatter, so that x is read once per token, not once per expert row).
-template <int kMode>
+// each row (a scatter, so that x is read once per token, not once per expert row). In and
+// Out are core/number_formats.h's element tags (kGatherScaled: src's and the result's;
+// the dequantizing gathers: the result's).
+template <int kMode, typename In, typename Out>
 __global__ void GatherKernel(MoePeers p, MoeShape s) {
   __shared__ Slots sl;
   const int src = blockIdx.y;
   const int64_t t = blockIdx.x;
   StageSlots(p, s, src, t, &sl);
-  if (threadIdx.x == 0) {
+  constexpr bool kZero = ZeroesUnwritten(kMode);
+  if (kZero && threadIdx.x == 0) {
     for (int j = 0; j < sl.n; ++j) p.written[sl.d[j]][sl.row[j]] = 1;
   }
-  if (kMode == kGatherCopy) {
+  if constexpr (kMode == kGatherCopy || kMode == kGatherSparse) {
     const char* in = static_cast<const char*>(p.src[src]) + t * s.row_bytes;
     if (s.row_bytes % 16 == 0) {
       const int64_t nv = s.row_bytes / 16;
@@ -198,12 +201,21 @@ __global__ void GatherKernel(MoePeers p, MoeShape s) {
         }
       }
     }
-  } else {
-    const float* in = static_cast<const float*>(p.src[src]) + t * s.H;
+  } else if constexpr (kMode == kGatherScaled) {
+    const auto* in = static_cast<const typename In::Storage*>(p.src[src]) + t * s.H;
     for (int64_t h = threadIdx.x; h < s.H; h += blockDim.x) {
-      const float x = in[h];
+      const float x = In::Load(in[h]);
       for (int j = 0; j < sl.n; ++j) {
-        static_cast<float*>(p.out[sl.d[j]])[sl.row[j] * s.H + h] = __fmul_rn(sl.a[j], x);
+        static_cast<typename Out::Storage*>(p.out[sl.d[j]])[sl.row[j] * s.H + h] = Out::Store(MulRn(sl.a[j], x));
+      }
+    }
+  } else {  // kGatherDequant, kGatherDequantSparse: the FP8 codes times their block scales
+    const uint8_t* in = static_cast<const uint8_t*>(p.src[src]) + t * s.H;
+    const float* scales = static_cast<const float*>(p.g[src]) + t * Fp8Blocks(s.H);
+    for (int64_t h = threadIdx.x; h < s.H; h += blockDim.x) {
+      const auto v = Out::Store(Fp8Decode(in[h], scales[h / kFp8Block]));
+      for (int j = 0; j < sl.n; ++j) {
+        static_cast<typename Out::Storage*>(p.out[sl.d[j]])[sl.row[j] * s.H + h] = v;
       }
     }
   }
@@ -225,16 +237,13 @@ __global__ void ZeroUnwrittenKernel(MoePeers p, MoeShape s) {
   }
 }
 
-__device__ __forceinline__ float ToF(float x) { return x; }
-__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void FromF(float v, float* out) { *out = v; }
-__device__ __forceinline__ void FromF(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
-
 // Combine: y_s[t] = sum over ranks d in order of (sum over slots k with dest d, in k
-// order, of w[t, k] * src_d[pos[t, k]]), each product and sum rounded as the host's.
-// Slots are staged sorted by (d, k); every thread owns kV consecutive columns.
-template <typename Tin, typename Tout, int kV>
+// order, of w[t, k] * src_d[pos[t, k]]), in float32, each product and sum rounded as the
+// host's, then stored in Out's type. Slots are staged sorted by (d, k); every thread owns
+// kV consecutive columns (loaded as one 16-byte vector when kV elements fill one).
+template <typename In, typename Out, int kV>
 __global__ void ReduceKernel(MoePeers p, MoeShape s) {
+  using X = typename In::Storage;
   __shared__ Slots sl;
   const int src = s.self >= 0 ? s.self : blockIdx.y;
   const int64_t t = blockIdx.x;
@@ -243,7 +252,7 @@ __global__ void ReduceKernel(MoePeers p, MoeShape s) {
     sl.n = logic::StageSlotsByRank(sl.raw_d, sl.raw_row, sl.raw_a, s.K, p.R, s.rows, sl.d, sl.row, sl.a);
   }
   __syncthreads();
-  Tout* out = static_cast<Tout*>(p.out[src]) + t * s.H;
+  auto* out = static_cast<typename Out::Storage*>(p.out[src]) + t * s.H;
   for (int64_t h0 = threadIdx.x * static_cast<int64_t>(kV); h0 < s.H; h0 += blockDim.x * static_cast<int64_t>(kV)) {
     float y[kV], part[kV];
     bool y_set = false, part_set = false;
@@ -251,48 +260,50 @@ __global__ void ReduceKernel(MoePeers p, MoeShape s) {
     for (int j = 0; j < sl.n; ++j) {
       if (sl.d[j] != cur) {
         if (part_set) {
-          for (int v = 0; v < kV; ++v) y[v] = y_set ? __fadd_rn(y[v], part[v]) : part[v];
+          for (int v = 0; v < kV; ++v) y[v] = y_set ? AddRn(y[v], part[v]) : part[v];
           y_set = true;
           part_set = false;
         }
         cur = sl.d[j];
       }
-      const Tin* row = static_cast<const Tin*>(p.src[sl.d[j]]) + sl.row[j] * s.H + h0;
-      Tin x[kV];
-      if constexpr (kV * sizeof(Tin) == 16) {
+      const X* row = static_cast<const X*>(p.src[sl.d[j]]) + sl.row[j] * s.H + h0;
+      X x[kV];
+      if constexpr (kV * sizeof(X) == 16) {
         *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(row);
       } else {
         for (int v = 0; v < kV; ++v) x[v] = row[v];
       }
       const float a = sl.a[j];
       for (int v = 0; v < kV; ++v) {
-        const float prod = __fmul_rn(a, ToF(x[v]));
-        part[v] = part_set ? __fadd_rn(part[v], prod) : prod;
+        const float prod = MulRn(a, In::Load(x[v]));
+        part[v] = part_set ? AddRn(part[v], prod) : prod;
       }
       part_set = true;
     }
     if (part_set) {
-      for (int v = 0; v < kV; ++v) y[v] = y_set ? __fadd_rn(y[v], part[v]) : part[v];
+      for (int v = 0; v < kV; ++v) y[v] = y_set ? AddRn(y[v], part[v]) : part[v];
       y_set = true;
     }
-    for (int v = 0; v < kV; ++v) FromF(y_set ? y[v] : 0.f, out + h0 + v);
+    for (int v = 0; v < kV; ++v) out[h0 + v] = Out::Store(y_set ? y[v] : 0.f);
   }
 }
 
-// Combine's gradient towards the weights: out_s[t, k] = <g_s[t], src_d[pos]>.
+// Combine's gradient towards the weights: out_s[t, k] = <g_s[t], src_d[pos]> in float32
+// (X: src's element tag, G: g's).
+template <typename X, typename G>
 __global__ void DotKernel(MoePeers p, MoeShape s) {
   __shared__ float partial[32];
   const int src = s.self >= 0 ? s.self : blockIdx.y;
   const int64_t t = blockIdx.x;
-  const float* g = p.g[src] + t * s.H;
+  const auto* g = static_cast<const typename G::Storage*>(p.g[src]) + t * s.H;
   float* out = static_cast<float*>(p.out[src]) + t * s.K;
   for (int k = 0; k < s.K; ++k) {
     const int d = p.dest[src][t * s.K + k], row = p.pos[src][t * s.K + k];
     const bool ok = logic::SlotOk(d, row, p.R, s.rows);
     float acc = 0.f;
     if (ok) {
-      const float* x = static_cast<const float*>(p.src[d]) + row * s.H;
-      for (int64_t h = threadIdx.x; h < s.H; h += blockDim.x) acc += g[h] * x[h];
+      const auto* x = static_cast<const typename X::Storage*>(p.src[d]) + row * s.H;
+      for (int64_t h = threadIdx.x; h < s.H; h += blockDim.x) acc += G::Load(g[h]) * X::Load(x[h]);
     }
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(kFull, acc, o);
     if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
@@ -303,6 +314,32 @@ __global__ void DotKernel(MoePeers p, MoeShape s) {
       out[k] = ok ? sum : 0.f;
     }
     __syncthreads();
+  }
+}
+
+// ------------------------------------------------------------------------------- FP8
+
+// One warp per (token, 128-channel block), grid-strided (logic::Fp8LoadLane).
+template <typename In>
+__global__ void Fp8QuantizeKernel(const typename In::Storage* x, int64_t T, int64_t H, uint8_t* q,
+                                  float* scales) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nb = Fp8Blocks(H), jobs = T * nb;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  // `job` is the same on every lane of a warp: the shuffles below see all 32 lanes.
+  for (int64_t job = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; job < jobs;
+       job += warps) {
+    const int64_t t = job / nb, b = job % nb, h0 = b * kFp8Block;
+    const int64_t n = H - h0 < kFp8Block ? H - h0 : kFp8Block;
+    float v[logic::kFp8PerLane];
+    uint32_t amax = logic::Fp8LoadLane<In>(x + t * H + h0, n, lane, v);
+    for (int o = 16; o > 0; o >>= 1) {
+      const uint32_t other = __shfl_xor_sync(kFull, amax, o);
+      amax = other > amax ? other : amax;
+    }
+    const Fp8BlockScale sc = Fp8ScaleOf(amax);
+    logic::Fp8StoreLane(v, n, lane, sc.multiplier, q + t * H + h0);
+    if (lane == 0) scales[t * nb + b] = sc.scale;
   }
 }
 
@@ -457,6 +494,25 @@ cudaError_t MoeZeroWritten(const MoePeers& peers, const MoeShape& shape, cudaStr
   return cudaSuccess;
 }
 
+// Calls f(tag) with the element tag of float type `e`; cudaErrorInvalidValue for others.
+template <typename F>
+cudaError_t WithFloat(Elem e, F&& f) {
+  switch (e) {
+    case Elem::kF32: f(F32T{}); return cudaSuccess;
+    case Elem::kBF16: f(BF16T{}); return cudaSuccess;
+    case Elem::kF16: f(F16T{}); return cudaSuccess;
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// f(tag of a, tag of b) for two float types.
+template <typename F>
+cudaError_t WithFloats(Elem a, Elem b, F&& f) {
+  cudaError_t inner = cudaSuccess;
+  const cudaError_t outer = WithFloat(a, [&](auto ta) { inner = WithFloat(b, [&](auto tb) { f(ta, tb); }); });
+  return outer != cudaSuccess ? outer : inner;
+}
+
 cudaError_t LaunchMoe(int mode, const MoePeers& peers, const MoeShape& shape, cudaStream_t stream) {
   if (peers.R <= 0 || peers.R > kMaxPeers || shape.K > kMaxK || shape.T <= 0) {
     return shape.T == 0 ? cudaSuccess : cudaErrorInvalidValue;
@@ -467,38 +523,68 @@ cudaError_t LaunchMoe(int mode, const MoePeers& peers, const MoeShape& shape, cu
   const unsigned ranks = static_cast<unsigned>(peers.R);
   const dim3 grid(static_cast<unsigned>(shape.T), ranks);
   const dim3 own(static_cast<unsigned>(shape.T), shape.self >= 0 ? 1u : ranks);
+  cudaError_t err = cudaSuccess;
   switch (mode) {
     case kGatherCopy:
-    case kGatherScaled: {
-      if (mode == kGatherCopy) {
-        GatherKernel<kGatherCopy><<<grid, 128, 0, stream>>>(peers, shape);
-      } else {
-        GatherKernel<kGatherScaled><<<grid, 128, 0, stream>>>(peers, shape);
-      }
-      const dim3 zgrid(Blocks(shape.rows, 4096), shape.self >= 0 ? 1u : ranks);
-      ZeroUnwrittenKernel<<<zgrid, 128, 0, stream>>>(peers, shape);
+      GatherKernel<kGatherCopy, F32T, F32T><<<grid, 128, 0, stream>>>(peers, shape);
       break;
-    }
+    case kGatherSparse:
+      GatherKernel<kGatherSparse, F32T, F32T><<<grid, 128, 0, stream>>>(peers, shape);
+      break;
+    case kGatherScaled:
+      err = WithFloats(shape.src, shape.out, [&](auto in, auto out) {
+        GatherKernel<kGatherScaled, decltype(in), decltype(out)><<<grid, 128, 0, stream>>>(peers, shape);
+      });
+      break;
+    case kGatherDequant:
+      err = WithFloat(shape.out, [&](auto out) {
+        GatherKernel<kGatherDequant, E4M3T, decltype(out)><<<grid, 128, 0, stream>>>(peers, shape);
+      });
+      break;
+    case kGatherDequantSparse:
+      err = WithFloat(shape.out, [&](auto out) {
+        GatherKernel<kGatherDequantSparse, E4M3T, decltype(out)><<<grid, 128, 0, stream>>>(peers, shape);
+      });
+      break;
     case kReduce:
-      if (shape.bf16_src && shape.bf16_out && shape.H % 8 == 0) {
-        ReduceKernel<__nv_bfloat16, __nv_bfloat16, 8><<<own, 128, 0, stream>>>(peers, shape);
-      } else if (shape.bf16_src && shape.bf16_out) {
-        ReduceKernel<__nv_bfloat16, __nv_bfloat16, 1><<<own, 128, 0, stream>>>(peers, shape);
-      } else if (shape.bf16_src || shape.bf16_out) {
-        return cudaErrorInvalidValue;
-      } else if (shape.H % 4 == 0) {
-        ReduceKernel<float, float, 4><<<own, 128, 0, stream>>>(peers, shape);
-      } else {
-        ReduceKernel<float, float, 1><<<own, 128, 0, stream>>>(peers, shape);
-      }
+      err = WithFloats(shape.src, shape.out, [&](auto in, auto out) {
+        using In = decltype(in);
+        using Out = decltype(out);
+        constexpr int kV = static_cast<int>(16 / sizeof(typename In::Storage));
+        if (shape.H % kV == 0) {
+          ReduceKernel<In, Out, kV><<<own, 128, 0, stream>>>(peers, shape);
+        } else {
+          ReduceKernel<In, Out, 1><<<own, 128, 0, stream>>>(peers, shape);
+        }
+      });
       break;
     case kDot:
-      DotKernel<<<own, 256, 0, stream>>>(peers, shape);
+      err = WithFloats(shape.src, shape.g, [&](auto x, auto g) {
+        DotKernel<decltype(x), decltype(g)><<<own, 256, 0, stream>>>(peers, shape);
+      });
       break;
     default:
       return cudaErrorInvalidValue;
   }
+  if (err != cudaSuccess) return err;
+  if (ZeroesUnwritten(mode)) {
+    const dim3 zgrid(Blocks(shape.rows, 4096), shape.self >= 0 ? 1u : ranks);
+    ZeroUnwrittenKernel<<<zgrid, 128, 0, stream>>>(peers, shape);
+  }
   return cudaGetLastError();
+}
+
+cudaError_t LaunchFp8Quantize(Elem in, const void* x, int64_t T, int64_t H, uint8_t* q, float* scales,
+                              cudaStream_t stream) {
+  const int64_t jobs = T * Fp8Blocks(H);
+  if (jobs == 0) return cudaSuccess;
+  const unsigned blocks = Blocks((jobs + 7) / 8, 8192);  // 8 warps per block, one job each
+  const cudaError_t err = WithFloat(in, [&](auto tag) {
+    using In = decltype(tag);
+    Fp8QuantizeKernel<In><<<blocks, 256, 0, stream>>>(static_cast<const typename In::Storage*>(x), T, H,
+                                                       q, scales);
+  });
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 cudaError_t LaunchPeerReduce(logic::ReduceOp op, Elem elem, void* out, const PeerOperands& srcs,

@@ -32,27 +32,37 @@ struct MoePeers {
   const int32_t* dest[kMaxPeers] = {};  // [T, K]: destination rank of each slot, or -1
   const int32_t* pos[kMaxPeers] = {};   // [T, K]: the slot's row at the destination, or -1
   const float* w[kMaxPeers] = {};       // [T, K]
-  const float* g[kMaxPeers] = {};       // [T, H] (dot mode)
+  const void* g[kMaxPeers] = {};        // [T, H] (kDot), or the FP8 scales [T, ceil(H/128)] f32 (kGatherDequant*)
   uint8_t* written[kMaxPeers] = {};     // [rows] scratch: rows a gather wrote (gather modes)
 };
 
-// The transports are core/moe_modes.h's MoeMode. Value types: kGatherCopy moves rows of
-// `row_bytes` bytes; the others take float32 (src of kReduce may also be bfloat16 in the
-// loopback).
+// The transports are core/moe_modes.h's MoeMode, with its element types: the copies
+// (kGatherCopy, kGatherSparse) move rows of `row_bytes` bytes; the float modes take
+// float32, bfloat16 or float16 and accumulate in float32 (the host backend's arithmetic,
+// core/number_formats.h's conversions); the dequantizing gathers read FP8 codes and
+// their scales (g).
 
 struct MoeShape {
   int64_t T = 0, K = 0, H = 0, rows = 0, row_bytes = 0;
-  bool bf16_src = false;  // kReduce: src rows are bfloat16 (loopback)
-  bool bf16_out = false;  // kReduce: result rows are bfloat16, rounded once (loopback)
+  // The float modes' element types (kF32, kBF16 or kF16): src, the result and g (kDot).
+  Elem src = Elem::kF32, out = Elem::kF32, g = Elem::kF32;
   // -1: compute every rank's result (loopback, one launch). r >= 0: only rank r's, reading
   // the peers' buffers in place (one GPU per rank, peers.h).
   int self = -1;
 };
 
 // Runs `mode` for every rank of `peers` (as the host backend's RunMoe for each r), or for
-// rank `shape.self` only. Gather modes need `written` zeroed first (MoeZeroWritten).
+// rank `shape.self` only. The gathers that zero the rows nobody writes
+// (ZeroesUnwritten(mode)) need `written` zeroed first (MoeZeroWritten); the others never
+// touch `written`, nor the rows no slot writes.
 cudaError_t LaunchMoe(int mode, const MoePeers& peers, const MoeShape& shape, cudaStream_t stream);
 cudaError_t MoeZeroWritten(const MoePeers& peers, const MoeShape& shape, cudaStream_t stream);
+
+// jaxcomm's FP8 token format (core/number_formats.h) of x [T, H] (`in`: kF32, kBF16 or
+// kF16): q [T, H] float8_e4m3fn codes and scales [T, ceil(H/128)] f32, one warp per
+// 128-channel block of a token. The same bits as the host backend's quantization.
+cudaError_t LaunchFp8Quantize(Elem in, const void* x, int64_t T, int64_t H, uint8_t* q, float* scales,
+                              cudaStream_t stream);
 
 // Routing of R logical ranks on one device (loopback): jaxcomm/_src/moe/dispatch.py's
 // plan(fused=True). ids [R, T, K] int32 -> dest, pos [R, T, K]; sizes [R, El] (the

@@ -31,17 +31,29 @@ void RegisterKernelLogic(nb::module_& m) {
                              const std::vector<nb::bytes>& src, const std::vector<std::vector<int32_t>>& dest,
                              const std::vector<std::vector<int32_t>>& pos,
                              const std::vector<std::vector<float>>& w,
-                             const std::vector<std::vector<float>>& g) {
+                             const std::vector<std::vector<float>>& g, int src_type, int out_type) {
     std::vector<std::string> s;
     for (const auto& b : src) s.emplace_back(b.c_str(), b.size());
     nb::list out;
-    for (const auto& o : logic::MoeOnHost(mode, T, K, H, rows, row_bytes, s, dest, pos, w, g)) {
+    for (const auto& o : logic::MoeOnHost(mode, T, K, H, rows, row_bytes, s, dest, pos, w, g,
+                                          static_cast<logic::HostFloat>(src_type),
+                                          static_cast<logic::HostFloat>(out_type))) {
       out.append(nb::bytes(o.data(), o.size()));
     }
     return out;
   }, nb::arg("mode"), nb::arg("T"), nb::arg("K"), nb::arg("H"), nb::arg("rows"), nb::arg("row_bytes"),
-     nb::arg("src"), nb::arg("dest"), nb::arg("pos"), nb::arg("w"), nb::arg("g"),
-     "The MoE transport kernels' logic on the host, every rank's result (bytes).");
+     nb::arg("src"), nb::arg("dest"), nb::arg("pos"), nb::arg("w"), nb::arg("g"), nb::arg("src_type") = 0,
+     nb::arg("out_type") = 0,
+     "The MoE transport kernels' logic on the host, every rank's result (bytes); float types "
+     "0 float32, 1 bfloat16, 2 float16.");
+
+  m.def("cuda_logic_fp8_quantize", [](nb::bytes x, int type, int64_t T, int64_t H) {
+    auto [q, scales] = logic::Fp8QuantizeOnHost(std::string(x.c_str(), x.size()),
+                                                static_cast<logic::HostFloat>(type), T, H);
+    return std::make_tuple(nb::bytes(q.data(), q.size()), scales);
+  }, nb::arg("x"), nb::arg("type"), nb::arg("T"), nb::arg("H"),
+     "The FP8 quantize kernel's logic on the host, lane by lane: x [T, H] bytes of type (0 "
+     "float32, 1 bfloat16, 2 float16) -> (codes [T, H] bytes, scales [T * ceil(H/128)]).");
 
   m.def("cuda_logic_ragged", &logic::RaggedOnHost, nb::arg("mode"), nb::arg("operand"),
         nb::arg("output"), nb::arg("row_elems"), nb::arg("src_rows"), nb::arg("dst_rows"),

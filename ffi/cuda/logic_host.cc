@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "core/moe_modes.h"
+
 namespace jaxcomm::cuda::logic {
 
 Routing RouteOnHost(const std::vector<int32_t>& ids, int64_t R, int64_t T, int64_t K, int64_t E,
@@ -60,85 +62,152 @@ Routing RouteOnHost(const std::vector<int32_t>& ids, int64_t R, int64_t T, int64
   return out;
 }
 
+namespace {
+
+// f(tag) with the element tag of `t` (core/number_formats.h).
+template <typename F>
+void WithHostFloat(HostFloat t, F&& f) {
+  switch (t) {
+    case HostFloat::kBF16: f(BF16T{}); return;
+    case HostFloat::kF16: f(F16T{}); return;
+    default: f(F32T{}); return;
+  }
+}
+
+template <typename Tag>
+const typename Tag::Storage* Elems(const std::string& bytes) {
+  return reinterpret_cast<const typename Tag::Storage*>(bytes.data());
+}
+
+}  // namespace
+
 std::vector<std::string> MoeOnHost(int mode, int64_t T, int64_t K, int64_t H, int64_t rows,
                                    int64_t row_bytes, const std::vector<std::string>& src,
                                    const std::vector<std::vector<int32_t>>& dest,
                                    const std::vector<std::vector<int32_t>>& pos,
                                    const std::vector<std::vector<float>>& w,
-                                   const std::vector<std::vector<float>>& g) {
+                                   const std::vector<std::vector<float>>& g,
+                                   HostFloat src_type, HostFloat out_type) {
   const int64_t R = static_cast<int64_t>(src.size());
   std::vector<std::string> out(R);
   std::vector<int> sd(K), srow(K);
   std::vector<float> sw(K);
+  const bool gather = mode != kReduce && mode != kDot;
   for (int64_t me = 0; me < R; ++me) {
-    if (mode == 0 || mode == 1) {  // GatherKernel (self = me), then ZeroUnwrittenKernel
+    if (gather) {  // GatherKernel (self = me), then ZeroUnwrittenKernel where the mode zeroes
       std::string& o = out[me];
-      o.assign(rows * row_bytes, '\0');
+      o.assign(rows * row_bytes, ZeroesUnwritten(mode) ? '\0' : '\x7f');
       std::vector<char> written(rows, 0);
-      for (int64_t s = 0; s < R; ++s) {
-        for (int64_t t = 0; t < T; ++t) {
-          const int n = StageSlots(&dest[s][t * K], &pos[s][t * K], &w[s][t * K], K, R, rows, me,
-                                   sd.data(), srow.data(), sw.data());
-          for (int j = 0; j < n; ++j) {
-            written[srow[j]] = 1;
-            char* row = &o[srow[j] * row_bytes];
-            if (mode == 0) {
-              std::memcpy(row, &src[s][t * row_bytes], row_bytes);
-            } else {
-              const float* x = reinterpret_cast<const float*>(&src[s][t * row_bytes]);
-              float* y = reinterpret_cast<float*>(row);
-              for (int64_t h = 0; h < H; ++h) y[h] = sw[j] * x[h];
+      WithHostFloat(src_type, [&](auto in) {
+        WithHostFloat(out_type, [&](auto ot) {
+          using In = decltype(in);
+          using Out = decltype(ot);
+          auto* y = reinterpret_cast<typename Out::Storage*>(&o[0]);
+          for (int64_t s = 0; s < R; ++s) {
+            for (int64_t t = 0; t < T; ++t) {
+              const int n = StageSlots(&dest[s][t * K], &pos[s][t * K], &w[s][t * K], K, R, rows, me,
+                                       sd.data(), srow.data(), sw.data());
+              for (int j = 0; j < n; ++j) {
+                written[srow[j]] = 1;
+                for (int64_t h = 0; h < H && mode == kGatherScaled; ++h) {
+                  y[srow[j] * H + h] = Out::Store(MulRn(sw[j], In::Load(Elems<In>(src[s])[t * H + h])));
+                }
+                for (int64_t h = 0; h < H && (mode == kGatherDequant || mode == kGatherDequantSparse); ++h) {
+                  const auto code = static_cast<uint8_t>(src[s][t * H + h]);
+                  y[srow[j] * H + h] = Out::Store(Fp8Decode(code, g[s][t * Fp8Blocks(H) + h / kFp8Block]));
+                }
+                if (mode == kGatherCopy || mode == kGatherSparse) {
+                  std::memcpy(&o[srow[j] * row_bytes], &src[s][t * row_bytes], row_bytes);
+                }
+              }
             }
           }
-        }
-      }
+        });
+      });
+      if (!ZeroesUnwritten(mode)) continue;
       for (int64_t row = 0; row < rows; ++row) {
         if (!written[row]) std::memset(&o[row * row_bytes], 0, row_bytes);
       }
-    } else if (mode == 2) {  // ReduceKernel: slots by rank, each rank's in k order
-      std::vector<float> y(T * H, 0.f), part(H);
-      for (int64_t t = 0; t < T; ++t) {
-        const int n = StageSlotsByRank(&dest[me][t * K], &pos[me][t * K], &w[me][t * K], K, R, rows,
-                                       sd.data(), srow.data(), sw.data());
-        for (int64_t h = 0; h < H; ++h) {
-          float acc = 0.f, p = 0.f;
-          bool acc_set = false, part_set = false;
-          int cur = -1;
-          for (int j = 0; j < n; ++j) {
-            if (sd[j] != cur) {
-              if (part_set) {
-                acc = acc_set ? acc + p : p;
-                acc_set = true;
-                part_set = false;
+    } else if (mode == kReduce) {  // ReduceKernel: slots by rank, each rank's in k order
+      WithHostFloat(src_type, [&](auto in) {
+        WithHostFloat(out_type, [&](auto ot) {
+          using In = decltype(in);
+          using Out = decltype(ot);
+          std::vector<typename Out::Storage> y(T * H);
+          for (int64_t t = 0; t < T; ++t) {
+            const int n = StageSlotsByRank(&dest[me][t * K], &pos[me][t * K], &w[me][t * K], K, R, rows,
+                                           sd.data(), srow.data(), sw.data());
+            for (int64_t h = 0; h < H; ++h) {
+              float acc = 0.f, p = 0.f;
+              bool acc_set = false, part_set = false;
+              int cur = -1;
+              for (int j = 0; j < n; ++j) {
+                if (sd[j] != cur) {
+                  if (part_set) {
+                    acc = acc_set ? AddRn(acc, p) : p;
+                    acc_set = true;
+                    part_set = false;
+                  }
+                  cur = sd[j];
+                }
+                const float prod = MulRn(sw[j], In::Load(Elems<In>(src[sd[j]])[srow[j] * H + h]));
+                p = part_set ? AddRn(p, prod) : prod;
+                part_set = true;
               }
-              cur = sd[j];
+              if (part_set) acc = acc_set ? AddRn(acc, p) : p;
+              y[t * H + h] = Out::Store(acc);
             }
-            const float x = reinterpret_cast<const float*>(src[sd[j]].data())[srow[j] * H + h];
-            const float prod = sw[j] * x;
-            p = part_set ? p + prod : prod;
-            part_set = true;
           }
-          if (part_set) acc = acc_set ? acc + p : p;
-          y[t * H + h] = acc;
+          out[me].assign(reinterpret_cast<const char*>(y.data()), y.size() * sizeof(y[0]));
+        });
+      });
+    } else if (mode == kDot) {  // DotKernel (summation order differs: compare with a tolerance)
+      WithHostFloat(src_type, [&](auto in) {
+        using In = decltype(in);
+        std::vector<float> y(T * K, 0.f);
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t k = 0; k < K; ++k) {
+            const int64_t d = dest[me][t * K + k], row = pos[me][t * K + k];
+            if (!SlotOk(d, row, R, rows)) continue;
+            float acc = 0.f;
+            for (int64_t h = 0; h < H; ++h) acc += g[me][t * H + h] * In::Load(Elems<In>(src[d])[row * H + h]);
+            y[t * K + k] = acc;
+          }
         }
-      }
-      out[me].assign(reinterpret_cast<const char*>(y.data()), y.size() * sizeof(float));
-    } else if (mode == 3) {  // DotKernel (summation order differs: compare with a tolerance)
-      std::vector<float> y(T * K, 0.f);
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t k = 0; k < K; ++k) {
-          const int64_t d = dest[me][t * K + k], row = pos[me][t * K + k];
-          if (!SlotOk(d, row, R, rows)) continue;
-          const float* x = reinterpret_cast<const float*>(src[d].data()) + row * H;
-          float acc = 0.f;
-          for (int64_t h = 0; h < H; ++h) acc += g[me][t * H + h] * x[h];
-          y[t * K + k] = acc;
-        }
-      }
-      out[me].assign(reinterpret_cast<const char*>(y.data()), y.size() * sizeof(float));
+        out[me].assign(reinterpret_cast<const char*>(y.data()), y.size() * sizeof(float));
+      });
     }
   }
   return out;
+}
+
+std::pair<std::string, std::vector<float>> Fp8QuantizeOnHost(const std::string& x, HostFloat type,
+                                                             int64_t T, int64_t H) {
+  const int64_t nb = Fp8Blocks(H);
+  std::string q(T * H, '\0');
+  std::vector<float> scales(T * nb);
+  WithHostFloat(type, [&](auto tag) {
+    using In = decltype(tag);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t b = 0; b < nb; ++b) {  // one warp
+        const int64_t h0 = b * kFp8Block, n = H - h0 < kFp8Block ? H - h0 : kFp8Block;
+        float v[32][kFp8PerLane];
+        uint32_t amax[32];
+        for (int lane = 0; lane < 32; ++lane) amax[lane] = Fp8LoadLane<In>(Elems<In>(x) + t * H + h0, n, lane, v[lane]);
+        for (int o = 16; o > 0; o >>= 1) {  // the butterfly of __shfl_xor_sync
+          uint32_t next[32];
+          for (int lane = 0; lane < 32; ++lane) next[lane] = amax[lane ^ o] > amax[lane] ? amax[lane ^ o] : amax[lane];
+          std::memcpy(amax, next, sizeof(amax));
+        }
+        for (int lane = 0; lane < 32; ++lane) {
+          const Fp8BlockScale sc = Fp8ScaleOf(amax[lane]);
+          Fp8StoreLane(v[lane], n, lane, sc.multiplier, reinterpret_cast<uint8_t*>(&q[t * H + h0]));
+          if (lane == 0) scales[t * nb + b] = sc.scale;
+        }
+      }
+    }
+  });
+  return {q, scales};
 }
 
 std::vector<float> RaggedOnHost(int mode, const std::vector<float>& operand, const std::vector<float>& output,

@@ -61,14 +61,16 @@ constexpr std::chrono::seconds kStageLimit{120};
 std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32_t* ids,
                            const float* w, LoopbackResult* out) {
   if (cfg.R <= 0 || cfg.R > kMaxPeers || cfg.E % cfg.R != 0 || cfg.E > 8192 || cfg.T <= 0 ||
-      cfg.H <= 0 || cfg.K <= 0 || cfg.K > kMaxSlots || cfg.capacity <= 0) {
+      cfg.H <= 0 || cfg.K <= 0 || cfg.K > kMaxSlots || cfg.capacity <= 0 ||
+      (cfg.low_latency && !cfg.padded)) {
     return "jaxcomm CUDA loopback: need 0 < R <= " + std::to_string(kMaxPeers) +
            ", E divisible by R and at most 8192, 0 < K <= " + std::to_string(kMaxSlots) +
-           ", positive T, H and capacity";
+           ", positive T, H and capacity, and the padded layout for low latency";
   }
   const int R = cfg.R;
   const int64_t T = cfg.T, H = cfg.H, K = cfg.K, E = cfg.E, El = E / R;
-  const int64_t item = cfg.bf16 ? 2 : 4;
+  const Elem elem = cfg.f16 ? Elem::kF16 : cfg.bf16 ? Elem::kBF16 : Elem::kF32;
+  const int64_t item = elem == Elem::kF32 ? 4 : 2;
   const int64_t rows = cfg.padded ? El * cfg.capacity : cfg.capacity;
   const int64_t row_bytes = H * item;
   out->rows = rows;
@@ -81,7 +83,8 @@ std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32
     return e;
   };
   const size_t x_bytes = R * T * row_bytes, tk = R * T * K;
-  DevicePtr dx, dids, dw, ddest, dpos, dsizes, dstats, dwork, dexp, dy, dwritten;
+  const int64_t nb = Fp8Blocks(H);
+  DevicePtr dx, dids, dw, ddest, dpos, dsizes, dstats, dwork, dexp, dy, dwritten, dq, dscales;
   LB_CHECK(alloc(x_bytes, &dx));
   LB_CHECK(alloc(tk * 4, &dids));
   LB_CHECK(alloc(tk * 4, &dw));
@@ -93,6 +96,9 @@ std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32
   LB_CHECK(alloc(R * rows * row_bytes, &dexp));
   LB_CHECK(alloc(x_bytes, &dy));
   LB_CHECK(alloc(R * rows, &dwritten));
+  LB_CHECK(alloc(cfg.fp8 ? R * T * H : 0, &dq));
+  LB_CHECK(alloc(cfg.fp8 ? R * T * nb * 4 : 0, &dscales));
+  if (cfg.low_latency) LB_CHECK(cudaMemset(dexp.get(), 0x7F, R * rows * row_bytes));
   LB_CHECK(cudaMemcpy(dx.get(), x, x_bytes, cudaMemcpyHostToDevice));
   LB_CHECK(cudaMemcpy(dids.get(), ids, tk * 4, cudaMemcpyHostToDevice));
   LB_CHECK(cudaMemcpy(dw.get(), w, tk * 4, cudaMemcpyHostToDevice));
@@ -114,7 +120,12 @@ std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32
   MoePeers dispatch, combine;
   dispatch.R = combine.R = R;
   for (int r = 0; r < R; ++r) {
-    dispatch.src[r] = xb + r * T * row_bytes;
+    if (cfg.fp8) {
+      dispatch.src[r] = static_cast<const uint8_t*>(dq.get()) + r * T * H;
+      dispatch.g[r] = static_cast<const float*>(dscales.get()) + r * T * nb;
+    } else {
+      dispatch.src[r] = xb + r * T * row_bytes;
+    }
     dispatch.out[r] = eb + r * rows * row_bytes;
     dispatch.written[r] = static_cast<uint8_t*>(dwritten.get()) + r * rows;
     combine.src[r] = eb + r * rows * row_bytes;  // identity experts: expert_y = expert_x
@@ -129,8 +140,11 @@ std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32
   ds.H = H;
   ds.rows = rows;
   ds.row_bytes = row_bytes;
+  ds.out = elem;  // the dequantizing gathers' result
   MoeShape cs = ds;
-  cs.bf16_src = cs.bf16_out = cfg.bf16;
+  cs.src = cs.out = elem;
+  const int dispatch_mode = cfg.fp8 ? (cfg.low_latency ? kGatherDequantSparse : kGatherDequant)
+                                    : (cfg.low_latency ? kGatherSparse : kGatherCopy);
 
   // Median time of `iters` runs of `stage` after one warm-up.
   auto timed = [&](const std::function<cudaError_t()>& stage, double* ms) -> std::string {
@@ -164,11 +178,19 @@ std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32
     return cudaSuccess;
   };
   auto run_dispatch = [&] {
+    if (cfg.fp8) {  // every rank quantizes its own tokens (one launch covers all ranks' rows)
+      const cudaError_t e = LaunchFp8Quantize(elem, xb, R * T, H, static_cast<uint8_t*>(dq.get()),
+                                              static_cast<float*>(dscales.get()), stream.get());
+      if (e != cudaSuccess) return e;
+    }
     return each([&](int self) {
       MoeShape s = ds;
       s.self = self;
-      const cudaError_t e = MoeZeroWritten(dispatch, s, stream.get());
-      return e != cudaSuccess ? e : LaunchMoe(kGatherCopy, dispatch, s, stream.get());
+      if (ZeroesUnwritten(dispatch_mode)) {
+        const cudaError_t e = MoeZeroWritten(dispatch, s, stream.get());
+        if (e != cudaSuccess) return e;
+      }
+      return LaunchMoe(dispatch_mode, dispatch, s, stream.get());
     });
   };
   auto run_combine = [&] {

@@ -15,7 +15,15 @@ struct LoopbackConfig {
   int64_t T = 0, H = 0, K = 0, E = 0;
   int64_t capacity = 0;  // rows per rank (packed) or per expert (padded)
   bool padded = false;
-  bool bf16 = true;      // element type of x: bfloat16, else float32
+  bool bf16 = true;      // element type of x: bfloat16, else float32 (or float16, below)
+  bool f16 = false;      // x is float16
+  // DeepEP's low-latency decode: the padded layout, the rows past each expert's count left
+  // as they were (the dispatch writes only arriving rows; the loopback fills expert_x
+  // with 0x7F bytes first, so that the caller can check no other row was written).
+  bool low_latency = false;
+  // FP8 dispatch: each rank's tokens quantized (LaunchFp8Quantize, part of the dispatch's
+  // time), moved as FP8 codes and scales, dequantized into x's type by the gather.
+  bool fp8 = false;
   int iters = 10;        // timed repetitions of each stage (after one warm-up)
   bool return_expert_x = false;
   // Launch each rank's part on its own (MoeShape::self = r), as one GPU per rank does,
@@ -37,7 +45,8 @@ struct LoopbackResult {
 };
 
 // Runs routing, dispatch and combine for R ranks' inputs x [R, T, H], ids [R, T, K],
-// w [R, T, K]. "" or an error message naming the failed call and its place.
+// w [R, T, K]. "" or an error message naming the failed call and its place. The combine
+// reads x's type and writes it, accumulating in float32.
 std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32_t* ids,
                            const float* w, LoopbackResult* out);
 

@@ -7,7 +7,9 @@
 #include <numeric>
 
 #include "core/moe_operands.h"
+#include "cuda/backend.h"
 #include "cuda/call.h"
+#include "cuda/split.h"
 
 namespace jaxcomm::cuda {
 namespace {
@@ -18,37 +20,53 @@ std::vector<int> AllRanks(int size) {
   return v;
 }
 
+// Where a split send (split.h) runs its reads instead of XLA's stream: `stream`, which
+// first waits for this rank's `ready`; XLA's stream then waits for nothing, and `pending`
+// receives what the receive half must wait for (this rank's `done`, and its readers').
+struct OffStream {
+  cudaStream_t stream;
+  PendingSend* pending;
+};
+
 // Runs `enqueue` between the two phases of a peer exchange (peers.h): after every rank's
 // buffers are published and this stream waits for the ranks in `wait_ready`, and before
 // it waits for the `done` of the ranks in `wait_done` (those that read this rank's
-// buffers). Phase 2 is joined even when `enqueue` fails, so peers never hang.
+// buffers). Phase 2 is joined even when `enqueue` fails, so peers never hang. With `off`,
+// the reads go to off->stream (see OffStream).
 ffi::Error PeerCall(const Call& c, const PeerInfo& mine, const std::vector<int>& wait_ready,
                     const std::function<ffi::Error(const std::vector<PeerInfo>&)>& enqueue,
-                    const std::vector<int>& wait_done) {
+                    const std::vector<int>& wait_done, const OffStream* off = nullptr) {
   PeerRendezvous& peers = *c.slot.peers;
   PeerInfo me = mine;
   me.ready = peers.ready();
   me.done = peers.done();
   JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(me.ready, c.stream));
+  const cudaStream_t work = off != nullptr ? off->stream : c.stream;
   const int rank = c.where.rank;
   const PeerCallKey key{c.route() == Route::kLocalPeers ? c.run_id : 0, c.slot.execution, c.where.group_index};
   auto all = peers.Exchange(key, rank, c.size, me, c.st->timeout(), c.ctx);
   if (all.has_error()) return all.error();
   ffi::Error result = [&]() -> ffi::Error {
+    if (off != nullptr) JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(work, me.ready, 0));
     for (int d : wait_ready) {
       if (d == rank) continue;
-      JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(c.stream, (*all)[d].ready, 0));
+      JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(work, (*all)[d].ready, 0));
     }
     JAXCOMM_TRY(enqueue(*all));
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(me.done, c.stream));
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(me.done, work));
     return ffi::Error::Success();
   }();
   ffi::Error finished = peers.Finish(key, rank, c.st->timeout(), c.ctx);
   if (result.failure()) return result;
   if (finished.failure()) return finished;
+  if (off != nullptr) off->pending->waits.push_back(me.done);
   for (int d : wait_done) {
     if (d == rank) continue;
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(c.stream, (*all)[d].done, 0));
+    if (off != nullptr) {
+      off->pending->waits.push_back((*all)[d].done);
+    } else {
+      JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(c.stream, (*all)[d].done, 0));
+    }
   }
   return ffi::Error::Success();
 }
@@ -205,11 +223,21 @@ ffi::Error PeerBroadcast(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer&
   }, is_root ? AllRanks(c.size) : std::vector<int>{});
 }
 
+namespace {
+
+// The kernels' float type of a float32, bfloat16 or float16 buffer (kF32 for others,
+// which the operand check has excluded wherever the mode reads them as floats).
+Elem MoeFloat(ffi::DataType t) {
+  return t == ffi::DataType::BF16 ? Elem::kBF16 : t == ffi::DataType::F16 ? Elem::kF16 : Elem::kF32;
+}
+
+}  // namespace
+
 ffi::Error MoeTransport(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& src,
                         const ffi::AnyBuffer& dest, const ffi::AnyBuffer& pos, const ffi::AnyBuffer& w,
-                        const ffi::AnyBuffer& g, ffi::AnyBuffer& result) {
+                        const ffi::AnyBuffer& g, ffi::AnyBuffer& result, cudaStream_t split) {
   if (c.size > kMaxPeers) return Reject(c, "more ranks than the MoE kernels address (16)");
-  const int64_t mode = c.attrs().mode;
+  int64_t mode = c.attrs().mode;
   MoeOperandShape checked;
   if (std::string why = CheckMoeOperands(mode, src, dest, pos, w, g, result, &checked); !why.empty()) {
     return Reject(c, why);
@@ -220,10 +248,23 @@ ffi::Error MoeTransport(const Call& c, ffi::ScratchAllocator& scratch, const ffi
   s.H = checked.H;
   s.rows = checked.rows;
   s.row_bytes = checked.row_bytes;
+  s.src = MoeFloat(checked.src_type);
+  s.out = MoeFloat(checked.out_type);
+  s.g = MoeFloat(checked.g_type);
   if (s.K > kMaxSlots) return Reject(c, "more than 64 experts per token (top-k)");
+  // A split send's movement outlives its call, and with it XLA's scratch: its gathers zero
+  // the whole result first instead of the rows nobody wrote (which needs scratch flags).
+  bool zero_first = false;
+  if (split != nullptr && ZeroesUnwritten(mode)) {
+    if (mode == kGatherScaled) return Reject(c, "gather-scaled has no split-phase form");
+    mode = mode == kGatherCopy ? kGatherSparse : kGatherDequantSparse;
+    zero_first = true;
+  }
+  const cudaStream_t stream = split != nullptr ? split : c.stream;
+  PendingSend pending;
   if (result.size_bytes() == 0) return ffi::Error::Success();
   uint8_t* written = nullptr;
-  if (checked.gather) {
+  if (ZeroesUnwritten(mode)) {
     auto flags = Scratch(c, scratch, static_cast<size_t>(std::max<int64_t>(s.rows, 1)));
     if (flags.has_error()) return flags.error();
     written = reinterpret_cast<uint8_t*>(*flags);
@@ -242,24 +283,57 @@ ffi::Error MoeTransport(const Call& c, ffi::ScratchAllocator& scratch, const ffi
       p.dest[d] = static_cast<const int32_t*>(all[d].ptr[2]);
       p.pos[d] = static_cast<const int32_t*>(all[d].ptr[3]);
       p.w[d] = static_cast<const float*>(all[d].ptr[4]);
-      p.g[d] = static_cast<const float*>(all[d].ptr[5]);
+      p.g[d] = all[d].ptr[5];
     }
     p.written[r] = written;
-    if (s.T == 0) {
-      JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(result.untyped_data(), 0, result.size_bytes(), c.stream));
-      return ffi::Error::Success();
+    if (zero_first || (s.T == 0 && (ZeroesUnwritten(mode) || !checked.gather))) {
+      JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(result.untyped_data(), 0, result.size_bytes(), stream));
     }
-    if (checked.gather) JAXCOMM_CUDA_CHECK(c.ctx, MoeZeroWritten(p, s, c.stream));
-    JAXCOMM_CUDA_CHECK(c.ctx, LaunchMoe(static_cast<int>(mode), p, s, c.stream));
+    if (s.T == 0) return ffi::Error::Success();
+    if (ZeroesUnwritten(mode)) JAXCOMM_CUDA_CHECK(c.ctx, MoeZeroWritten(p, s, stream));
+    JAXCOMM_CUDA_CHECK(c.ctx, LaunchMoe(static_cast<int>(mode), p, s, stream));
     return ffi::Error::Success();
   };
   PeerInfo mine;
   mine.ptr = {src.untyped_data(), result.untyped_data(), dest.untyped_data(), pos.untyped_data(),
               w.untyped_data(), g.untyped_data()};
-  if (c.size == 1) return launch({mine});
-  // Every rank may read every other's buffers: wait for all, and all wait for everyone.
   const auto everyone = AllRanks(c.size);
-  return PeerCall(c, mine, everyone, launch, everyone);
+  if (split == nullptr) {
+    if (c.size == 1) return launch({mine});
+    // Every rank may read every other's buffers: wait for all, and all wait for everyone.
+    return PeerCall(c, mine, everyone, launch, everyone);
+  }
+  if (c.size == 1) {
+    OwnedEvent ready, done;
+    JAXCOMM_TRY(MakeCallEvents(c.device, c.ctx, &ready, &done));
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(ready.get(), c.stream));
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(stream, ready.get(), 0));
+    JAXCOMM_TRY(launch({mine}));
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(done.get(), stream));
+    pending.waits.push_back(done.get());
+    pending.owned.push_back(std::move(ready));
+    pending.owned.push_back(std::move(done));
+  } else {
+    const OffStream off{stream, &pending};
+    JAXCOMM_TRY(PeerCall(c, mine, everyone, launch, everyone, &off));
+  }
+  Backend::Get().splits().Put(c.device, result.untyped_data(), std::move(pending));
+  return ffi::Error::Success();
+}
+
+ffi::Error MoeReceive(const Call& c, const ffi::AnyBuffer& data, const ffi::AnyBuffer& data_out) {
+  if (data.size_bytes() == 0) return ffi::Error::Success();
+  if (data_out.untyped_data() != data.untyped_data()) {
+    return Reject(c, "the receive half's result is not its send's result (XLA copied it instead "
+                     "of aliasing): pass the send's pending value to its receive unchanged");
+  }
+  PendingSend pending;
+  if (!Backend::Get().splits().Take(c.device, data.untyped_data(), &pending)) {
+    return Reject(c, "no send half is pending for this result (each send's pending value must "
+                     "reach exactly one receive, once)");
+  }
+  for (cudaEvent_t e : pending.waits) JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(c.stream, e, 0));
+  return ffi::Error::Success();
 }
 
 }  // namespace jaxcomm::cuda

@@ -14,14 +14,19 @@ const char* RouteName(Route route) {
   return "unknown";
 }
 
-bool UsesOwnKernels(std::string_view op) { return op == "ppermute" || op == "moe_transport"; }
+// The MoE transport and its split halves (moe_transport_send, moe_recv) take one route.
+bool IsMoeTransport(std::string_view op) {
+  return op == "moe_transport" || op == "moe_transport_send" || op == "moe_recv";
+}
+
+bool UsesOwnKernels(std::string_view op) { return op == "ppermute" || IsMoeTransport(op); }
 
 RouteChoice ChooseRoute(std::string_view op, const std::vector<Member>& group, int64_t me,
                         bool one_rank_nccl) {
   if (group.size() <= 1) {
     // NCCL for a lone rank only where NCCL implements the op (JAXCOMM_CUDA_ONE_RANK=nccl
     // exercises NCCL on one GPU); the MoE and ragged kernels have no NCCL form.
-    const bool nccl_op = op != "moe_transport" && op != "ragged_all_to_all";
+    const bool nccl_op = !IsMoeTransport(op) && op != "ragged_all_to_all";
     return {one_rank_nccl && nccl_op ? Route::kNccl : Route::kCopy, ""};
   }
   bool local = true, same_host = true, one_per_process = true, shared_device = false;
@@ -47,7 +52,7 @@ RouteChoice ChooseRoute(std::string_view op, const std::vector<Member>& group, i
                 "per process, all on one host"};
   }
   if (UsesOwnKernels(op) && ipc) return {Route::kProcessPeers, ""};
-  if (op == "moe_transport") {
+  if (IsMoeTransport(op)) {
     return {Route::kNccl,
             "the CUDA MoE transport reads its peers' buffers in place, which needs the group's "
             "processes on one host, one rank each (other layouts take the composed transport, "

@@ -103,7 +103,7 @@ std::string CudaState::Summary() const {
   if (op_ == "reduce_scatter") s << " scatter_dimension=" << a.scatter_dimension;
   if (op_ == "all_to_all") s << " split_axis=" << a.split_axis << " concat_axis=" << a.concat_axis;
   if (op_ == "broadcast") s << " root=" << a.root;
-  if (op_ == "moe_transport" || op_ == "ragged_all_to_all") s << " mode=" << a.mode;
+  if (op_ == "moe_transport" || op_ == "moe_transport_send" || op_ == "ragged_all_to_all") s << " mode=" << a.mode;
   if (op_ == "ragged_all_to_all") s << " src_rows=" << a.src_rows << " dst_rows=" << a.dst_rows;
   if (op_ == "ppermute") {
     s << " sources=[";

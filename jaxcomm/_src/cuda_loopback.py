@@ -59,15 +59,21 @@ def smallest_capacity(ids: np.ndarray, E: int, padded: bool) -> int:
 
 def run(x: np.ndarray, ids: np.ndarray, w: np.ndarray, *, num_experts: int, capacity: int,
         padded: bool = False, iters: int = 10, return_expert_x: bool = False,
-        device: int = 0, per_rank: bool = False) -> dict[str, Any]:
+        device: int = 0, per_rank: bool = False, low_latency: bool = False,
+        fp8: bool = False) -> dict[str, Any]:
     """Runs routing, dispatch and combine (identity experts) for R ranks on one GPU.
 
     Args:
-      x: [R, T, H] bfloat16 or float32 tokens of every rank.
+      x: [R, T, H] bfloat16, float16 or float32 tokens of every rank.
       ids: [R, T, K] expert ids (-1: none). w: [R, T, K] combine weights.
       capacity: rows per rank (packed layout) or per expert slab (padded layout).
       per_rank: launch each rank's part separately, reading the others' buffers in place,
         as the multi-GPU path does (one launch for all ranks otherwise).
+      low_latency: DeepEP's decode layout (``padded`` required): the dispatch writes only
+        the arriving rows; every other row of expert_x keeps the 0x7F bytes the loopback
+        fills it with first.
+      fp8: the dispatch quantizes the tokens to jaxcomm's FP8 format, moves codes and
+        scales, and dequantizes into x's dtype (expert_x holds the dequantized rows).
 
     Returns:
       y [R, T, H] (combine of the dispatched rows), sizes [R, E/R], stats [R, 3] (dropped,
@@ -79,15 +85,17 @@ def run(x: np.ndarray, ids: np.ndarray, w: np.ndarray, *, num_experts: int, capa
         raise RuntimeError("jaxcomm was built without the CUDA backend")
     R, T, H = x.shape
     K = ids.shape[2]
-    bf16 = x.dtype == _bf16()
-    if not bf16 and x.dtype != np.float32:
-        raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
+    bf16, f16 = x.dtype == _bf16(), x.dtype == np.float16
+    if not (bf16 or f16) and x.dtype != np.float32:
+        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if low_latency and not padded:
+        raise ValueError("the low-latency layout is padded")
     if R > MAX_RANKS:
         raise ValueError(f"at most {MAX_RANKS} loopback ranks, got {R}")
     res = dict(_jaxcomm.cuda_moe_loopback(
         np.ascontiguousarray(x).tobytes(), np.ascontiguousarray(ids, np.int32).tobytes(),
         np.ascontiguousarray(w, np.float32).tobytes(), R, T, H, K, num_experts, capacity,
-        padded, bf16, iters, return_expert_x, device, per_rank))
+        padded, bf16, iters, return_expert_x, device, per_rank, f16, low_latency, fp8))
     rows = int(res["rows"])
     res["y"] = np.frombuffer(res["y"], x.dtype).reshape(R, T, H)
     res["sizes"] = np.frombuffer(res["sizes"], np.int32).reshape(R, num_experts // R)
@@ -107,8 +115,10 @@ def reference_y(x: np.ndarray, dest: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def benchmark(R: int = 8, T: int = 4096, H: int = 7168, K: int = 8, E: int = 256,
               dtype: str = "bfloat16", padded: bool = False, iters: int = 10,
-              seed: int = 0, check_tokens: int = 64) -> dict[str, Any]:
-    """Loopback dispatch/combine at the smallest capacity that drops nothing, with checks.
+              seed: int = 0, check_tokens: int = 64, low_latency: bool = False,
+              fp8: bool = False) -> dict[str, Any]:
+    """Loopback dispatch/combine at the smallest capacity that drops nothing (low latency:
+    DeepEP's decode layout, R*T rows per expert), with checks.
 
     Returns a JSON-ready dict: the configuration, median times, DeepEP-counted bytes and
     GB/s, the device-to-device copy's GB/s, whether each stage reaches half of it (the
@@ -124,20 +134,25 @@ def benchmark(R: int = 8, T: int = 4096, H: int = 7168, K: int = 8, E: int = 256
         bits = rng.integers(0x3E00, 0x4080, size=(R, T, H), dtype=np.uint16)
         x = bits.view(_bf16())
     else:
-        x = rng.standard_normal((R, T, H), dtype=np.float32)
-    capacity = smallest_capacity(ids, E, padded)
+        x = rng.standard_normal((R, T, H), dtype=np.float32).astype(dtype)
+    padded = padded or low_latency
+    capacity = R * T if low_latency else smallest_capacity(ids, E, padded)
     prep_s = time.perf_counter() - t0
-    res = run(x, ids, w, num_experts=E, capacity=capacity, padded=padded, iters=iters)
+    res = run(x, ids, w, num_experts=E, capacity=capacity, padded=padded, iters=iters,
+              low_latency=low_latency, fp8=fp8)
     item = x.dtype.itemsize
+    # The combine moves x's dtype; an FP8 dispatch moves codes and one scale per 128.
     counted = int(res["pairs"]) * H * item
+    dispatched = int(res["pairs"]) * (H + 4 * -(-H // 128)) if fp8 else counted
     copy_gbps = res["memcpy_bytes"] / (res["memcpy_ms"] * 1e6)
     out: dict[str, Any] = dict(
-        ranks=R, tokens=T, hidden=H, topk=K, experts=E, dtype=dtype,
-        layout="padded" if padded else "packed", capacity=capacity, rows_per_rank=int(res["rows"]),
-        pairs=int(res["pairs"]), bytes_deepep=counted,
+        ranks=R, tokens=T, hidden=H, topk=K, experts=E, dtype=dtype, fp8=fp8,
+        layout="low_latency" if low_latency else "padded" if padded else "packed", capacity=capacity,
+        rows_per_rank=int(res["rows"]), pairs=int(res["pairs"]), bytes_deepep=counted,
+        dispatch_bytes_deepep=dispatched,
         plan_ms=res["plan_ms"], dispatch_ms=res["dispatch_ms"], combine_ms=res["combine_ms"],
         memcpy_ms=res["memcpy_ms"], memcpy_GBps=copy_gbps,
-        dispatch_GBps=counted / (res["dispatch_ms"] * 1e6),
+        dispatch_GBps=dispatched / (res["dispatch_ms"] * 1e6),
         combine_GBps=counted / (res["combine_ms"] * 1e6),
     )
     out["dispatch_vs_half_copy"] = out["dispatch_GBps"] / (0.5 * copy_gbps)
@@ -146,13 +161,18 @@ def benchmark(R: int = 8, T: int = 4096, H: int = 7168, K: int = 8, E: int = 256
     total = expert_totals(ids, E).reshape(R, E // R)
     want_sizes = np.minimum(total, capacity) if padded else total
     n = min(check_tokens, T)
-    ref = reference_y(x[:, :n], res["dest"][:, :n], w[:, :n])
+    xs = x[:, :n]
+    if fp8:  # what the dispatch delivers: x through jaxcomm's FP8 format
+        from jaxcomm._src.moe import fp8 as fp8_format
+        q, sc = (np.asarray(a) for a in fp8_format.quantize(xs.reshape(-1, H).astype(np.float32)))
+        xs = np.asarray(fp8_format.dequantize(q, sc, np.float32)).reshape(xs.shape).astype(x.dtype)
+    ref = reference_y(xs, res["dest"][:, :n], w[:, :n])
     got = res["y"][:, :n].astype(np.float32)
     err = float(np.max(np.abs(got - ref) / (np.abs(ref) + 1e-3)))
     out["checks"] = dict(
         sizes_match=bool(np.array_equal(res["sizes"], want_sizes)),
         dropped=int(res["stats"][:, 0].sum()), recv_dropped=int(res["stats"][:, 2].sum()),
-        combine_max_rel_err=err, combine_ok=bool(err < (2e-2 if dtype == "bfloat16" else 1e-5)),
+        combine_max_rel_err=err, combine_ok=bool(err < (1e-5 if dtype == "float32" else 2e-2)),
     )
     out["prep_s"] = prep_s
     return out
@@ -165,17 +185,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--layouts", default="packed,padded")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--layouts", default="packed,padded", help="packed, padded, low_latency")
+    p.add_argument("--fp8", choices=("no", "yes", "both"), default="no",
+                   help="FP8 dispatch (quantize, move codes and scales, dequantize)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
     results = []
-    for layout in a.layouts.split(","):
+    runs = [(layout, fp8) for layout in a.layouts.split(",")
+            for fp8 in {"no": (False,), "yes": (True,), "both": (False, True)}[a.fp8]]
+    for layout, fp8 in runs:
         r = benchmark(a.ranks, a.tokens, a.hidden, a.topk, a.experts, a.dtype,
-                      padded=layout == "padded", iters=a.iters)
+                      padded=layout == "padded", iters=a.iters, low_latency=layout == "low_latency",
+                      fp8=fp8)
         results.append(r)
-        print(f"{layout}: dispatch {r['dispatch_ms']:.3f} ms {r['dispatch_GBps']:.0f} GB/s, "
+        print(f"{layout}{' fp8' if fp8 else ''}: dispatch {r['dispatch_ms']:.3f} ms {r['dispatch_GBps']:.0f} GB/s, "
               f"combine {r['combine_ms']:.3f} ms {r['combine_GBps']:.0f} GB/s, "
               f"copy {r['memcpy_GBps']:.0f} GB/s (read+write), target met: {r['target_met']}, "
               f"checks {r['checks']}", flush=True)

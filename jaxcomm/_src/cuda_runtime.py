@@ -152,6 +152,10 @@ def ensure_registered() -> None:
         name = runtime.target_name(op)
         jax.ffi.register_ffi_target(name, stages, platform="CUDA")
         runtime.mark_batch_partitionable(name)
+    # Kernels outside any group (the op table's local ops, an execute stage alone): called
+    # inside shard_map or on one shard's rows, never partitioned by XLA.
+    for op, stages in _jaxcomm.cuda_local_targets().items():
+        jax.ffi.register_ffi_target(runtime.target_name(op), stages, platform="CUDA")
     _jaxcomm.set_process_index(jax.process_index())
 
 

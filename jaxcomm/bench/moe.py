@@ -2,25 +2,51 @@
 
 The baseline is the capacity-padded lax.all_to_all design: every (token, slot) is copied into
 a per-expert buffer of ``cap`` rows on the source (one copy per selected expert), exchanged
-with all_to_all, and gathered back. jaxcomm (host backend) copies each kept assignment's token
-row once, straight from its source into the receiver's expert rows, and combine reads each
-expert row once from where it lies. Both use the smallest capacity that drops nothing for
-the benchmark's routing. Bytes are counted as DeepEP does: (token, destination rank) pairs x
-H x item size, for each direction.
+with all_to_all, and gathered back. jaxcomm (host backend) routes inside one collective call
+and copies each kept assignment's token row once, straight from its source into the
+receiver's expert rows; combine reads each expert row once from where it lies. Both use the
+smallest capacity that drops nothing for the benchmark's routing. Bytes are counted as
+DeepEP does: (token, destination rank) pairs x H x item size, for each direction (FP8: H
+bytes plus 4 per 128 channels).
+
+Rows, for each ``--dtype`` (each beside a baseline timed in the same run, alternating):
+
+* dispatch, combine, dispatch+combine, and its forward+backward (``jax.grad``);
+* low-latency dispatch+combine (``--modes low_latency``): DeepEP's static
+  [E_local, R * T, H] layout, against the same baseline;
+* FP8 dispatch+combine (``fp8``): tokens as float8_e4m3fn with float32 scales per 128
+  channels, dequantized at the receiver, combine in the token dtype;
+* overlap (``overlap``): a decode step, MoE with a shared expert (a dense GELU MLP of width
+  ``--shared-ffn`` on every token, in float32) whose output is added to the MoE's, once
+  with the fused calls and once with the shared expert's two matmuls computed between
+  dispatch_send / dispatch_recv and between combine_send / combine_recv. The row gives the
+  split step against the fused one (in the baseline column), the MoE's dispatch+combine
+  and the shared expert each alone, and the time saved as a share of the shorter of the
+  two (100%: the shorter one was hidden entirely).
+
+With float32 and a half precision dtype in ``--dtype`` (and the normal mode), a last line
+times the half precision combine against float32's, alternated in one run.
+
+``local`` is a program with no communication that moves the same rows in every device at
+once: a gather of the rank's own token rows into as many expert rows (dispatch) and their
+weighted sum back (combine), in XLA. Every implementation moves at least these bytes; it
+is a reference, not a bound.
 
 The last row is one training step (loss, and gradients of router and expert weights) of an
 MoE layer: softmax top-k router, the same per-expert GELU FFN (a batched einsum over
 [E_local, rows, H] slabs) on both sides, built once on jaxcomm's dispatch/combine and once
 on the baseline. jaxcomm's slabs are dispatch_padded's with the largest expert's row count as
 capacity; the baseline's slabs are its all_to_all buffers, R*cap rows per expert. The FFN
-width defaults to H/4; the wider it is, the more the step is the FFN's matmuls, which both
-sides share.
+width defaults to H/4.
 
-The default (full-size) run peaks at about 10.5 GB of host memory.
+The default (full-size) run peaks at about 10.5 GB of host memory; the low-latency rows at
+T=128, H=7168, 256 experts hold R * 32 * 1024 * H rows (3.5 GiB in bfloat16).
 
 Example::
 
     python -m jaxcomm.bench moe --tokens 4096 --hidden 1024 --topk 8 --experts 64 --devices 8
+    python -m jaxcomm.bench moe --tokens 128 --hidden 7168 --topk 8 --experts 256 \\
+        --dtype float32,bfloat16 --modes normal,low_latency,fp8,overlap --skip-layer
 """
 
 from __future__ import annotations
@@ -31,7 +57,10 @@ import sys
 import time
 from typing import Any, Callable
 
+from jaxcomm.bench import method
 from jaxcomm.bench.common import set_host_device_count
+
+MODES = ("normal", "low_latency", "fp8", "overlap")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -41,14 +70,25 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=8, help="experts per token (K)")
     p.add_argument("--experts", type=int, default=64, help="experts in total (E)")
     p.add_argument("--devices", type=int, default=8, help="emulated CPU devices = EP ranks (R)")
-    p.add_argument("--dtype", default="float32", help="token dtype (float32, bfloat16)")
+    p.add_argument("--dtype", default="float32",
+                   help="token dtypes, comma separated (float32, bfloat16, float16)")
+    p.add_argument("--modes", default="normal",
+                   help=f"rows to measure, comma separated: {', '.join(MODES)} (or all)")
+    p.add_argument("--shared-ffn", type=int, default=128,
+                   help="width of the overlap row's shared expert (sized so that, on a CPU, its matmuls take about as long as the MoE's communication)")
     p.add_argument("--ffn", type=int, default=None,
                    help="expert FFN width (F) of the layer step (default hidden // 4)")
     p.add_argument("--iters", type=int, default=5,
                    help="timed iterations of each side, in two alternating blocks (median reported)")
     p.add_argument("--skip-layer", action="store_true", help="leave out the MoE layer step")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and the data (default 0)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.modes = MODES if args.modes == "all" else tuple(m.strip() for m in args.modes.split(","))
+    for m in args.modes:
+        if m not in MODES:
+            p.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    args.dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    return args
 
 
 def _time_pair(jc: Callable[[], Any], base: Callable[[], Any], iters: int,
@@ -74,56 +114,124 @@ def _time_pair(jc: Callable[[], Any], base: Callable[[], Any], iters: int,
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def _time_one(fn: Callable[[], Any], iters: int) -> float:
+    import jax
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _Row:
+    """One table row: jaxcomm's and the baseline's seconds, the bytes moved, the local
+    reference's seconds (or None) and a note."""
+
+    def __init__(self, name: str, tj: float, tb: float | None, moved: float | None,
+                 local: float | None = None, note: str = ""):
+        self.name, self.tj, self.tb, self.moved, self.local, self.note = name, tj, tb, moved, local, note
+
+    def format(self) -> str:
+        bw = lambda t: f"{self.moved / t / 1e9:>9.2f}" if self.moved and t else f"{'':>9}"  # noqa: E731
+        base = f"{self.tb * 1e3:>13.2f}{bw(self.tb)}{self.tb / self.tj:>8.2f}x" if self.tb else f"{'':>31}"
+        local = f"{self.local * 1e3:>10.2f}" if self.local else f"{'':>10}"
+        return f"{self.name:<34}{self.tj * 1e3:>12.2f}{bw(self.tj)}{base}{local}  {self.note}".rstrip()
+
+
+HEADER = (f"{'op':<34}{'jaxcomm ms':>12}{'GB/s':>9}{'baseline ms':>13}{'GB/s':>9}{'speedup':>9}"
+          f"{'local ms':>10}")
+
+
 def main(argv: list[str]) -> None:
-    """Runs the benchmark and prints one table (times in ms, GB/s, ratio jaxcomm/baseline)."""
+    """Runs the benchmark and prints one table per dtype (times in ms, GB/s, speedup =
+    baseline / jaxcomm)."""
     args = _parse(list(argv))
     set_host_device_count(args.devices)
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import jaxcomm
 
     R, T, H, K, E = args.devices, args.tokens, args.hidden, args.topk, args.experts
     if E % R:
         raise SystemExit(f"--experts {E} must be divisible by --devices {R}")
-    El = E // R
-    dtype = jnp.dtype(args.dtype)
-    mesh = jax.make_mesh((R,), ("ep",), devices=jax.devices()[:R])
-    sh = NamedSharding(mesh, P("ep"))
-    rng = np.random.default_rng(args.seed)
-    ids = np.argsort(rng.random((R * T, E)), axis=1)[:, :K].astype(np.int32)  # distinct top-k
-    w = rng.random((R * T, K)).astype(np.float32)
-    x = rng.normal(size=(R * T, H)).astype(dtype)
+    for dtype in args.dtypes:
+        bench = _Bench(args, jax.numpy.dtype(dtype))
+        rows = bench.run()
+        print(f"MoE dispatch/combine: R={R} T={T} H={H} K={K} E={E} dtype={dtype}; "
+              f"jaxcomm capacity C={bench.C}, baseline capacity {bench.cap} per (rank, expert); "
+              f"{bench.pairs} (token, rank) pairs = {bench.nbytes / 2**20:.1f} MiB per direction "
+              f"(DeepEP count; FP8: {bench.fp8_bytes / 2**20:.1f} MiB); load average "
+              f"{method.load_average()}")
+        print(HEADER)
+        for row in rows:
+            print(row.format())
+        for note in bench.notes:
+            print(note)
+        del bench
+    if "normal" in args.modes and "float32" in args.dtypes and len(args.dtypes) > 1:
+        _print_combine_ratios(args)
 
-    # Smallest no-drop capacities: jaxcomm's C (rows a rank receives), the baseline's rows per
-    # (source rank, expert).
-    per_rank = np.bincount(ids.reshape(-1) // El, minlength=R)
-    C = int(per_rank.max())
-    src = np.repeat(np.arange(R), T * K)
-    cap = int(np.bincount(src * E + ids.reshape(-1), minlength=R * E).max())
-    pairs = sum(len(set(row // El)) for row in ids)  # (token, destination rank) pairs
-    nbytes = pairs * H * dtype.itemsize
 
-    xs, idss, ws = (jax.device_put(a, sh) for a in (x, ids, w))
-    ct = jax.device_put(rng.normal(size=(R * T, H)).astype(dtype), sh)
-    spec = P("ep")
+def _print_combine_ratios(args: argparse.Namespace) -> None:
+    """The half precision combine against float32's, alternated in one run (the issue's
+    target: at most 0.6x), on the same routing and capacity."""
+    import jax
 
-    def smap(f, n_in):
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * n_in, out_specs=spec))
+    import jaxcomm
+    combine = jax.jit(jaxcomm.moe.combine)
+    calls = {}
+    for d in args.dtypes:
+        b = _Bench(args, jax.numpy.dtype(d))
+        ex, _, handle = jax.jit(b.jc_disp)(b.xs, b.ids)
+        calls[d] = (lambda e=ex, h=handle, w=b.ws: combine(e, h, w))
+    load = method.load_average()
+    for d in args.dtypes:
+        if d == "float32":
+            continue
+        th, tf = _time_pair(calls[d], calls["float32"], args.iters, rounds=4)
+        print(f"combine {d} vs float32, alternated in one run: {th * 1e3:.2f} ms vs {tf * 1e3:.2f} ms "
+              f"= {th / tf:.2f}x (target <= 0.6x); load average {load}")
 
-    # ------------------------------------------------------------------ jaxcomm
-    def jc_dispatch(x, ids):
-        ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep", capacity=C)
-        return ex, sizes, h
 
-    def jc_layer(x, ids, w):
-        ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep", capacity=C)
-        return jaxcomm.moe.combine(ex, h, w)
+class _Bench:
+    """The programs of one dtype's table and their timings."""
 
-    # ------------------------------------------------------------------ baseline
-    def base_plan(ids, cap=cap):
+    def __init__(self, args: argparse.Namespace, dtype: Any):
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        self.args, self.dtype = args, dtype
+        R, T, H, K, E = args.devices, args.tokens, args.hidden, args.topk, args.experts
+        self.R, self.T, self.H, self.K, self.E, self.El = R, T, H, K, E, E // R
+        self.mesh = jax.make_mesh((R,), ("ep",), devices=jax.devices()[:R])
+        self.spec = P("ep")
+        sh = NamedSharding(self.mesh, self.spec)
+        rng = np.random.default_rng(args.seed)
+        ids = np.argsort(rng.random((R * T, E)), axis=1)[:, :K].astype(np.int32)  # distinct top-k
+        w = rng.random((R * T, K)).astype(np.float32)
+        x = rng.normal(size=(R * T, H)).astype(dtype)
+        # Smallest no-drop capacities: jaxcomm's C (rows a rank receives), the baseline's rows
+        # per (source rank, expert).
+        self.C = int(np.bincount(ids.reshape(-1) // self.El, minlength=R).max())
+        src = np.repeat(np.arange(R), T * K)
+        self.cap = int(np.bincount(src * E + ids.reshape(-1), minlength=R * E).max())
+        self.pairs = sum(len(set(row // self.El)) for row in ids)  # (token, destination rank) pairs
+        self.nbytes = self.pairs * H * dtype.itemsize
+        self.fp8_bytes = self.pairs * (H + 4 * -(-H // 128))
+        self.xs, self.ids, self.ws = (jax.device_put(a, sh) for a in (x, ids, w))
+        self.ct = jax.device_put(rng.normal(size=(R * T, H)).astype(dtype), sh)
+        self.notes: list[str] = []
+
+    def smap(self, f: Callable, n_in: int) -> Callable:
+        import jax
+        return jax.jit(jax.shard_map(f, mesh=self.mesh, in_specs=(self.spec,) * n_in, out_specs=self.spec))
+
+    # -------------------------------------------------------------------- baseline
+    def base_plan(self, ids, cap=None):
+        import jax.numpy as jnp
+        E, K, T = self.E, self.K, self.T
+        cap = self.cap if cap is None else cap
         flat = ids.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         counts = jnp.zeros((E,), jnp.int32).at[flat].add(1)
@@ -135,148 +243,257 @@ def main(argv: list[str]) -> None:
         inv = jnp.full((E * cap + 1,), T, jnp.int32).at[slot].set(tok)[:E * cap]
         return slot, inv
 
-    def base_dispatch(x, ids):
-        slot, inv = base_plan(ids)
-        xp = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])
-        buf = xp[inv].reshape(R, El * cap, H)  # one copy per (token, expert)
+    def base_dispatch(self, x, ids):
+        import jax
+        import jax.numpy as jnp
+        slot, inv = self.base_plan(ids)
+        xp = jnp.concatenate([x, jnp.zeros((1, self.H), x.dtype)])
+        buf = xp[inv].reshape(self.R, self.El * self.cap, self.H)  # one copy per (token, expert)
         return jax.lax.all_to_all(buf, "ep", 0, 0, tiled=True), slot
 
-    def base_combine(ey, slot, w):
-        back = jax.lax.all_to_all(ey, "ep", 0, 0, tiled=True).reshape(E * cap, H)
-        back = jnp.concatenate([back, jnp.zeros((1, H), back.dtype)])
-        rows = back[slot].reshape(T, K, H).astype(jnp.float32)
-        return jnp.einsum("tk,tkh->th", w, rows).astype(x.dtype)
+    def base_combine(self, ey, slot, w):
+        import jax
+        import jax.numpy as jnp
+        back = jax.lax.all_to_all(ey, "ep", 0, 0, tiled=True).reshape(self.E * self.cap, self.H)
+        back = jnp.concatenate([back, jnp.zeros((1, self.H), back.dtype)])
+        rows = back[slot].reshape(self.T, self.K, self.H).astype(jnp.float32)
+        return jnp.einsum("tk,tkh->th", w, rows).astype(ey.dtype)
 
-    def base_layer(x, ids, w):
-        buf, slot = base_dispatch(x, ids)
-        return base_combine(buf, slot, w)
+    def base_layer(self, x, ids, w):
+        buf, slot = self.base_dispatch(x, ids)
+        return self.base_combine(buf, slot, w)
 
-    def grad_of(layer):
+    # -------------------------------------------------------------------- local reference
+    def local_rows(self, x, ids):
+        """The rank's own token rows gathered into C expert rows, as if every expert were local."""
+        import jax.numpy as jnp
+        tok = jnp.argsort(ids.reshape(-1) // self.El, stable=True)[:self.C] // self.K
+        return x[tok], tok
+
+    def local_layer(self, x, ids, w):
+        import jax
+        import jax.numpy as jnp
+        rows, tok = self.local_rows(x, ids)
+        wr = w.reshape(-1)[:self.C, None]
+        y = jax.ops.segment_sum(rows.astype(jnp.float32) * wr, tok, num_segments=self.T)
+        return y.astype(x.dtype)
+
+    # -------------------------------------------------------------------- jaxcomm
+    def jc_layer(self, x, ids, w):
+        import jaxcomm
+        ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=self.E, axis_name="ep", capacity=self.C)
+        return jaxcomm.moe.combine(ex, h, w)
+
+    def ll_layer(self, x, ids, w):
+        import jaxcomm
+        ex, _, h = jaxcomm.moe.dispatch_low_latency(x, ids, num_experts=self.E, axis_name="ep",
+                                                    max_tokens=self.T)
+        return jaxcomm.moe.combine_low_latency(ex, h, w)
+
+    def fp8_layer(self, x, ids, w):
+        import jaxcomm
+        ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=self.E, axis_name="ep", capacity=self.C,
+                                        fp8="dequantize")
+        return jaxcomm.moe.combine(ex, h, w)
+
+    def grad_of(self, layer):
+        import jax
+        import jax.numpy as jnp
+
         def f(x, ids, w, ct):
             def loss(x, w):
                 return jnp.sum(layer(x, ids, w).astype(jnp.float32) * ct.astype(jnp.float32))
             return jax.grad(loss, argnums=(0, 1))(x, w)
         return f
 
-    results = {}
-    # dispatch only
-    jd = smap(lambda x, ids: jc_dispatch(x, ids)[0], 2)
-    bd = smap(lambda x, ids: base_dispatch(x, ids)[0], 2)
-    results["dispatch"] = _time_pair(lambda: jd(xs, idss), lambda: bd(xs, idss), args.iters)
-    # combine only: inputs prepared by a dispatch outside the timed region
-    # (global view: the mesh comes from the arrays' sharding)
-    ex, _, handle = jax.jit(lambda x, ids: jaxcomm.moe.dispatch(
-        x, ids, num_experts=E, axis_name="ep", capacity=C))(xs, idss)
-    jc_c = jax.jit(jaxcomm.moe.combine)
-    bd2 = smap(lambda x, ids: base_dispatch(x, ids), 2)
-    buf, slot = bd2(xs, idss)
-    bc = smap(base_combine, 3)
-    results["combine"] = _time_pair(lambda: jc_c(ex, handle, ws), lambda: bc(buf, slot, ws), args.iters)
-    jl, bl = smap(jc_layer, 3), smap(base_layer, 3)
-    results["dispatch+combine"] = _time_pair(lambda: jl(xs, idss, ws), lambda: bl(xs, idss, ws),
-                                             args.iters)
-    jg, bg = smap(grad_of(jc_layer), 4), smap(grad_of(base_layer), 4)
-    results["dispatch+combine fwd+bwd"] = _time_pair(lambda: jg(xs, idss, ws, ct),
-                                                     lambda: bg(xs, idss, ws, ct), args.iters)
+    # -------------------------------------------------------------------- rows
+    def run(self) -> list[_Row]:
+        import jax
+        import numpy as np
+        args, it = self.args, self.args.iters
+        xs, idss, ws, ct = self.xs, self.ids, self.ws, self.ct
+        rows: list[_Row] = []
+        bl = self.smap(self.base_layer, 3)
+        loc = self.smap(self.local_layer, 3)
+        t_local = _time_one(lambda: loc(xs, idss, ws), it)
+        if "normal" in args.modes:
+            jd = self.smap(lambda x, ids: self.jc_disp(x, ids)[0], 2)
+            bd = self.smap(lambda x, ids: self.base_dispatch(x, ids)[0], 2)
+            tj, tb = _time_pair(lambda: jd(xs, idss), lambda: bd(xs, idss), it)
+            t_ldisp = _time_one(self._local_dispatch(), it)
+            rows.append(_Row("dispatch", tj, tb, self.nbytes, t_ldisp))
+            # combine only: inputs prepared by a dispatch outside the timed region (global
+            # view: the mesh comes from the arrays' sharding)
+            ex, _, handle = jax.jit(self.jc_disp)(xs, idss)
+            import jaxcomm
+            jc_c = jax.jit(jaxcomm.moe.combine)
+            buf, slot = self.smap(self.base_dispatch, 2)(xs, idss)
+            bc = self.smap(self.base_combine, 3)
+            tj, tb = _time_pair(lambda: jc_c(ex, handle, ws), lambda: bc(buf, slot, ws), it)
+            rows.append(_Row("combine", tj, tb, self.nbytes))
+            del ex, handle, buf, slot
+            jl = self.smap(self.jc_layer, 3)
+            tj, tb = _time_pair(lambda: jl(xs, idss, ws), lambda: bl(xs, idss, ws), it)
+            rows.append(_Row("dispatch+combine", tj, tb, 2 * self.nbytes, t_local))
+            jg, bg = self.smap(self.grad_of(self.jc_layer), 4), self.smap(self.grad_of(self.base_layer), 4)
+            tj, tb = _time_pair(lambda: jg(xs, idss, ws, ct), lambda: bg(xs, idss, ws, ct), it)
+            rows.append(_Row("dispatch+combine fwd+bwd", tj, tb, 4 * self.nbytes))
+            # correctness of the two sides against each other, once
+            np.testing.assert_allclose(np.asarray(jl(xs, idss, ws), np.float32),
+                                       np.asarray(bl(xs, idss, ws), np.float32), rtol=2e-2, atol=2e-2)
+        if "low_latency" in args.modes:
+            ll = self.smap(self.ll_layer, 3)
+            np.testing.assert_allclose(np.asarray(ll(xs, idss, ws), np.float32),
+                                       np.asarray(bl(xs, idss, ws), np.float32), rtol=2e-2, atol=2e-2)
+            tj, tb = _time_pair(lambda: ll(xs, idss, ws), lambda: bl(xs, idss, ws), it)
+            rows.append(_Row("low-latency dispatch+combine", tj, tb, 2 * self.nbytes, t_local,
+                             f"[E_local, R*T, H] = [{self.El}, {self.R * self.T}, {self.H}]"))
+            del ll
+        if "fp8" in args.modes and jax.numpy.issubdtype(self.dtype, jax.numpy.floating):
+            f8 = self.smap(self.fp8_layer, 3)
+            want = np.asarray(bl(xs, idss, ws), np.float32)
+            err = np.abs(np.asarray(f8(xs, idss, ws), np.float32) - want).max() / max(np.abs(want).max(), 1e-30)
+            tj, tb = _time_pair(lambda: f8(xs, idss, ws), lambda: bl(xs, idss, ws), it)
+            rows.append(_Row("FP8 dispatch+combine", tj, tb, self.nbytes + self.fp8_bytes, t_local,
+                             f"max error {err:.3f} of max |y|"))
+        if "overlap" in args.modes:
+            rows.extend(self._overlap())
+        if not args.skip_layer:
+            rows.append(self._layer_step())
+        return rows
 
-    # correctness of the two sides against each other, once
-    np.testing.assert_allclose(np.asarray(jl(xs, idss, ws), np.float32),
-                               np.asarray(bl(xs, idss, ws), np.float32), rtol=2e-2, atol=2e-2)
+    def jc_disp(self, x, ids):
+        import jaxcomm
+        return jaxcomm.moe.dispatch(x, ids, num_experts=self.E, axis_name="ep", capacity=self.C)
 
-    layer_info = ""
-    if not args.skip_layer:
-        results["MoE layer train step"], layer_info = _layer_step(args, mesh, xs, base_plan)
+    def _local_dispatch(self) -> Callable[[], Any]:
+        f = self.smap(lambda x, ids: self.local_rows(x, ids)[0], 2)
+        return lambda: f(self.xs, self.ids)
 
-    print(f"MoE dispatch/combine: R={R} T={T} H={H} K={K} E={E} dtype={dtype.name}; "
-          f"jaxcomm capacity C={C}, baseline capacity {cap} per (rank, expert); "
-          f"{pairs} (token, rank) pairs = {nbytes / 2**20:.1f} MiB per direction (DeepEP count)")
-    print(f"{'op':<28}{'jaxcomm ms':>12}{'GB/s':>9}{'baseline ms':>13}{'GB/s':>9}{'speedup':>9}")
-    for name, (tj, tb) in results.items():
-        if name.startswith("MoE layer"):  # compute-bound as well: no bandwidth figure
-            print(f"{name:<28}{tj * 1e3:>12.2f}{'':>9}{tb * 1e3:>13.2f}{'':>9}{tb / tj:>8.2f}x")
-            continue
-        moved = nbytes * (2 if "+" in name else 1) * (2 if "bwd" in name else 1)
-        print(f"{name:<28}{tj * 1e3:>12.2f}{moved / tj / 1e9:>9.2f}{tb * 1e3:>13.2f}"
-              f"{moved / tb / 1e9:>9.2f}{tb / tj:>8.2f}x")
-    if layer_info:
-        print(layer_info)
+    def _overlap(self) -> list[_Row]:
+        """Decode step with a shared expert: fused calls against split ones."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
 
+        import jaxcomm
+        H, F = self.H, self.args.shared_ffn
+        k1, k2 = jax.random.split(jax.random.key(self.args.seed + 2))
+        rep = NamedSharding(self.mesh, P())
+        w1 = jax.device_put(jax.random.normal(k1, (H, F)) / np.sqrt(H), rep)
+        w2 = jax.device_put(jax.random.normal(k2, (F, H)) / np.sqrt(F), rep)
+        E, C = self.E, self.C
+        f32 = jnp.float32
 
-def _layer_step(args: argparse.Namespace, mesh: Any, xs: Any, base_plan: Callable
-                ) -> tuple[tuple[float, float], str]:
-    """Times one MoE-layer training step on jaxcomm and on the baseline; checks they agree."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+        # In float32: XLA:CPU's half precision matmuls are many times slower, and would make
+        # the step all shared expert.
+        def shared(x, w1, w2):
+            return (jax.nn.gelu(x.astype(f32) @ w1) @ w2).astype(x.dtype)
 
-    import jaxcomm
+        def fused_step(x, ids, w, w1, w2):
+            ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep", capacity=C)
+            return jaxcomm.moe.combine(ex, h, w) + shared(x, w1, w2)
 
-    R, T, H, K, E = args.devices, args.tokens, args.hidden, args.topk, args.experts
-    F = args.ffn or max(1, H // 4)
-    El = E // R
-    f32 = jnp.float32
-    k1, k2, k3, k4 = jax.random.split(jax.random.key(args.seed + 1), 4)
-    rep, ep = NamedSharding(mesh, P()), NamedSharding(mesh, P("ep"))
-    params = {
-        "router": jax.device_put(jax.random.normal(k1, (H, E), f32) / np.sqrt(H), rep),
-        "w_in": jax.device_put(jax.random.normal(k2, (E, H, F), f32) / np.sqrt(H), ep),
-        "w_out": jax.device_put(jax.random.normal(k3, (E, F, H), f32) / np.sqrt(F), ep),
-    }
-    target = jax.device_put(jax.random.normal(k4, xs.shape, xs.dtype), ep)
-    specs = {"router": P(), "w_in": P("ep"), "w_out": P("ep")}
+        def split_step(x, ids, w, w1, w2):
+            pending = jaxcomm.moe.dispatch_send(x, ids, num_experts=E, axis_name="ep", capacity=C)
+            h1 = jax.nn.gelu(x.astype(f32) @ w1)       # first half of the shared expert
+            ex, _, h = jaxcomm.moe.dispatch_recv(pending)
+            pending = jaxcomm.moe.combine_send(ex, h, w)
+            s = (h1 @ w2).astype(x.dtype)              # second half
+            return jaxcomm.moe.combine_recv(pending) + s
 
-    def route(x, router):
-        probs = jax.nn.softmax(x.astype(f32) @ router, axis=-1)
-        wts, ids = jax.lax.top_k(probs, K)
-        return ids.astype(jnp.int32), wts
+        spec = self.spec
+        mk = lambda f: jax.jit(jax.shard_map(f, mesh=self.mesh, in_specs=(spec,) * 3 + (P(), P()),  # noqa: E731
+                                             out_specs=spec))
+        fs, ss = mk(fused_step), mk(split_step)
+        sh_only = mk(lambda x, ids, w, w1, w2: shared(x, w1, w2))
+        args = (self.xs, self.ids, self.ws, w1, w2)
+        np.testing.assert_allclose(np.asarray(ss(*args), np.float32), np.asarray(fs(*args), np.float32),
+                                   rtol=1e-6, atol=1e-6)
+        t_split, t_fused = _time_pair(lambda: ss(*args), lambda: fs(*args), self.args.iters)
+        jl = self.smap(self.jc_layer, 3)
+        t_comm = _time_one(lambda: jl(self.xs, self.ids, self.ws), self.args.iters)
+        t_shared = _time_one(lambda: sh_only(*args), self.args.iters)
+        hidden = (t_fused - t_split) / min(t_comm, t_shared)
+        return [_Row("overlap step: split vs fused", t_split, t_fused, None, None,
+                     f"shared expert (F={F}) alone {t_shared * 1e3:.2f} ms, MoE alone {t_comm * 1e3:.2f} ms; "
+                     f"saved {(t_fused - t_split) * 1e3:.2f} ms = {100 * hidden:.0f}% of the shorter "
+                     f"(baseline column: fused calls)")]
 
-    def ffn(slabs, p):  # [El, N, H] -> [El, N, H], shared by both sides
-        h = jax.nn.gelu(jnp.einsum("enh,ehf->enf", slabs, p["w_in"].astype(slabs.dtype)))
-        return jnp.einsum("enf,efh->enh", h, p["w_out"].astype(slabs.dtype))
+    def _layer_step(self) -> _Row:
+        """Times one MoE-layer training step on jaxcomm and on the baseline; checks they agree."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
 
-    # Static no-drop capacities for this routing (it does not change: the step is timed
-    # on fixed parameters).
-    ids = np.asarray(jax.jit(lambda x, r: route(x, r)[0])(xs, params["router"]))
-    per_expert = np.bincount(ids.reshape(-1), minlength=E)
-    slab = int(per_expert.max())
-    src = np.repeat(np.arange(R), T * K)
-    cap = int(np.bincount(src * E + ids.reshape(-1), minlength=R * E).max())
-    def jc_layer(x, p):
-        ids, wts = route(x, p["router"])
-        ex, _, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=E, axis_name="ep", capacity=slab)
-        return jaxcomm.moe.combine_padded(ffn(ex, p), h, wts)
+        import jaxcomm
 
-    def base_layer(x, p):
-        ids, wts = route(x, p["router"])
-        slot, inv = base_plan(ids, cap)
-        xp = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])
-        buf = jax.lax.all_to_all(xp[inv].reshape(R, El * cap, H), "ep", 0, 0, tiled=True)
-        slabs = buf.reshape(R, El, cap, H).transpose(1, 0, 2, 3).reshape(El, R * cap, H)
-        ey = ffn(slabs, p).reshape(El, R, cap, H).transpose(1, 0, 2, 3).reshape(R, El * cap, H)
-        back = jax.lax.all_to_all(ey, "ep", 0, 0, tiled=True).reshape(E * cap, H)
-        back = jnp.concatenate([back, jnp.zeros((1, H), back.dtype)])
-        rows = back[slot].reshape(T, K, H).astype(f32)
-        return jnp.einsum("tk,tkh->th", wts, rows).astype(x.dtype)
+        args, xs, mesh = self.args, self.xs, self.mesh
+        R, T, H, K, E, El = self.R, self.T, self.H, self.K, self.E, self.El
+        F = args.ffn or max(1, H // 4)
+        f32 = jnp.float32
+        k1, k2, k3, k4 = jax.random.split(jax.random.key(args.seed + 1), 4)
+        rep, ep = NamedSharding(mesh, P()), NamedSharding(mesh, P("ep"))
+        params = {
+            "router": jax.device_put(jax.random.normal(k1, (H, E), f32) / np.sqrt(H), rep),
+            "w_in": jax.device_put(jax.random.normal(k2, (E, H, F), f32) / np.sqrt(H), ep),
+            "w_out": jax.device_put(jax.random.normal(k3, (E, F, H), f32) / np.sqrt(F), ep),
+        }
+        target = jax.device_put(jax.random.normal(k4, xs.shape, xs.dtype), ep)
+        specs = {"router": P(), "w_in": P("ep"), "w_out": P("ep")}
 
-    def step_of(layer):
-        def local_loss(x, t, p):
-            err = layer(x, p).astype(f32) - t.astype(f32)
-            return jax.lax.psum(jnp.sum(err * err), "ep") / err.size / R
-        loss = jax.shard_map(local_loss, mesh=mesh, in_specs=(P("ep"), P("ep"), specs),
-                             out_specs=P())
-        return jax.jit(jax.value_and_grad(loss, argnums=2))
+        def route(x, router):
+            probs = jax.nn.softmax(x.astype(f32) @ router, axis=-1)
+            wts, ids = jax.lax.top_k(probs, K)
+            return ids.astype(jnp.int32), wts
 
-    js, bs = step_of(jc_layer), step_of(base_layer)
-    (lj, gj), (lb, gb) = js(xs, target, params), bs(xs, target, params)
-    np.testing.assert_allclose(float(lj), float(lb), rtol=1e-3)
-    for k in params:
-        np.testing.assert_allclose(np.asarray(gj[k]), np.asarray(gb[k]), rtol=2e-2, atol=2e-4,
-                                   err_msg=f"layer gradient of {k}")
-    times = _time_pair(lambda: js(xs, target, params), lambda: bs(xs, target, params), args.iters)
-    info = (f"MoE layer step: F={F}; jaxcomm dispatch_padded slabs of {slab} rows per expert; "
-            f"baseline slabs of R*cap = {R * cap} rows per expert")
-    return times, info
+        def ffn(slabs, p):  # [El, N, H] -> [El, N, H], shared by both sides
+            h = jax.nn.gelu(jnp.einsum("enh,ehf->enf", slabs, p["w_in"].astype(slabs.dtype)))
+            return jnp.einsum("enf,efh->enh", h, p["w_out"].astype(slabs.dtype))
+
+        # Static no-drop capacities for this routing (it does not change: the step is timed
+        # on fixed parameters).
+        ids = np.asarray(jax.jit(lambda x, r: route(x, r)[0])(xs, params["router"]))
+        slab = int(np.bincount(ids.reshape(-1), minlength=E).max())
+        src = np.repeat(np.arange(R), T * K)
+        cap = int(np.bincount(src * E + ids.reshape(-1), minlength=R * E).max())
+
+        def jc_layer(x, p):
+            ids, wts = route(x, p["router"])
+            ex, _, h = jaxcomm.moe.dispatch_padded(x, ids, num_experts=E, axis_name="ep", capacity=slab)
+            return jaxcomm.moe.combine_padded(ffn(ex, p), h, wts)
+
+        def base_layer(x, p):
+            ids, wts = route(x, p["router"])
+            slot, inv = self.base_plan(ids, cap)
+            xp = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])
+            buf = jax.lax.all_to_all(xp[inv].reshape(R, El * cap, H), "ep", 0, 0, tiled=True)
+            slabs = buf.reshape(R, El, cap, H).transpose(1, 0, 2, 3).reshape(El, R * cap, H)
+            ey = ffn(slabs, p).reshape(El, R, cap, H).transpose(1, 0, 2, 3).reshape(R, El * cap, H)
+            back = jax.lax.all_to_all(ey, "ep", 0, 0, tiled=True).reshape(E * cap, H)
+            back = jnp.concatenate([back, jnp.zeros((1, H), back.dtype)])
+            rows = back[slot].reshape(T, K, H).astype(f32)
+            return jnp.einsum("tk,tkh->th", wts, rows).astype(x.dtype)
+
+        def step_of(layer):
+            def local_loss(x, t, p):
+                err = layer(x, p).astype(f32) - t.astype(f32)
+                return jax.lax.psum(jnp.sum(err * err), "ep") / err.size / R
+            loss = jax.shard_map(local_loss, mesh=mesh, in_specs=(P("ep"), P("ep"), specs),
+                                 out_specs=P())
+            return jax.jit(jax.value_and_grad(loss, argnums=2))
+
+        js, bs = step_of(jc_layer), step_of(base_layer)
+        (lj, gj), (lb, gb) = js(xs, target, params), bs(xs, target, params)
+        np.testing.assert_allclose(float(lj), float(lb), rtol=1e-3)
+        for k in params:
+            np.testing.assert_allclose(np.asarray(gj[k]), np.asarray(gb[k]), rtol=2e-2, atol=2e-4,
+                                       err_msg=f"layer gradient of {k}")
+        tj, tb = _time_pair(lambda: js(xs, target, params), lambda: bs(xs, target, params), args.iters)
+        return _Row("MoE layer train step", tj, tb, None, None,
+                    f"F={F}; jaxcomm slabs of {slab} rows per expert, baseline R*cap = {R * cap}")
 
 
 if __name__ == "__main__":

@@ -113,6 +113,30 @@ for padded, capacity in ((False, None), (False, 2 * T), (True, None), (True, T /
     tag = f"moe {'padded' if padded else 'packed'} capacity {capacity}"
     check(tag, out, lambda p: np.concatenate([ref.expert_x[p].reshape(-1), ref.sizes[p], y_ref[p].reshape(-1)])[None])
 
+# The split-phase halves (each rank's movement on jaxcomm's stream, handed to its receive
+# half by events, peers' included), the low-latency layout (rows past the counts never
+# read) and FP8 dequantized on delivery, across the processes.
+from moe_reference import np_combine, np_dequantize_fp8, np_dispatch, np_quantize_fp8  # noqa: E402
+
+MAX = T
+
+
+def split_low_latency_fp8(v, i, w):
+    pending = jaxcomm.moe.dispatch_send(v, i, num_experts=E, axis_name="ep", layout="low_latency",
+                                        max_tokens=MAX, fp8="dequantize")
+    ex, counts, h = jaxcomm.moe.dispatch_recv(pending)
+    y = jaxcomm.moe.combine_recv(jaxcomm.moe.combine_send(ex * 2, h, w))
+    valid = jnp.where(jnp.arange(ex.shape[1])[None, :, None] < counts[:, None, None], ex, 0)
+    return jnp.concatenate([valid.reshape(-1), counts.astype(jnp.float32), y.reshape(-1)])[None]
+
+
+out = run(split_low_latency_fp8, global_array(tok), global_array(ids), global_array(wts))
+want_ex, want_sizes, row_of, _ = np_dispatch(np_dequantize_fp8(*np_quantize_fp8(tok), np.float32), ids, E,
+                                             padded=True, slab=R * MAX)
+y_ref = np_combine(2 * want_ex, row_of, wts, T, H)
+check("moe split low-latency fp8", out,
+      lambda p: np.concatenate([want_ex[p].reshape(-1), want_sizes[p], y_ref[p].reshape(-1)])[None])
+
 if os.environ.get("JAXCOMM_MP_FIGURES") == "1":
     T, H, K, E = (int(v) for v in os.environ.get("JAXCOMM_MP_FIGURE", "4096,7168,8,256").split(","))
     iters = 10

@@ -92,8 +92,11 @@ def test_registration_honours_the_gpu_plugin_contract(fake_plugin, monkeypatch):
         fresh(runtime.target_name(op))
     cuda_runtime.ensure_registered.__wrapped__()
     names = {runtime.target_name(op) for op in _jaxcomm.cuda_targets()}
-    assert set(fake_plugin.targets) == names
-    assert all(set(s) == {"instantiate", "initialize", "execute"} for s in fake_plugin.targets.values())
+    local = {runtime.target_name(op) for op in _jaxcomm.cuda_local_targets()}
+    assert local == {"jaxcomm_moe_fp8_quantize"}
+    assert set(fake_plugin.targets) == names | local
+    assert all(set(fake_plugin.targets[n]) == {"instantiate", "initialize", "execute"} for n in names)
+    assert all(set(fake_plugin.targets[n]) == {"execute"} for n in local)
     assert fake_plugin.types == ["jaxcomm_cuda_instruction_state"]
     assert names <= set(marks) and all(n == 1 for n in marks.values()), marks
 
@@ -101,8 +104,9 @@ def test_registration_honours_the_gpu_plugin_contract(fake_plugin, monkeypatch):
 @needs_cuda_build
 def test_cuda_targets_cover_every_op():
     # ft.all_reduce is the host backend's (its tolerance lives in the cross-process
-    # exchange); on GPU it lowers to jax.lax.psum.
-    assert set(_jaxcomm.cuda_targets()) == set(_jaxcomm.cpu_targets()) - {"ft_all_reduce"}
+    # exchange); on GPU it lowers to jax.lax.psum. moe_dispatch is the host backend's
+    # fused dispatch (routing inside the call); on GPU the routing is planned in XLA.
+    assert set(_jaxcomm.cuda_targets()) == set(_jaxcomm.cpu_targets()) - {"ft_all_reduce", "moe_dispatch"}
 
 
 # ------------------------------------------------------------ typed attributes (defect 4)
@@ -152,6 +156,12 @@ PROBES = {
     "moe_transport": (lambda v: fused.transport(
         fused.REDUCE, v[0].reshape(4, -1), jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
         "x", w=jnp.ones((2, 1)))[None], "mode=2"),
+    "moe_transport_send": (lambda v: fused.transport_send(
+        fused.GATHER_SPARSE, v[0].reshape(2, -1), jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
+        "x", rows=4)[0][None], "mode=4"),
+    "moe_recv": (lambda v: fused.recv(
+        v[0].reshape(4, -1), jnp.zeros((fused.STATUS_WORDS,), jnp.int32), [], "x",
+        fused=fused.fused_key("transport", mode=fused.REDUCE))[0][None], ""),
 }
 
 

@@ -21,7 +21,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxcomm
 from jaxcomm import _jaxcomm
 
+from jaxcomm._src.moe import fused
+from moe_reference import np_quantize_fp8  # tests/moe_reference.py: jaxcomm's FP8 format in NumPy
+
 GATHER_COPY, GATHER_SCALED, REDUCE, DOT = 0, 1, 2, 3  # core/moe_modes.h
+GATHER_SPARSE, GATHER_DEQUANT, GATHER_DEQUANT_SPARSE = 4, 5, 6
+FLOAT_CODES = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1, np.dtype(np.float16): 2}  # logic_host.h
 
 
 def cpu_mesh(n: int) -> Mesh:
@@ -151,6 +156,117 @@ def test_route_logic_places_assignments_in_source_token_slot_order():
     assert list(pos) == [0, 0, 1, -1, -1, 1]
     assert list(sizes) == [2, 2]
     assert list(stats) == [0, 0, 1, 1, 0, 0]  # rank 0: one arrival past capacity; rank 1: one dropped
+
+
+# -------------------------------------------- low latency, FP8, half precision combine
+
+def host_transport(mode, src, dest, pos, w, g, rows, out_dtype):
+    """The host backend's transport ``mode`` over R ranks (every arg [R, ...])."""
+    R = src.shape[0]
+
+    def f(src, dest, pos, w, g):
+        return fused.transport(mode, src, dest, pos, "ep", w=w, g=g, rows=rows, out_dtype=out_dtype)
+    out = run(f, cpu_mesh(R), *(a.reshape((-1,) + a.shape[2:]) for a in (src, dest, pos, w, g)))
+    return out.reshape((R, -1) + out.shape[1:])
+
+
+def logic_moe(mode, src, dest, pos, w, g, rows, row_bytes, src_type=np.float32, out_type=np.float32):
+    R, T, K = dest.shape
+    H = src.shape[-1]
+    out = _jaxcomm.cuda_logic_moe(mode, T, K, H, rows, row_bytes, [a.tobytes() for a in src],
+                                  [d.reshape(-1).tolist() for d in dest], [p.reshape(-1).tolist() for p in pos],
+                                  [a.reshape(-1).tolist() for a in w], [a.reshape(-1).tolist() for a in g],
+                                  src_type=FLOAT_CODES[np.dtype(src_type)],
+                                  out_type=FLOAT_CODES[np.dtype(out_type)])
+    return [bytes(o) for o in out]
+
+
+@pytest.mark.parametrize("kind,padded", [("uniform", True), ("skewed", False), ("empty_ranks", True),
+                                         ("invalid", False)])
+def test_low_latency_fp8_and_half_modes_match_host_backend(kind, padded):
+    """GATHER_SPARSE (writes only the arriving rows), the dequantizing gathers and the half
+    precision REDUCE: the kernels' logic against the host backend's transports, bit for bit."""
+    R, T, K, E, H = 4, 10, 3, 16, 200
+    El = E // R
+    ids = routing(kind, R, T, K, E, seed=sum(map(ord, kind)) + 7)
+    rows = El * 3 if padded else 9
+    dest, pos, _, _ = _jaxcomm.cuda_logic_route(ids.reshape(-1).tolist(), R, T, K, E, rows, padded)
+    dest = np.asarray(dest, np.int32).reshape(R, T, K)
+    pos = np.asarray(pos, np.int32).reshape(R, T, K)
+    rng = np.random.default_rng(3)
+    w = rng.random((R, T, K)).astype(np.float32)
+    x = (rng.normal(size=(R, T, H)) * np.exp(rng.normal(size=(R, T, 1)) * 3)).astype(np.float32)
+    written = np.zeros((R, rows), bool)
+    for r in range(R):
+        for d, p in zip(dest[r].reshape(-1), pos[r].reshape(-1)):
+            if d >= 0:
+                written[d, p] = True
+
+    # GATHER_SPARSE: the arriving rows as GATHER_COPY writes them; the others untouched.
+    xb = x.astype(jnp.bfloat16)
+    copy = np.stack([np.frombuffer(o, jnp.bfloat16).reshape(rows, H) for o in
+                     logic_moe(GATHER_COPY, xb, dest, pos, w, np.zeros((R, T, 1), np.float32), rows, H * 2)])
+    sparse = np.stack([np.frombuffer(o, np.uint8).reshape(rows, H * 2) for o in
+                       logic_moe(GATHER_SPARSE, xb, dest, pos, w, np.zeros((R, T, 1), np.float32), rows, H * 2)])
+    np.testing.assert_array_equal(sparse[written], copy.view(np.uint8).reshape(R, rows, H * 2)[written])
+    assert (sparse[~written] == 0x7F).all()
+    np.testing.assert_array_equal(copy, host_transport(GATHER_COPY, xb, dest, pos, w, np.zeros((R, T, 1), np.float32),
+                                                       rows, jnp.bfloat16))
+
+    # The dequantizing gathers: the host's FP8 format of x, delivered in each float type.
+    q, scales = np_quantize_fp8(x)
+    for out_dtype in (np.float32, jnp.bfloat16, np.float16):
+        item = np.dtype(out_dtype).itemsize
+        got = np.stack([np.frombuffer(o, out_dtype).reshape(rows, H) for o in
+                        logic_moe(GATHER_DEQUANT, q.view(np.uint8), dest, pos, w, scales, rows, H * item, out_type=out_dtype)])
+        want = host_transport(GATHER_DEQUANT, q, dest, pos, w, scales, rows, out_dtype)
+        np.testing.assert_array_equal(got.view(np.uint8), np.asarray(want).view(np.uint8))
+        got = np.stack([np.frombuffer(o, np.uint8).reshape(rows, H * item) for o in
+                        logic_moe(GATHER_DEQUANT_SPARSE, q.view(np.uint8), dest, pos, w, scales, rows, H * item,
+                                  out_type=out_dtype)])
+        np.testing.assert_array_equal(got[written], np.asarray(want).view(np.uint8).reshape(R, rows, -1)[written])
+        assert (got[~written] == 0x7F).all()
+
+    # REDUCE in half precision: float32 sums in the kernel's order, rounded once.
+    ey = (np.stack([np.frombuffer(o, jnp.bfloat16).reshape(rows, H) for o in
+                    logic_moe(GATHER_COPY, xb, dest, pos, w, np.zeros((R, T, 1), np.float32), rows, H * 2)])
+          .astype(np.float32) * 0.75).astype(np.float32)
+    for dtype in (jnp.bfloat16, np.float16):
+        src = ey.astype(dtype)
+        got = np.stack([np.frombuffer(o, dtype).reshape(T, H) for o in
+                        logic_moe(REDUCE, src, dest, pos, w, np.zeros((R, T, 1), np.float32), rows, H * 2, dtype, dtype)])
+        want = host_transport(REDUCE, src, dest, pos, w, np.zeros((R, T, 1), np.float32), 0, dtype)
+        np.testing.assert_array_equal(got.view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("H", [7168, 300, 7], ids=["full-blocks", "partial-block", "one-short-block"])
+def test_fp8_quantize_logic_matches_numpy_and_host_backend(dtype, H):
+    """The quantize kernel's lanes and warp maximum, run on the host, against the NumPy
+    format and the host backend's FP8 dispatch (delivered raw, one rank), bit for bit;
+    blocks of zeros, subnormals, large values and a negative zero included."""
+    T = 6
+    rng = np.random.default_rng(H)
+    x = rng.normal(size=(T, H)) * np.exp(rng.normal(size=(T, 1)) * 4)
+    x[1, :min(H, 128)] = 0.0                      # an all-zero block: the minimum amax
+    x[2] = rng.normal(size=H) * 1e-6              # tiny values (subnormal in FP8 after scaling)
+    x[3, 0] = -0.0
+    x[4, ::5] = 6e4 if dtype == np.float16 else 1e30
+    x = x.astype(dtype)
+    q, scales = _jaxcomm.cuda_logic_fp8_quantize(x.tobytes(), FLOAT_CODES[np.dtype(dtype)], T, H)
+    q = np.frombuffer(q, np.uint8).reshape(T, H)
+    scales = np.asarray(scales, np.float32).reshape(T, -1)
+    want_q, want_s = np_quantize_fp8(x.astype(np.float32))
+    np.testing.assert_array_equal(q, want_q.view(np.uint8))
+    np.testing.assert_array_equal(scales, want_s)
+
+    def f(x):  # every token to expert 0 of the one rank: expert rows = tokens in order
+        (hq, hs), _, _ = jaxcomm.moe.dispatch(x[0], jnp.zeros((T, 1), jnp.int32), num_experts=1,
+                                              axis_name="ep", fp8="raw")
+        return hq.view(jnp.uint8)[None], hs[None]
+    hq, hs = run(f, cpu_mesh(1), x[None])
+    np.testing.assert_array_equal(q, hq[0][:T])
+    np.testing.assert_array_equal(scales, hs[0][:T])
 
 
 # ----------------------------------------------------------------------------- ragged

@@ -352,6 +352,6 @@ if "JAXCOMM_HOST_ID" in os.environ and NPROC >= 4:
     assert flat == {"reduce_scatter", "all_to_all", "ppermute"}, algorithms
     hierarchical = {op for op, a in algorithms if a == "hierarchical shm+tcp"}
     assert hierarchical == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute",
-                            "broadcast", "ragged_all_to_all", "moe_transport"}, algorithms
+                            "broadcast", "ragged_all_to_all", "moe_transport", "moe_dispatch"}, algorithms
     print("CHECKED hierarchical", flush=True)
 print("ALL CHECKED", flush=True)

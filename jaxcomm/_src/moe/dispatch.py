@@ -1,16 +1,22 @@
-"""Expert-parallel dispatch/combine: routing plan plus one of two transports.
+"""Expert-parallel dispatch/combine: routing plan plus one of three transports.
 
-Routing (both transports; one rank r of R, T tokens, top-K): per-expert counts of this
-rank's assignments are all-gathered ([R, E] int32, no host round trip). From them every
-sender knows exactly which row of the receiver's ``expert_x`` each of its (token, slot)
+Routing (one rank r of R, T tokens, top-K): from every rank's per-expert counts each sender
+knows exactly which row of the receiver's ``expert_x`` each of its (token, slot)
 assignments will take (``pos``), and which are dropped for capacity, before any token moves.
 
-Fused host transports (``fused.py``, the default on the CPU backend): one custom call per
-direction, in which every rank reads its peers' rows in place guided by their (dest, pos)
-slot tables. dispatch copies each kept assignment's token row once, straight into the
-receiver's expert row; combine has each source read its tokens' expert rows from the
-ranks that hold them, summing each rank's slots in k order and then the ranks in order
-(float32). No send/receive buffers, no per-(token, rank) partial rows.
+Fused host dispatch (``fused.dispatch``, the default on the CPU backend): the routing and
+the copy are one collective call (ffi/cpu/moe_dispatch.cc): the routing is computed from
+every rank's expert ids inside the call, no count exchange precedes it, and each kept
+assignment's token row is copied once, straight into the receiver's expert row.
+
+Fused transports (the CUDA backend): the counts are all-gathered (an [R, E] int32 array,
+no host round trip) and the plan computed in XLA; then one custom call per direction, in
+which every rank reads its peers' rows in place guided by their (dest, pos) slot tables.
+
+combine, on both fused paths: each source reads its tokens' expert rows from the ranks that
+hold them, summing each rank's slots in k order and then the ranks in order (float32; on
+the host backend half precision rows are converted in the kernel). No send/receive
+buffers, no per-(token, rank) partial rows.
 
 Composed transport (other platforms, JAXCOMM_BACKEND=xla): a token travels once to each
 destination rank that keeps at least one of its assignments, packed by rank with one int32
@@ -19,21 +25,27 @@ the receiver expands each token into its rows with one gather. combine sends the
 the same way, reduces each received token over its slots on the receiver and returns one
 float32 row per (token, rank) with the reverse ragged_all_to_all; the source sums the ranks.
 
-Autodiff, forward and reverse: the fused transports are one primitive with JVP and
-transpose rules (fused.py): dispatch's transpose is a combine with unit weights, combine's
-a dispatch of the weighted cotangent plus one dot product per slot for the weights. The
-composed transport is built from ragged_all_to_all (which has both rules) and gathers,
-and JAX differentiates it as it is.
+FP8 (``fp8=``): tokens quantized per 128 channels (fp8.py; the host kernels do the same),
+moved as float8_e4m3fn with their scales, dequantized by the receiver or delivered as
+they are. Its derivative treats the rounding as the identity (straight through): the
+gradient of an FP8 dispatch is the combine of the cotangent in its own dtype.
+
+Autodiff, forward and reverse: the fused primitives have JVP and transpose rules
+(fused.py): dispatch's transpose is a combine with unit weights, combine's a dispatch of
+the weighted cotangent plus one dot product per slot for the weights. The composed
+transport is built from ragged_all_to_all (which has both rules) and gathers, and JAX
+differentiates it as it is.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxcomm._src import groups
+from jaxcomm._src.moe import fp8 as fp8_format
 from jaxcomm._src.moe import fused
 from jaxcomm._src.ops.gather import all_gather
 from jaxcomm._src.ops.ragged import ragged_all_to_all
@@ -52,24 +64,32 @@ class Layout(NamedTuple):
     recv: int       # rows of the receive buffer of unique tokens
     send: int       # rows of the send buffer of (token, rank) pairs
     padded: bool
+    slab: int = 0   # padded layouts: rows per expert
+    low_latency: bool = False  # rows past each expert's count are left unwritten
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
     return jnp.cumsum(x, axis=axis, dtype=x.dtype) - x
 
 
-def layout(T: int, K: int, E: int, R: int, capacity: int | None, padded: bool) -> Layout:
+def layout(T: int, K: int, E: int, R: int, capacity: int | None, padded: bool,
+           max_tokens: int | None = None) -> Layout:
+    """``max_tokens``: the low-latency layout, padded with R * max_tokens rows per expert."""
     El = E // R
+    if max_tokens is not None:
+        slab = R * max_tokens
+        return Layout(R, T, K, E, El, El * slab, min(R * T, El * slab), T * min(R, K), True, slab, True)
     if padded:
         # capacity: rows per expert slab (R*T, the default, never drops).
-        rows = El * (capacity if capacity is not None else R * T)
+        slab = capacity if capacity is not None else R * T
+        rows = El * slab
         recv = min(R * T, rows)
-    else:
-        rows = capacity if capacity is not None else R * T * min(K, El)
-        # Every received token row carries at least one kept assignment, so never more
-        # than `rows` of them arrive.
-        recv = min(R * T, rows)
-    return Layout(R, T, K, E, El, rows, recv, T * min(R, K), padded)
+        return Layout(R, T, K, E, El, rows, recv, T * min(R, K), True, slab)
+    rows = capacity if capacity is not None else R * T * min(K, El)
+    # Every received token row carries at least one kept assignment, so never more
+    # than `rows` of them arrive.
+    recv = min(R * T, rows)
+    return Layout(R, T, K, E, El, rows, recv, T * min(R, K), False)
 
 
 def plan(expert_ids: jax.Array, lay: Layout, axis_name: Any,
@@ -98,7 +118,7 @@ def plan(expert_ids: jax.Array, lay: Layout, axis_name: Any,
     total = jnp.sum(G, axis=0, dtype=jnp.int32)
     before = jnp.sum(jnp.where(jnp.arange(R)[:, None] < r, G, 0), axis=0, dtype=jnp.int32)  # sources < r
     ep = jnp.minimum(e, E - 1)
-    slab = lay.rows // El  # padded layout: rows per expert
+    slab = lay.slab  # padded layout: rows per expert
     if lay.padded:
         slot_in_group = before[ep] + local_rank
         pos = (ep % El) * slab + slot_in_group
@@ -226,14 +246,22 @@ def _combine_rows(ey: jax.Array, weights: jax.Array, h: Handle, lay: Layout, axi
     return _reduce(ey, _send_weights(weights, h, lay, axis_name), h, lay, axis_name).astype(out_dtype)
 
 
+def gather_mode(lay: Layout, fp8: bool = False) -> int:
+    """The fused gather of a dispatch planned in XLA: the low-latency layout leaves the
+    rows past each expert's count unwritten (as the host dispatch does); FP8 values are
+    dequantized as they are delivered."""
+    if fp8:
+        return fused.GATHER_DEQUANT_SPARSE if lay.low_latency else fused.GATHER_DEQUANT
+    return fused.GATHER_SPARSE if lay.low_latency else fused.GATHER_COPY
+
+
 def _fused_dispatch_rows(x: jax.Array, h: Handle, lay: Layout, axis_name: Any) -> jax.Array:
-    return fused.transport(fused.GATHER_COPY, x, h["dest"], h["pos"], axis_name, rows=lay.rows)
+    return fused.transport(gather_mode(lay), x, h["dest"], h["pos"], axis_name, rows=lay.rows)
 
 
 def _fused_combine_rows(ey: jax.Array, weights: jax.Array, h: Handle, lay: Layout,
                         axis_name: Any, out_dtype: Any) -> jax.Array:
-    y = fused.transport(fused.REDUCE, ey.astype(_F32), h["dest"], h["pos"], axis_name, w=weights)
-    return y.astype(out_dtype)
+    return fused.transport(fused.REDUCE, ey, h["dest"], h["pos"], axis_name, w=weights, out_dtype=out_dtype)
 
 
 def use_fused(dtype: Any, group_size: int | None = None) -> bool:
@@ -241,14 +269,139 @@ def use_fused(dtype: Any, group_size: int | None = None) -> bool:
     return fused.available(dtype, group_size)
 
 
-def dispatch(x: jax.Array, expert_ids: jax.Array, lay: Layout, axis_name: Any):
-    is_fused = use_fused(x.dtype, lay.R)
-    handle, sizes = plan(expert_ids, lay, axis_name, fused=is_fused)
-    rows = _fused_dispatch_rows if is_fused else _expand
-    expert_x = rows(x, handle, lay, axis_name)
-    if lay.padded:
-        expert_x = expert_x.reshape(lay.El, lay.rows // lay.El, x.shape[1])
-    return expert_x, sizes, handle
+def use_host_dispatch(dtype: Any, group_size: int | None = None) -> bool:
+    """Whether this dispatch is the host backend's one fused call (routing included)."""
+    return fused.on_host() and use_fused(dtype, group_size)
+
+
+FP8_MODES = {None: fused.FP8_NONE, "dequantize": fused.FP8_DEQUANTIZED, "raw": fused.FP8_RAW}
+
+
+def ids_int32(expert_ids: jax.Array, E: int) -> jax.Array:
+    """The ids as int32 for the host kernels, which count what is outside [-1, E) as
+    invalid: wider values are clipped into int32 first, so none wraps into a valid id."""
+    if expert_ids.dtype == jnp.int32:
+        return expert_ids
+    info = jnp.iinfo(jnp.int32)
+    return jnp.clip(expert_ids, info.min, info.max).astype(jnp.int32) if expert_ids.dtype.itemsize >= 4 \
+        else expert_ids.astype(jnp.int32)
+
+
+def host_dispatch(x: jax.Array, expert_ids: jax.Array, lay: Layout, axis_name: Any, *, fp8: str | None,
+                  check_ids: bool, split: bool = False, view: tuple | None = None) -> list[jax.Array]:
+    """The host backend's fused dispatch call ([expert_x, route, fp8 values, scales]);
+    ``view``: (blocks, dim-0 axes, mesh) of the global view."""
+    n, dim0, mesh = view or (0, (), None)
+    return fused.dispatch(x, ids_int32(expert_ids, lay.E), axis_name, num_experts=lay.E, ranks=lay.R,
+                          rows=max(n, 1) * lay.rows, slab=lay.slab if lay.padded else 0,
+                          fp8=FP8_MODES[fp8], zero_unused=not lay.low_latency, check_ids=check_ids,
+                          split=split, shards=n, dim0=dim0, mesh=mesh)
+
+
+def host_outputs(x: jax.Array, outs: Sequence[jax.Array], lay: Layout, axis_name: Any, *,
+                 fp8: str | None, split: bool = False, view: tuple | None = None):
+    """(expert_x [flat rows], sizes, handle arrays) from the host dispatch call's results;
+    FP8 delivered as such has its scales moved along the same routing."""
+    n, dim0, mesh = view or (0, (), None)
+    ex, route, _, scales = outs
+    rt = fused.RouteTables(route, max(n, 1), x.shape[0] // max(n, 1), lay.K, lay.El, split, n > 0)
+    arrays = dict(dest=rt.dest, pos=rt.pos, **rt.counters)
+    if fp8 == "raw":
+        mode = fused.GATHER_SPARSE if lay.low_latency else fused.GATHER_COPY
+        ex = (ex, fused.transport(mode, scales, rt.dest, rt.pos, axis_name, rows=max(n, 1) * lay.rows,
+                                  shards=n, dim0=dim0, mesh=mesh))
+    return ex, rt.sizes, arrays
+
+
+def fp8_rows(x: jax.Array, fp8: str, move: Callable, *, deliver: Callable | None = None,
+             local: Callable = lambda f, *a: f(*a)) -> Any:
+    """FP8 dispatch on the transports other than the host dispatch: quantize
+    (fp8.quantize_rows: the CUDA kernel where there is one), move values and scales with
+    ``move`` (a linear map of [T, C] rows) and dequantize; straight-through derivative
+    (x's tangent moved by ``move``).
+
+    ``deliver(values, scales)``, where given, moves and dequantizes in one call (the fused
+    transports' dequantizing gather). ``local(f, *arrays)`` applies a per-rank function
+    (the global view: on each shard's rows; inside shard_map: the function itself).
+    """
+    if fp8 == "raw":
+        @jax.custom_jvp
+        def raw(x):
+            q, s = local(fp8_format.quantize_rows, x)
+            return move(q), move(s)
+
+        def not_differentiable(primals, tangents):
+            raise TypeError(fused.RAW_NOT_DIFFERENTIABLE)
+        raw.defjvp(not_differentiable)
+        return raw(x)
+
+    @jax.custom_jvp
+    def rows(x):
+        q, s = local(fp8_format.quantize_rows, x)
+        if deliver is not None:
+            return deliver(q, s)
+        return fp8_format.dequantize(move(q), move(s), x.dtype)
+
+    rows.defjvp(lambda primals, tangents: (rows(*primals), move(tangents[0])))
+    return rows(x)
+
+
+def checked_ids(expert_ids: jax.Array, E: int, axis_name: Any) -> jax.Array:
+    """check_ids on the transports other than the host dispatch (whose kernel checks):
+    ``expert_ids`` back from a host callback that raises on an id outside [-1, E).
+
+    Every rank must fail, or the others would wait forever in the next collective: the
+    ranks all-gather their first invalid id and every rank's callback raises the same
+    message; the routing continues from the callback's result, so no later collective
+    starts before it.
+    """
+    K = expert_ids.shape[1]
+    bad = ((expert_ids < 0) | (expert_ids >= E)) & (expert_ids != -1)
+    first = jnp.argmax(bad.reshape(-1)).astype(jnp.int32)
+    info = jnp.iinfo(jnp.int32)
+    value = jnp.clip(expert_ids.reshape(-1)[first], info.min, info.max).astype(jnp.int32)
+    mine = jnp.stack([jnp.any(bad).astype(jnp.int32), first // K, first % K, value])
+    found = all_gather(mine, axis_name)  # [R, 4]
+
+    def check(found, ids):
+        for r, (has, t, k, v) in enumerate(found.tolist()):
+            if has:
+                raise ValueError(f"jaxcomm.moe: expert id {v} of token {t}, slot {k} on rank {r} is "
+                                 f"outside [-1, {E}) (check_ids=True)")
+        return ids
+
+    return jax.pure_callback(check, jax.ShapeDtypeStruct(expert_ids.shape, expert_ids.dtype), found, expert_ids)
+
+
+def dispatch(x: jax.Array, expert_ids: jax.Array, lay: Layout, axis_name: Any, *,
+             fp8: str | None = None, check_ids: bool = False):
+    """(expert_x, sizes, handle arrays) inside shard_map; expert_x is (values, scales) for
+    ``fp8="raw"``."""
+    if use_host_dispatch(x.dtype, lay.R):
+        outs = host_dispatch(x, expert_ids, lay, axis_name, fp8=fp8, check_ids=check_ids)
+        expert_x, sizes, handle = host_outputs(x, outs, lay, axis_name, fp8=fp8)
+    else:
+        if check_ids:
+            expert_ids = checked_ids(expert_ids, lay.E, axis_name)
+        is_fused = use_fused(x.dtype, lay.R)
+        handle, sizes = plan(expert_ids, lay, axis_name, fused=is_fused)
+        rows = _fused_dispatch_rows if is_fused else _expand
+        move = lambda v: rows(v, handle, lay, axis_name)  # noqa: E731
+        deliver = None
+        if is_fused:
+            deliver = lambda q, s: fused.transport(  # noqa: E731
+                gather_mode(lay, fp8=True), q, handle["dest"], handle["pos"], axis_name, g=s,
+                rows=lay.rows, out_dtype=x.dtype)
+        expert_x = move(x) if fp8 is None else fp8_rows(x, fp8, move, deliver=deliver)
+    return shape_expert_x(expert_x, lay), sizes, handle
+
+
+def shape_expert_x(expert_x: Any, lay: Layout, n: int = 1) -> Any:
+    """Flat expert rows [n*rows, C] in the layout's shape: [n*E_local, slab, C] when padded
+    (also each part of an FP8 (values, scales) pair)."""
+    if isinstance(expert_x, tuple):
+        return tuple(shape_expert_x(e, lay, n) for e in expert_x)
+    return expert_x.reshape(n * lay.El, lay.slab, expert_x.shape[-1]) if lay.padded else expert_x
 
 
 def combine(expert_y: jax.Array, handle: Handle, weights: jax.Array, lay: Layout,
