@@ -17,7 +17,7 @@ std::unique_ptr<TcpTransport> TcpTransport::Create(const TcpJob& job, std::funct
   return t;
 }
 
-std::shared_ptr<TcpPeerTransport> TcpTransport::Adopt(int fd, int64_t process) {
+std::shared_ptr<TcpPeerTransport> TcpTransport::Wrap(int fd, int64_t process) {
   auto link = std::make_shared<TcpPeerTransport>(*this, fd, job_, wake_);
   link->peer.process = process;
   return link;
@@ -28,20 +28,19 @@ std::shared_ptr<PeerTransport> TcpTransport::Connect(const std::string& host, in
                                                      std::string* error) {
   const int fd = TcpLink::Connect(host, port, job_, deadline, error);
   if (fd < 0) return nullptr;
-  return Adopt(fd, -1);
+  return Wrap(fd, -1);
 }
 
-std::shared_ptr<PeerTransport> TcpTransport::Accept(std::chrono::steady_clock::time_point deadline) {
+std::shared_ptr<TcpPeerTransport> TcpTransport::Accept(std::chrono::steady_clock::time_point deadline) {
   // The listener checked the job's secret and the process index.
   const TcpHello hello = listener_->Accept(deadline);
   if (hello.fd < 0) return nullptr;
-  return Adopt(hello.fd, hello.process);
+  return Wrap(hello.fd, hello.process);
 }
 
-void TcpTransport::Hold(std::shared_ptr<PeerTransport> link) {
-  auto tcp = std::static_pointer_cast<TcpPeerTransport>(std::move(link));
+void TcpTransport::Hold(std::shared_ptr<TcpPeerTransport> link) {
   std::lock_guard<std::mutex> lock(mu_);
-  held_[tcp->peer.process] = std::move(tcp);
+  held_[link->peer.process] = std::move(link);
 }
 
 std::vector<Rejoiner> TcpTransport::Joins(const std::vector<int64_t>& candidates,

@@ -39,10 +39,10 @@ class TcpTransport final : public Transport {
                                          std::chrono::steady_clock::time_point deadline, std::string* error);
   // The next connection a peer made to this process (waiting until `deadline`; now: only
   // one already there), its process filled in; nullptr when none.
-  std::shared_ptr<PeerTransport> Accept(std::chrono::steady_clock::time_point deadline);
+  std::shared_ptr<TcpPeerTransport> Accept(std::chrono::steady_clock::time_point deadline);
   // Keeps the new connection of a process linked before (restarted: jaxcomm.ft.rejoin)
   // until its request to rejoin arrives on it (Joins).
-  void Hold(std::shared_ptr<PeerTransport> link);
+  void Hold(std::shared_ptr<TcpPeerTransport> link);
 
   std::string Publish(const Outgoing& /*round*/, const Parts& /*mine*/) override { return ""; }
   void Release(uint64_t /*key*/, int64_t /*seq*/) override {}
@@ -56,7 +56,8 @@ class TcpTransport final : public Transport {
 
  private:
   TcpTransport() = default;
-  std::shared_ptr<TcpPeerTransport> Adopt(int fd, int64_t process);
+  // The link over connected socket `fd` to process `process` (-1: told later).
+  std::shared_ptr<TcpPeerTransport> Wrap(int fd, int64_t process);
 
   TcpJob job_;
   std::function<void()> wake_;

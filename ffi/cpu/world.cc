@@ -183,7 +183,7 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
   return "";
 }
 
-void World::Adopt(std::shared_ptr<PeerTransport> link) {
+void World::Adopt(std::shared_ptr<TcpPeerTransport> link) {
   const int64_t from = link->peer.process;
   link->peer.host = "(not yet linked)";
   {

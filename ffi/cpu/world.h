@@ -154,7 +154,7 @@ class World : public CrossProcess {
   void GiveBounce(std::vector<char> buffer);
   // Takes a connection accepted on this process's listener: a peer linking at bootstrap,
   // or a restarted process rejoining (kept aside until its request is seen).
-  void Adopt(std::shared_ptr<PeerTransport> link);
+  void Adopt(std::shared_ptr<TcpPeerTransport> link);
   // Accepts connections that arrive while no Link() waits for one (rejoining processes).
   void AcceptLate();
   void Progress();
