@@ -39,11 +39,11 @@ std::unique_ptr<ShmTransport> ShmTransport::Create(int64_t process, std::string*
 }
 
 std::shared_ptr<ShmPeerTransport> ShmTransport::Link(int pid, int control_fd, size_t control_bytes,
-                                                     std::string* error) {
+                                                     std::string* error, bool probe) {
   auto peer = ShmPeer::Open(pid, control_fd, control_bytes, error);
   if (!peer) return nullptr;
   bool direct = false;
-  if (Registry::Get().single_copy()) {
+  if (probe && Registry::Get().single_copy()) {
     // Containers' seccomp filters and ptrace policies may forbid it: try once.
     const ControlBlock& theirs = peer->block();
     uint64_t magic = 0;
@@ -89,8 +89,10 @@ std::vector<Rejoiner> ShmTransport::Joins(const std::vector<int64_t>& candidates
     const JoinRequest& j = block().joins[q];
     const uint64_t g = j.generation.load(std::memory_order_acquire);
     if (g == 0 || !wanted(q, g)) continue;
+    // Not probed: this process does not read a restarted peer's memory directly (its
+    // streamed rounds with it keep the ring).
     std::string error;
-    auto link = Link(j.pid, j.control_fd, j.control_bytes, &error);
+    auto link = Link(j.pid, j.control_fd, j.control_bytes, &error, /*probe=*/false);
     if (!link) continue;  // it died again before we could map it: stays out
     link->peer.process = q;
     link->peer.pid = j.pid;

@@ -44,9 +44,10 @@ class ShmTransport final : public Transport {
   ShmOwner& owner() const { return *owner_; }
   ControlBlock& block() const { return owner_->block(); }
   // Links process `pid` of this host, whose control block is open there as `control_fd`:
-  // maps it, and (single copy on) probes whether this process may read its memory
-  // directly. nullptr and `error` on failure.
-  std::shared_ptr<ShmPeerTransport> Link(int pid, int control_fd, size_t control_bytes, std::string* error);
+  // maps it, and (single copy on, `probe`) probes whether this process may read its
+  // memory directly. nullptr and `error` on failure.
+  std::shared_ptr<ShmPeerTransport> Link(int pid, int control_fd, size_t control_bytes, std::string* error,
+                                         bool probe = true);
   // Copies `mine` into buffer Parity(seq) of `slot` (its data at `data`) and publishes round
   // `seq` there.
   static void PublishInto(SlotEntry& slot, char* data, int64_t seq, const Parts& mine) {
