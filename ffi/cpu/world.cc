@@ -1,18 +1,12 @@
 #include "cpu/world.h"
 
 #include <sched.h>
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <sstream>
-#include <tuple>
 
 #include "core/registry.h"
 #include "core/thread_name.h"
@@ -28,26 +22,6 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kMaxNap = std::chrono::microseconds(5000);
 // ... and while none waits: late connections (rejoining processes) are accepted this often.
 constexpr auto kIdleNap = std::chrono::microseconds(50000);
-
-// Which of a slot's two buffers a round uses.
-size_t Parity(int64_t seq) { return static_cast<size_t>(seq & 1); }
-
-}  // namespace
-
-std::string ProcessGone(int pid) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return "it exited";
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (std::getline(stat, line)) {
-    auto close = line.rfind(')');
-    if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z') {
-      return "it exited";
-    }
-  }
-  return "";
-}
-
-namespace {
 
 // A pause takes 25 ns on the development VM: bursts of 32 pauses between checks noticed
 // a peer's flag 0.4 us late on average, a fifth of a 4 B all_reduce between 2 processes.
@@ -106,12 +80,12 @@ void PeerSpin::Step() {
   std::this_thread::yield();
 }
 
-bool World::SpinsOn(const PeerLink& link, int cpu) {
-  return link.shm && link.shm->block().spinning_cpu.load(std::memory_order_relaxed) == cpu + 1;
+bool World::AnySpinsOn(const Links& links, int cpu) {
+  return std::any_of(links.begin(), links.end(), [cpu](const auto& link) { return link->SpinsOn(cpu); });
 }
 
-bool World::AnySpinsOn(const std::vector<std::shared_ptr<PeerLink>>& links, int cpu) {
-  return std::any_of(links.begin(), links.end(), [cpu](const auto& link) { return SpinsOn(*link, cpu); });
+bool World::Uses(const Links& links, const Transport& transport) {
+  return std::any_of(links.begin(), links.end(), [&transport](const auto& link) { return &link->local() == &transport; });
 }
 
 World::World() = default;
@@ -132,17 +106,15 @@ Endpoint World::Open(int64_t process, bool shared_memory, const std::string& hos
   }
   if (process_ < 0) {
     if (shared_memory) {
-      shm_ = ShmOwner::Create(process, error);
+      shm_ = ShmTransport::Create(process, error);
       if (!shm_) return {};
-      // Under Yama's ptrace_scope 1, only a process's ancestors may read its memory; the
-      // peers are its siblings. (OpenMPI's shared-memory transport does the same for its
-      // single-copy reads.) Failure only leaves the streamed rounds on their ring.
-      if (Registry::Get().single_copy()) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+      transports_.push_back(shm_.get());
     }
-    tcp_ = tcp;
-    tcp_.me = process;
-    listener_ = TcpListener::Create(tcp_, error);
-    if (!listener_) return {};
+    TcpJob job = tcp;
+    job.me = process;
+    tcp_ = TcpTransport::Create(job, [this] { Wake(); }, error);
+    if (!tcp_) return {};
+    transports_.push_back(tcp_.get());
     process_ = process;
     host_ = host;
     char name[256] = {0};
@@ -156,10 +128,10 @@ Endpoint World::Open(int64_t process, bool shared_memory, const std::string& hos
   }
   Endpoint e;
   e.pid = static_cast<int>(getpid());
-  e.port = listener_->port();
+  e.port = tcp_->port();
   if (shm_) {
-    e.control_fd = shm_->control_fd();
-    e.control_bytes = shm_->control_bytes();
+    e.control_fd = shm_->owner().control_fd();
+    e.control_bytes = shm_->owner().control_bytes();
   }
   return e;
 }
@@ -170,85 +142,81 @@ std::string World::Link(int64_t process, const std::string& host, const std::str
   const auto deadline = Clock::now() + timeout;
   if (process_ < 0) return "jaxcomm's endpoint is not open";
   // What only the bootstrap knows of a peer (a peer that connected first lacks it).
-  const auto identify = [&label, &peer](PeerLink& l) {
-    l.host = label;
-    l.host_key = peer.host;
-    l.pid = peer.pid;
-  };
+  PeerIdentity who;
+  who.process = process;
+  who.host = label;
+  who.host_key = peer.host;
+  who.pid = peer.pid;
   if (auto known = Peer(process)) {
     // It may have connected before this call (taken by the progress thread).
     std::lock_guard<std::mutex> lock(mu_);
-    if (known->pid == 0) identify(*known);
+    if (known->peer.pid == 0) known->peer = who;
     return "";
   }
-  auto link = std::make_shared<PeerLink>();
-  link->process = process;
-  identify(*link);
+  std::shared_ptr<PeerTransport> link;
   std::string error;
   if (shared_memory) {
     if (!shm_ || peer.control_fd < 0) return "shared memory was not set up at both ends";
-    link->shm = ShmPeer::Open(peer.pid, peer.control_fd, peer.control_bytes, &error);
-    if (!link->shm) return "mapping the shared memory of " + link->Describe() + ": " + error;
-    if (Registry::Get().single_copy()) {
-      // Containers' seccomp filters and ptrace policies may forbid it: try once.
-      const ControlBlock& theirs = link->shm->block();
-      uint64_t magic = 0;
-      iovec here{&magic, sizeof(magic)};
-      iovec there{reinterpret_cast<void*>(theirs.self_address), sizeof(magic)};
-      link->direct = process_vm_readv(peer.pid, &here, 1, &there, 1, 0) == static_cast<ssize_t>(sizeof(magic)) &&
-                     magic == theirs.magic;
-    }
+    link = shm_->Link(peer.pid, peer.control_fd, peer.control_bytes, &error);
+    if (!link) return "mapping the shared memory of " + who.Describe() + ": " + error;
   } else if (process_ < process || rejoining) {
-    int fd = TcpLink::Connect(host, peer.port, tcp_, deadline, &error);
-    if (fd < 0) return "connecting to " + link->Describe() + ": " + error;
-    link->tcp = std::make_unique<TcpLink>(fd, tcp_, [this] { Wake(); });
+    link = tcp_->Connect(host, peer.port, deadline, &error);
+    if (!link) return "connecting to " + who.Describe() + ": " + error;
   } else {
     // The peer connects to us (this thread or the progress thread takes the connection).
     while (!Peer(process)) {
-      if (Clock::now() >= deadline) return "waiting for " + link->Describe() + " to connect: timed out";
-      const TcpHello hello = listener_->Accept(std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
-      if (hello.fd >= 0) Adopt(hello);
+      if (Clock::now() >= deadline) return "waiting for " + who.Describe() + " to connect: timed out";
+      if (auto accepted = tcp_->Accept(std::min(deadline, Clock::now() + std::chrono::milliseconds(50)))) {
+        Adopt(std::move(accepted));
+      }
     }
     std::lock_guard<std::mutex> lock(mu_);
-    identify(*peers_[process]);
+    peers_[process]->peer = who;
     return "";
   }
+  link->peer = who;
   std::lock_guard<std::mutex> lock(mu_);
   peers_[process] = link;
   int same_host = 1;
-  for (const auto& [q, l] : peers_) same_host += l->shm != nullptr;
+  for (const auto& [q, l] : peers_) same_host += l->shared_memory() != nullptr;
   Registry::Get().set_host_processes(same_host);
   return "";
 }
 
-void World::Adopt(const TcpHello& hello) {
-  // The listener checked the job's secret and the process index.
-  const int64_t from = hello.process;
-  auto link = std::make_shared<PeerLink>();
-  link->process = from;
-  link->host = "(not yet linked)";
-  link->tcp = std::make_unique<TcpLink>(hello.fd, tcp_, [this] { Wake(); });
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = peers_.find(from);
-  if (it == peers_.end()) {
-    peers_[from] = std::move(link);
-  } else {
-    // Linked before: a restarted process. It joins once its request is seen.
-    link->host = it->second->host;
-    joiners_[from] = std::move(link);
+void World::Adopt(std::shared_ptr<TcpPeerTransport> link) {
+  const int64_t from = link->peer.process;
+  link->peer.host = "(not yet linked)";
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (peers_.find(from) == peers_.end()) {
+      peers_[from] = std::move(link);
+      return;
+    }
   }
+  // Linked before: a restarted process. It joins once its request is seen (PollJoins).
+  tcp_->Hold(std::move(link));
 }
 
 void World::AcceptLate() {
-  if (!listener_) return;
-  const TcpHello hello = listener_->Accept(Clock::now());  // only what is already waiting
-  if (hello.fd >= 0) Adopt(hello);
+  if (!tcp_) return;
+  // Only what is already waiting.
+  if (auto accepted = tcp_->Accept(Clock::now())) Adopt(std::move(accepted));
 }
 
-std::shared_ptr<World::PeerLink> World::Peer(int64_t process) const {
+std::shared_ptr<PeerTransport> World::Peer(int64_t process) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = peers_.find(process);
   return it == peers_.end() ? nullptr : it->second;
+}
+
+World::Links World::Peers(const std::vector<int64_t>& processes) const {
+  Links links;
+  links.reserve(processes.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int64_t q : processes) {
+    if (auto it = peers_.find(q); it != peers_.end()) links.push_back(it->second);
+  }
+  return links;
 }
 
 bool World::Linked(int64_t p) const {
@@ -256,18 +224,18 @@ bool World::Linked(int64_t p) const {
   // the bootstrap told us who it is (pid, host), not before.
   auto link = Peer(p);
   std::lock_guard<std::mutex> lock(mu_);
-  return link && link->pid != 0;
+  return link && link->peer.pid != 0;
 }
 
 std::string World::HostOf(int64_t p) const {
   if (p == process_) return host_;
   auto link = Peer(p);
-  return link ? link->host_key : "";
+  return link ? link->peer.host_key : "";
 }
 
 std::string World::LinkKind(int64_t p) const {
   auto link = Peer(p);
-  return !link ? "" : link->shm ? "shm" : "tcp";
+  return link ? link->kind() : "";
 }
 
 void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
@@ -352,16 +320,16 @@ void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
 }
 
 // An inline exchange (core/cross_process.h) over shared memory: the slot protocol of
-// Advance, with every lookup done once when it is opened (this process's slot, the
-// peers' links), the peers' slots and data found on first use, and the wait a spin of
-// the calling thread. It never fails a round: whatever is not plainly the peers'
+// ShmTransport (shm_transport.h), with every lookup done once when it is opened (this
+// process's slot, the peers' links), the peers' slots and data found on first use, and
+// the wait a spin of the calling thread. It never fails a round: whatever is not plainly the peers'
 // contributions arriving (a mismatch, a dead peer, a deadline) is left to Exchange.
 class World::ShmInline final : public InlineExchange {
  public:
-  ShmInline(World& world, std::shared_ptr<const ExchangePlan> plan, SlotEntry* slot, char* data,
-            std::vector<std::shared_ptr<PeerLink>> links)
+  ShmInline(World& world, std::shared_ptr<const ExchangePlan> plan, SlotEntry* slot, char* data, Links links,
+            std::vector<ShmPeerTransport*> shm)
       : world_(world), plan_(std::move(plan)), slot_(slot), data_(data), links_(std::move(links)),
-        theirs_(links_.size()), their_data_(links_.size()) {}
+        shm_peers_(std::move(shm)), theirs_(links_.size()), their_data_(links_.size()) {}
 
   Status Run(int64_t seq, const std::vector<std::pair<const void*, size_t>>& mine, Clock::time_point until,
              std::vector<const char*>& theirs) override {
@@ -385,14 +353,8 @@ class World::ShmInline final : public InlineExchange {
         }
       }
     }
-    const uint64_t bytes = slot_->bytes;
-    char* dst = data_ + Parity(seq) * bytes;
-    for (const auto& [ptr, size] : mine) {
-      if (size > 0) std::memcpy(dst, ptr, size);
-      dst += size;
-    }
-    slot_->published.store(seq, std::memory_order_release);
-    for (const auto& link : links_) Ring(link->shm->block().bell);
+    ShmTransport::PublishInto(*slot_, data_, seq, mine);
+    for (ShmPeerTransport* peer : shm_peers_) peer->Ring();
     theirs.assign(n, nullptr);
     size_t arrived = 0;
     while (true) {
@@ -416,7 +378,7 @@ class World::ShmInline final : public InlineExchange {
   void Release(int64_t seq) override {
     slot_->done.store(seq, std::memory_order_release);
     // A peer whose round waits on its progress thread may wait for this.
-    for (const auto& link : links_) Ring(link->shm->block().bell);
+    for (ShmPeerTransport* peer : shm_peers_) peer->Ring();
   }
 
  private:
@@ -424,9 +386,7 @@ class World::ShmInline final : public InlineExchange {
   const SlotEntry* Theirs(size_t i) {
     const SlotEntry* t = theirs_[i].load(std::memory_order_acquire);
     if (t != nullptr) return t;
-    PeerLink& link = *links_[i];
-    std::lock_guard<std::mutex> lock(link.mu);
-    t = link.shm->Find(plan_->key);
+    t = shm_peers_[i]->Slot(plan_->key);
     if (t != nullptr) theirs_[i].store(t, std::memory_order_release);
     return t;
   }
@@ -434,10 +394,8 @@ class World::ShmInline final : public InlineExchange {
   const char* TheirData(size_t i, const SlotEntry& t) {
     const char* d = their_data_[i].load(std::memory_order_acquire);
     if (d != nullptr) return d;
-    PeerLink& link = *links_[i];
-    std::lock_guard<std::mutex> lock(link.mu);
     std::string error;
-    d = link.shm->Data(t, &error);
+    d = shm_peers_[i]->Data(t, &error);
     if (d != nullptr) their_data_[i].store(d, std::memory_order_release);
     return d;
   }
@@ -446,23 +404,28 @@ class World::ShmInline final : public InlineExchange {
   const std::shared_ptr<const ExchangePlan> plan_;
   SlotEntry* const slot_;
   char* const data_;
-  const std::vector<std::shared_ptr<PeerLink>> links_;
+  const Links links_;                               // keep shm_peers_ alive
+  const std::vector<ShmPeerTransport*> shm_peers_;  // their shared_memory()
   std::vector<std::atomic<const SlotEntry*>> theirs_;
   std::vector<std::atomic<const char*>> their_data_;
 };
 
 std::unique_ptr<InlineExchange> World::OpenInline(std::shared_ptr<const ExchangePlan> plan, size_t my_bytes) {
   if (!shm_ || plan->agreement || plan->arrival || plan->peers.empty()) return nullptr;
-  std::vector<std::shared_ptr<PeerLink>> links;
+  Links links;
+  std::vector<ShmPeerTransport*> shm;
   for (int64_t q : plan->peers) {
     auto link = Peer(q);
-    if (!link || !link->shm) return nullptr;
+    ShmPeerTransport* peer = link ? link->shared_memory() : nullptr;
+    if (!peer) return nullptr;
+    shm.push_back(peer);
     links.push_back(std::move(link));
   }
   std::string error;
-  SlotEntry* slot = shm_->Slot(plan->key, plan->fingerprint, my_bytes, &error);
+  SlotEntry* slot = shm_->owner().Slot(plan->key, plan->fingerprint, my_bytes, &error);
   if (slot == nullptr) return nullptr;  // the first Exchange reports why
-  return std::make_unique<ShmInline>(*this, std::move(plan), slot, shm_->Data(*slot), std::move(links));
+  return std::make_unique<ShmInline>(*this, std::move(plan), slot, shm_->owner().Data(*slot), std::move(links),
+                                     std::move(shm));
 }
 
 bool World::Advance(Pending& p) {
@@ -480,97 +443,66 @@ bool World::Advance(Pending& p) {
     }
   }
   if (!p.published) {
-    bool any_shm = false;
-    for (auto& link : p.links) any_shm |= link->shm != nullptr;
-    if (any_shm) {
-      size_t bytes = 0;
-      for (const auto& [ptr, n] : s.mine) bytes += n;
-      SlotEntry* slot = shm_->Slot(plan.key, plan.fingerprint, bytes, &error);
-      if (!slot) {
+    // A peer may still read what publishing this round overwrites: wait for it.
+    for (size_t i = 0; i < p.links.size(); ++i) {
+      if (p.left_out[i] || p.links[i]->MayPublish(plan.key, s.seq)) continue;
+      if (Failure(p, &error)) {
+        p.done(error, Clock::now() >= s.deadline, {});
+        return true;
+      }
+      return false;
+    }
+    // Through each transport that links a peer of the round (left out or not: a
+    // restarted process reads the shared copy of a round it is not in), publish once,
+    // then send to each of its peers.
+    const Outgoing round{plan.key, plan.fingerprint, s.seq, s.deadline};
+    for (Transport* transport : transports_) {
+      if (!Uses(p.links, *transport)) continue;
+      error = transport->Publish(round, s.mine);
+      if (!error.empty()) {
         p.done(error, false, {});
         return true;
       }
-      // Slots are double-buffered by the round's parity: the peers must have read the
-      // round before the previous one before its buffer is overwritten.
-      if (s.seq > 2) {
-        for (size_t i = 0; i < p.links.size(); ++i) {
-          PeerLink& link = *p.links[i];
-          if (!link.shm || p.left_out[i]) continue;
-          std::lock_guard<std::mutex> lock(link.mu);
-          const SlotEntry* theirs = link.shm->Find(plan.key);
-          if (!theirs || theirs->done.load(std::memory_order_acquire) < s.seq - 2) {
-            if (Failure(p, &error)) {
-              p.done(error, Clock::now() >= s.deadline, {});
-              return true;
-            }
-            return false;
-          }
-        }
-      }
-      char* dst = shm_->Data(*slot) + Parity(s.seq) * bytes;
-      for (const auto& [ptr, n] : s.mine) {
-        if (n > 0) std::memcpy(dst, ptr, n);
-        dst += n;
-      }
-      slot->published.store(s.seq, std::memory_order_release);
       for (size_t i = 0; i < p.links.size(); ++i) {
-        if (p.links[i]->shm && !p.left_out[i]) Ring(p.links[i]->shm->block().bell);
+        PeerTransport& link = *p.links[i];
+        if (&link.local() != transport || p.left_out[i]) continue;
+        error = link.Send(round, s.per_peer.empty() ? s.mine : s.per_peer[i]);
+        if (error.empty()) continue;
+        if (s.tolerant) {
+          p.left_out[i] = true;
+          ++p.settled;
+          continue;
+        }
+        p.done("sending to " + link.Describe() + " with " + plan.peer_desc[i] + ": " + error, false, {});
+        return true;
       }
-    }
-    for (size_t i = 0; i < p.links.size(); ++i) {
-      PeerLink& link = *p.links[i];
-      if (!link.tcp || p.left_out[i]) continue;
-      error = link.tcp->Send(plan.key, s.seq, plan.fingerprint, s.per_peer.empty() ? s.mine : s.per_peer[i],
-                             s.deadline);
-      if (error.empty()) continue;
-      if (s.tolerant) {
-        p.left_out[i] = true;
-        ++p.settled;
-        continue;
-      }
-      p.done("sending to " + link.Describe() + " with " + plan.peer_desc[i] + ": " + error, false, {});
-      return true;
     }
     p.published = true;
   }
   for (size_t i = 0; i < p.links.size(); ++i) {
     if (p.blobs[i] || p.left_out[i]) continue;
-    PeerLink& link = *p.links[i];
-    uint64_t fingerprint = 0, bytes = 0;
-    const char* data = nullptr;
-    if (link.shm) {
-      std::lock_guard<std::mutex> lock(link.mu);
-      const SlotEntry* e = link.shm->Find(plan.key);
-      if (!e || e->published.load(std::memory_order_acquire) < s.seq) continue;
-      fingerprint = e->fingerprint;
-      bytes = e->bytes;
-      data = link.shm->Data(*e, &error);
-      if (!data) {
-        // Its segments vanish with it: say that it exited, not which file is missing.
-        const std::string gone = ProcessGone(link.pid);
-        p.done(gone.empty() ? "reading the shared memory of " + link.Describe() + ": " + error
-                            : link.Describe() + " with " + plan.peer_desc[i] + " failed: " + gone +
-                                  " after it arrived at this call",
-               false, {});
-        return true;
-      }
-      data += Parity(s.seq) * bytes;
-    } else {
-      const TcpLink::Frame* f = link.tcp->Find(plan.key, s.seq, plan.fingerprint, plan.peer_bytes[i]);
-      if (!f) continue;
-      fingerprint = f->fingerprint;
-      bytes = f->wire_bytes;
-      data = f->bytes.empty() ? "" : f->bytes.data();  // non-null: it arrived
+    PeerTransport& link = *p.links[i];
+    Arrival arrival;
+    std::string unreadable;
+    if (!link.Find(plan.key, s.seq, plan.fingerprint, plan.peer_bytes[i], &arrival, &unreadable)) continue;
+    if (!unreadable.empty()) {
+      // A peer's shared memory vanishes with it: say that it exited, not what is missing.
+      const std::string gone = link.Failure();
+      p.done(gone.empty() ? unreadable
+                          : link.Describe() + " with " + plan.peer_desc[i] + " failed: " + gone +
+                                " after it arrived at this call",
+             false, {});
+      return true;
     }
-    if (fingerprint != plan.fingerprint || bytes != plan.peer_bytes[i]) {
+    if (arrival.fingerprint != plan.fingerprint || arrival.bytes != plan.peer_bytes[i]) {
       p.done(link.Describe() + " with " + plan.peer_desc[i] +
                  " runs a different collective at this call (op, dtype or shape differ: " +
-                 std::to_string(bytes) + " bytes of operands where this process expects " +
+                 std::to_string(arrival.bytes) + " bytes of operands where this process expects " +
                  std::to_string(plan.peer_bytes[i]) + "); the processes run different programs",
              false, {});
       return true;
     }
-    p.blobs[i] = data;
+    p.blobs[i] = arrival.data;
     ++p.settled;
   }
   if (p.settled == p.links.size()) {
@@ -597,7 +529,7 @@ bool World::Failure(Pending& p, std::string* error) {
   // at once: only the checks that cost system calls wait for their period.
   bool link_failed = false;
   for (size_t i = 0; i < p.links.size(); ++i) {
-    link_failed |= !p.left_out[i] && p.links[i]->tcp && p.links[i]->tcp->failed();
+    link_failed |= !p.left_out[i] && p.links[i]->Failed();
   }
   if (now < p.next_check && now < s.deadline && !link_failed) return false;
   p.next_check = now + kLivenessPeriod;
@@ -605,10 +537,8 @@ bool World::Failure(Pending& p, std::string* error) {
   if (p.grace.count() > 0 && now - p.start >= p.grace && Mismatch(p, error)) return true;
   for (size_t i = 0; i < p.links.size(); ++i) {
     if (p.left_out[i]) continue;
-    PeerLink& link = *p.links[i];
-    std::string gone;
-    if (link.tcp) gone = link.tcp->failure();
-    if (gone.empty() && link.shm) gone = ProcessGone(link.pid);
+    PeerTransport& link = *p.links[i];
+    const std::string gone = link.Failure();
     if (gone.empty()) continue;
     if (s.tolerant) {
       // Its contribution counts if it arrived before the end (shared memory outlives it).
@@ -628,8 +558,7 @@ bool World::Failure(Pending& p, std::string* error) {
   for (size_t i = 0; i < plan.watched.size(); ++i) {
     auto link = Peer(plan.watched[i]);
     if (!link) continue;
-    std::string gone = link->tcp ? link->tcp->failure() : "";
-    if (gone.empty() && link->shm) gone = ProcessGone(link->pid);
+    const std::string gone = link->Failure();
     if (gone.empty()) continue;
     *error = link->Describe() + " with " + plan.watched_desc[i] + " failed: " + gone +
              " (it takes part in this call through the other phases of a hierarchical round)";
@@ -671,23 +600,12 @@ void World::Release(const ExchangePlan& plan, int64_t seq) {
 }
 
 void World::ReleaseRound(const ExchangePlan& plan, int64_t seq) {
-  const uint64_t key = plan.key;
-  bool any_shm = false;
-  for (int64_t q : plan.peers) {
-    auto link = Peer(q);
-    if (!link) continue;
-    if (link->tcp) link->tcp->Drop(key, seq);
-    any_shm |= link->shm != nullptr;
-  }
-  if (any_shm) {
-    // The slot exists: this process published into it for this round.
-    if (SlotEntry* slot = shm_->Find(key)) {
-      slot->done.store(seq, std::memory_order_release);
-    }
-    // A peer may wait for this to reuse its buffer of the round.
-    for (int64_t q : plan.peers) {
-      auto link = Peer(q);
-      if (link && link->shm) Ring(link->shm->block().bell);
+  const Links links = Peers(plan.peers);
+  for (Transport* transport : transports_) {
+    if (!Uses(links, *transport)) continue;
+    transport->Release(plan.key, seq);
+    for (const auto& link : links) {
+      if (&link->local() == transport) link->Release(plan.key, seq);
     }
   }
   if (plan.agreement) ReleaseRound(*plan.agreement, seq);

@@ -5,6 +5,9 @@
 // creates this process's endpoint (a shared-memory control block and a TCP listener on an
 // ephemeral port); Link connects one peer, through shared memory when it runs on the same
 // host, else TCP. Links are made lazily, for the processes of the groups a program uses.
+// Only these two choose a kind of link; everything else goes through the transport
+// interface (transport.h), whatever the peer's link, except what works on shared memory
+// itself (streaming, the inline exchange), which asks a link for it.
 //
 // An exchange first tries to finish on the calling thread, spinning for up to the spin
 // budget (JAXCOMM_SPIN_US) while the peers catch up; otherwise a progress thread takes it
@@ -27,8 +30,9 @@
 #include <vector>
 
 #include "core/cross_process.h"
-#include "cpu/shm_link.h"
-#include "cpu/tcp_link.h"
+#include "cpu/shm_transport.h"
+#include "cpu/tcp_transport.h"
+#include "cpu/transport.h"
 
 namespace jaxcomm::cpu {
 
@@ -84,20 +88,22 @@ class World : public CrossProcess {
   std::string Rejoin(uint64_t generation);
   std::string LinkKind(int64_t p) const override;
   // TCP connections the listener refused (tcp_link.h); 0 before Open.
-  int64_t refused_connections() const { return listener_ ? listener_->refused() : 0; }
+  int64_t refused_connections() const { return tcp_ ? tcp_->refused() : 0; }
   std::string HostOf(int64_t p) const override;
   std::unique_ptr<InlineExchange> OpenInline(std::shared_ptr<const ExchangePlan> plan, size_t my_bytes) override;
 
  private:
-  struct PeerLink;
+  using Links = std::vector<std::shared_ptr<PeerTransport>>;
   struct Pending;
   class ShmInline;  // OpenInline's exchanges
 
-  std::shared_ptr<PeerLink> Peer(int64_t process) const;
-  // Whether `link`'s process shows a thread spinning on core `cpu` (PeerSpin); any of
-  // `links`'.
-  static bool SpinsOn(const PeerLink& link, int cpu);
-  static bool AnySpinsOn(const std::vector<std::shared_ptr<PeerLink>>& links, int cpu);
+  std::shared_ptr<PeerTransport> Peer(int64_t process) const;
+  // The links of those of `processes` that are linked, in order.
+  Links Peers(const std::vector<int64_t>& processes) const;
+  // Whether any of `links` shows a thread spinning on core `cpu` (PeerSpin).
+  static bool AnySpinsOn(const Links& links, int cpu);
+  // Whether any of `links` goes through `transport`.
+  static bool Uses(const Links& links, const Transport& transport);
   // This process's control block, or null without shared memory.
   ControlBlock* Block() const { return shm_ ? &shm_->block() : nullptr; }
   // Advances `p` as far as it goes now; true when finished (done called).
@@ -118,10 +124,6 @@ class World : public CrossProcess {
   // Shows this process's waits past their grace period to its peers (shared memory
   // board, TCP notice frames) when they changed; at most every 100 ms. Progress thread.
   void ShowWaits(const std::vector<std::unique_ptr<Pending>>& mine, std::chrono::steady_clock::time_point now);
-  // What `link`'s process shows of its waits.
-  std::vector<WaitNotice> NoticesOf(PeerLink& link) const;
-  // Whether this process published round `seq` of `key` for `link`'s process.
-  bool Published(PeerLink& link, uint64_t key, int64_t seq) const;
   // The error of an exchange of a call this process refused after a mismatch, or "".
   std::string Refused(uint64_t key, int64_t seq);
   // Phase 2 of a tolerant exchange: the survivors tell each other whom they heard from,
@@ -131,7 +133,7 @@ class World : public CrossProcess {
              ExchangeDone then);
   bool Excluded(int64_t process) const;
   void Exclude(int64_t process);
-  // Survivors: maps the control block of a restarted process that asked to rejoin.
+  // Survivors: links the restarted processes whose request to rejoin arrived.
   void PollJoins();
   // Survivors: readmits processes whose request every survivor has seen (phase 2).
   void Admit(const std::vector<int64_t>& all, const std::vector<char>& mine,
@@ -152,7 +154,7 @@ class World : public CrossProcess {
   void GiveBounce(std::vector<char> buffer);
   // Takes a connection accepted on this process's listener: a peer linking at bootstrap,
   // or a restarted process rejoining (kept aside until its request is seen).
-  void Adopt(const TcpHello& hello);
+  void Adopt(std::shared_ptr<TcpPeerTransport> link);
   // Accepts connections that arrive while no Link() waits for one (rejoining processes).
   void AcceptLate();
   void Progress();
@@ -164,16 +166,18 @@ class World : public CrossProcess {
   std::condition_variable cv_;
   int64_t process_ = -1;
   std::string host_;
-  std::unique_ptr<ShmOwner> shm_;
-  TcpJob tcp_;
-  std::unique_ptr<TcpListener> listener_;
-  std::map<int64_t, std::shared_ptr<PeerLink>> peers_;
+  // This process's side of each transport (shared memory only where the job uses it),
+  // and both in the order a round publishes through them. Declared before the links,
+  // which refer to them, and outlive them.
+  std::unique_ptr<ShmTransport> shm_;
+  std::unique_ptr<TcpTransport> tcp_;
+  std::vector<Transport*> transports_;
+  std::map<int64_t, std::shared_ptr<PeerTransport>> peers_;
   std::set<int64_t> excluded_;
   // Some process was ever left out (excluded_ not empty once): inline exchanges then
   // defer to Exchange, which knows what to do about it.
   std::atomic<bool> ever_excluded_{false};
   std::map<int64_t, uint64_t> seen_join_;      // survivors: newest request seen, per process
-  std::map<int64_t, std::shared_ptr<PeerLink>> joiners_;  // survivors: TCP links of restarted processes
   std::map<int64_t, uint64_t> admitted_join_;  // survivors: request readmitted, per process
   uint64_t joining_ = 0;                       // restarted process: its request
   std::map<uint64_t, int64_t> seq_offset_;     // restarted process: per call, survivors' numbering

@@ -1,8 +1,6 @@
 // World's fault-tolerant exchanges (ExchangeSpec::tolerant): the second phase in which the
 // survivors agree on whose contributions count, and readmitting a restarted process
 // (jaxcomm.ft.rejoin) at a round all of them agree on.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -14,9 +12,6 @@
 namespace jaxcomm::cpu {
 namespace {
 using Clock = std::chrono::steady_clock;
-// The key of the one frame a restarted process sends a TCP peer to ask to rejoin; its
-// sequence number carries the request's generation.
-constexpr uint64_t kJoinKey = 0x6a6f696e72657175ull;  // "joinrequ"
 }  // namespace
 
 void World::Agree(std::shared_ptr<const ExchangePlan> plan, int64_t seq,
@@ -47,18 +42,19 @@ void World::Agree(std::shared_ptr<const ExchangePlan> plan, int64_t seq,
     (*message)[k] = blobs[i] != nullptr;
     if (!blobs[i]) Exclude(all[k]);
   }
-  // A restarted process linked by TCP learns from these messages when it is readmitted;
-  // over shared memory it reads them itself.
+  // A restarted process learns from these messages when it is readmitted: it is left out
+  // of the exchange below, so it is sent its own (over shared memory it reads the
+  // exchange's copy itself, and the send only wakes it).
   for (size_t k = 0; k < P; ++k) {
-    std::shared_ptr<PeerLink> joiner;
+    std::shared_ptr<PeerTransport> joiner;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!excluded_.count(all[k]) || seen_join_[all[k]] <= admitted_join_[all[k]]) continue;
-      if (auto it = peers_.find(all[k]); it != peers_.end() && it->second->tcp) joiner = it->second;
+      if (auto it = peers_.find(all[k]); it != peers_.end()) joiner = it->second;
     }
     if (joiner) {
-      joiner->tcp->Send(plan->agreement->key, seq, plan->agreement->fingerprint,
-                        {{message->data(), message->size()}}, deadline);
+      joiner->Send({plan->agreement->key, plan->agreement->fingerprint, seq, deadline},
+                   {{message->data(), message->size()}});
     }
   }
   ExchangeSpec spec;
@@ -125,41 +121,23 @@ void World::Admit(const std::vector<int64_t>& all, const std::vector<char>& mine
 
 void World::PollJoins() {
   std::vector<int64_t> candidates;
-  std::map<int64_t, std::shared_ptr<PeerLink>> joiners;
   {
     std::lock_guard<std::mutex> lock(mu_);
     candidates.assign(excluded_.begin(), excluded_.end());
-    joiners = joiners_;
   }
-  for (int64_t q : candidates) {
-    auto it = joiners.find(q);
-    if (it == joiners.end()) continue;
-    const auto [g, ignored] = it->second->tcp->Newest(kJoinKey);
+  if (candidates.empty()) return;
+  const auto wanted = [this](int64_t q, uint64_t generation) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (g <= 0 || static_cast<uint64_t>(g) <= seen_join_[q]) continue;
-    peers_[q] = it->second;
-    joiners_.erase(q);
-    seen_join_[q] = static_cast<uint64_t>(g);
-  }
-  if (!shm_) return;
-  for (int64_t q : candidates) {
-    if (q < 0 || q >= kMaxJoinProcesses) continue;
-    const JoinRequest& j = shm_->block().joins[q];
-    const uint64_t g = j.generation.load(std::memory_order_acquire);
-    {
+    return generation > seen_join_[q];
+  };
+  for (Transport* transport : transports_) {
+    for (Rejoiner& join : transport->Joins(candidates, wanted)) {
+      const int64_t q = join.link->peer.process;
       std::lock_guard<std::mutex> lock(mu_);
-      if (g == 0 || g <= seen_join_[q]) continue;
+      if (auto old = peers_.find(q); old != peers_.end()) join.link->peer.host = old->second->peer.host;
+      peers_[q] = std::move(join.link);
+      seen_join_[q] = join.generation;
     }
-    std::string error;
-    auto link = std::make_shared<PeerLink>();
-    link->process = q;
-    link->pid = j.pid;
-    link->shm = ShmPeer::Open(j.pid, j.control_fd, j.control_bytes, &error);
-    if (!link->shm) continue;  // it died again before we could map it: stays out
-    std::lock_guard<std::mutex> lock(mu_);
-    if (auto old = peers_.find(q); old != peers_.end()) link->host = old->second->host;
-    peers_[q] = link;
-    seen_join_[q] = g;
   }
 }
 
@@ -180,26 +158,12 @@ bool World::TryAdmission(Pending& p, std::string* error) {
   const size_t me = std::find(all.begin(), all.end(), process_) - all.begin();
   if (!p.join_posted) {
     // Posted on the first fault-tolerant call, when this process is ready to take part.
-    for (auto& link : p.links) {
-      if (link->shm) {
-        std::lock_guard<std::mutex> lock(link->mu);
-        link->shm->RequestJoin(process_, joining_, getpid(), shm_->control_fd(), shm_->control_bytes());
-      } else {
-        link->tcp->Send(kJoinKey, static_cast<int64_t>(joining_), 0, {}, p.spec.deadline);
-      }
-    }
+    for (auto& link : p.links) link->RequestJoin(process_, joining_, p.spec.deadline);
     p.join_posted = true;
   }
   // The survivors' newest agreement messages: they say who took part and what they saw.
   std::vector<std::pair<int64_t, std::vector<char>>> snaps;
-  for (auto& link : p.links) {
-    if (link->tcp) {
-      snaps.push_back(link->tcp->Newest(agreement.key));
-      continue;
-    }
-    std::lock_guard<std::mutex> lock(link->mu);
-    snaps.push_back(link->shm->Snapshot(agreement.key));
-  }
+  for (auto& link : p.links) snaps.push_back(link->Newest(agreement.key));
   int64_t newest = 0;
   const std::vector<char>* reference = nullptr;
   for (const auto& [seq, bytes] : snaps) {
@@ -227,11 +191,10 @@ bool World::TryAdmission(Pending& p, std::string* error) {
   for (const auto& [key, fp, n] : {std::make_tuple(plan.key, plan.fingerprint, bytes),
                                    std::make_tuple(agreement.key, agreement.fingerprint,
                                                    P * (1 + sizeof(uint64_t)))}) {
-    if (!shm_) break;  // TCP only: nothing to mark
-    SlotEntry* slot = shm_->Slot(key, fp, n, error);
-    if (!slot) return true;
-    slot->published.store(join - 1, std::memory_order_release);
-    slot->done.store(join - 1, std::memory_order_release);
+    for (Transport* transport : transports_) {
+      *error = transport->SkipRounds(key, fp, n, join - 1);
+      if (!error->empty()) return true;
+    }
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

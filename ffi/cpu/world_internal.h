@@ -1,6 +1,8 @@
-// The parts of World (world.h) that its two source files share: a peer as this process
-// sees it, and an exchange in progress. world.cc moves data; world_ft.cc holds what only
-// fault-tolerant exchanges do (agreeing on survivors, readmitting a restarted process).
+// The parts of World (world.h) that its source files share: an exchange in progress, a
+// peer of a streamed round, and how threads wait for peers. world.cc moves data;
+// world_ft.cc holds what only fault-tolerant exchanges do (agreeing on survivors,
+// readmitting a restarted process); world_mismatch.cc the mismatch check;
+// world_stream.cc streaming.
 #pragma once
 
 #include <chrono>
@@ -14,25 +16,10 @@
 
 namespace jaxcomm::cpu {
 
-struct World::PeerLink {
-  int64_t process = -1;
-  std::string host;
-  std::string host_key;  // Endpoint::host
-  int pid = 0;
-  std::mutex mu;  // the ShmPeer's lookup cache
-  std::unique_ptr<ShmPeer> shm;
-  std::unique_ptr<TcpLink> tcp;
-  // This process may read the peer's memory with process_vm_readv (probed when linked).
-  bool direct = false;
-
-  std::string Describe() const {
-    return "process " + std::to_string(process) + " (host " + host + ", pid " + std::to_string(pid) + ")";
-  }
-};
-
 // A peer of a streamed round (world_stream.cc) as this process sees it.
 struct World::StreamPeer {
-  std::shared_ptr<PeerLink> link;
+  std::shared_ptr<PeerTransport> link;  // keeps `shm` alive
+  ShmPeerTransport* shm = nullptr;      // link->shared_memory()
   const SlotEntry* slot = nullptr;  // its slot for the round, once it made it
   const char* data = nullptr;       // that slot's data (the ring), once mapped
   size_t first = 0;                 // its first rank among the round's remote ranks
@@ -43,7 +30,7 @@ struct World::StreamPeer {
 struct World::Pending {
   ExchangeSpec spec;
   ExchangeDone done;
-  std::vector<std::shared_ptr<PeerLink>> links;
+  Links links;
   std::vector<const char*> blobs;
   std::vector<bool> left_out;  // tolerant exchanges: peers given up on
   bool awaiting_admission = false;  // a restarted process before the survivors readmit it
@@ -54,9 +41,6 @@ struct World::Pending {
   std::chrono::steady_clock::time_point start{};
   std::chrono::milliseconds grace{0};  // the mismatch check's (core/mismatch.h); 0: none
 };
-
-// Why process `pid` on this host is gone, or "" while it runs.
-std::string ProcessGone(int pid);
 
 // Waits for peer processes, which are likely running on other cores, by spinning: a
 // couple of pause instructions per step, the caller checking in between, and every

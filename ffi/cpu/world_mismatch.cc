@@ -40,18 +40,6 @@ WaitNotice World::NoticeOf(const Pending& p) const {
   return n;
 }
 
-std::vector<WaitNotice> World::NoticesOf(PeerLink& link) const {
-  if (link.tcp) return link.tcp->Notices();
-  if (link.shm) return link.shm->Waits();
-  return {};
-}
-
-bool World::Published(PeerLink& link, uint64_t key, int64_t seq) const {
-  if (link.tcp) return link.tcp->Sent(key) >= seq;
-  const SlotEntry* slot = shm_ ? shm_->Find(key) : nullptr;
-  return slot != nullptr && slot->published.load(std::memory_order_acquire) >= seq;
-}
-
 std::string World::Refused(uint64_t key, int64_t seq) {
   std::lock_guard<std::mutex> lock(mismatch_mu_);
   auto it = refused_.find({key, seq});
@@ -67,12 +55,12 @@ bool World::Mismatch(Pending& p, std::string* error) {
   std::vector<WaitNotice> theirs;
   for (size_t i = 0; i < p.links.size(); ++i) {
     if (p.blobs[i] || p.left_out[i]) continue;
-    PeerLink& link = *p.links[i];
-    for (const WaitNotice& n : NoticesOf(link)) {
+    PeerTransport& link = *p.links[i];
+    for (const WaitNotice& n : link.Notices()) {
       if ((n.key == plan.key && n.seq == p.spec.seq) || !n.Misses(process_)) continue;
       if ((n.flags & WaitNotice::kFailed) != 0 && !n.Against(plan.key, p.spec.seq)) continue;
       // A notice sent before this process's contribution arrived there is stale.
-      if (Published(link, n.key, n.seq)) continue;
+      if (link.Delivered(n.key, n.seq)) continue;
       sides.push_back({link.Describe() + " with " + n.ranks, n.op, n.call_site, n.seq, false});
       theirs.push_back(n);
       break;
@@ -122,25 +110,22 @@ void World::ShowWaits(const std::vector<std::unique_ptr<Pending>>& mine, Clock::
   }
   if (SameNotices(notices, shown_)) return;
   shown_ = notices;
-  if (shm_) shm_->ShowWaits(notices);
-  // Over TCP, to the peers some notice waits for, and to those that were shown one
-  // before (their view must be cleared).
-  std::vector<std::shared_ptr<PeerLink>> links;
+  for (Transport* transport : transports_) transport->ShowWaits(notices);
+  // Peers that cannot read them there are sent them: those some notice waits for, and
+  // those that were shown one before (their view must be cleared).
+  Links links;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [q, link] : peers_) {
-      if (link->tcp) links.push_back(link);
-    }
+    for (const auto& [q, link] : peers_) links.push_back(link);
   }
   std::set<int64_t> told;
   for (const auto& link : links) {
-    const bool waited_for = std::any_of(notices.begin(), notices.end(),
-                                        [&](const WaitNotice& n) { return n.Misses(link->process); });
-    if (!waited_for && !told_.count(link->process)) continue;
+    const int64_t q = link->peer.process;
+    const bool waited_for =
+        std::any_of(notices.begin(), notices.end(), [q](const WaitNotice& n) { return n.Misses(q); });
+    if (!waited_for && !told_.count(q)) continue;
     // Best effort: a link that cannot take a few KiB within a second is failing anyway.
-    if (link->tcp->SendNotices(notices, now + std::chrono::seconds(1)).empty() && waited_for) {
-      told.insert(link->process);
-    }
+    if (link->ShowWaits(notices, now + std::chrono::seconds(1)).empty() && waited_for) told.insert(q);
   }
   told_ = std::move(told);
 }

@@ -90,7 +90,7 @@ bool World::CanStream(const std::vector<int64_t>& peers) const {
   if (!shm_ || peers.empty() || peers.size() + 1 > cores) return false;
   for (int64_t q : peers) {
     auto link = Peer(q);
-    if (!link || !link->shm) return false;
+    if (!link || !link->shared_memory()) return false;
   }
   return true;
 }
@@ -107,9 +107,8 @@ std::string World::StreamPeers(const StreamSpec& s, std::vector<StreamPeer>* pee
   for (size_t i = 0; i < plan.peers.size(); ++i) {
     StreamPeer& p = (*peers)[i];
     p.link = Peer(plan.peers[i]);
-    if (!p.link || !p.link->shm) {
-      return "process " + std::to_string(plan.peers[i]) + " is not linked through shared memory";
-    }
+    p.shm = p.link ? p.link->shared_memory() : nullptr;
+    if (!p.shm) return "process " + std::to_string(plan.peers[i]) + " is not linked through shared memory";
     p.first = first;
     p.ranks = s.peer_ranks[i];
     p.desc = p.link->Describe() + " with " + plan.peer_desc[i];
@@ -120,13 +119,14 @@ std::string World::StreamPeers(const StreamSpec& s, std::vector<StreamPeer>* pee
 
 PeerSpin World::SpinFor(const std::vector<StreamPeer>& peers) const {
   return PeerSpin(Block(), [&peers](int cpu) {
-    return std::any_of(peers.begin(), peers.end(), [cpu](const StreamPeer& p) { return SpinsOn(*p.link, cpu); });
+    return std::any_of(peers.begin(), peers.end(), [cpu](const StreamPeer& p) { return p.shm->SpinsOn(cpu); });
   });
 }
 
 bool World::ReadsDirectly(int64_t p) const {
   auto link = Peer(p);
-  return link && link->shm && link->direct;
+  ShmPeerTransport* shm = link ? link->shared_memory() : nullptr;
+  return shm && shm->reads_directly();
 }
 
 std::vector<char> World::TakeBounce(size_t bytes) {
@@ -161,9 +161,9 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
   // The slot's two buffers together hold the ring.
   std::string error;
   const size_t my_entry = s.mine.size() * rank_chunk;
-  SlotEntry* slot = shm_->Slot(key, plan.fingerprint, kRingChunks / 2 * my_entry, &error);
+  SlotEntry* slot = shm_->owner().Slot(key, plan.fingerprint, kRingChunks / 2 * my_entry, &error);
   if (!slot) return error;
-  char* const ring = shm_->Data(*slot);
+  char* const ring = shm_->owner().Data(*slot);
 
   using Source = StreamPeer;  // its slot: its ring, once it created it
   std::vector<Source> sources;
@@ -172,14 +172,13 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
   // Finds a peer's ring (it makes it when its first round starts); false while absent.
   auto resolve = [&](Source& src) -> bool {
     if (src.slot) return true;
-    std::lock_guard<std::mutex> lock(src.link->mu);
-    const SlotEntry* e = src.link->shm->Find(key);
+    const SlotEntry* e = src.shm->Slot(key);
     if (!e) return false;
     if (e->fingerprint != plan.fingerprint || e->bytes != kRingChunks / 2 * src.ranks * rank_chunk) {
       error = RunsAnotherProgram(src.desc);
       return false;
     }
-    src.data = src.link->shm->Data(*e, &error);
+    src.data = src.shm->Data(*e, &error);
     if (!src.data) {
       error = "reading the shared memory of " + src.desc + ": " + error;
       return false;
@@ -265,7 +264,7 @@ std::string World::Stream(const StreamSpec& s, const StreamConsume& consume, boo
         const bool lagging = !src.slot || src.slot->published.load() < Mark(s.seq, std::min(chunks, got + 1)) ||
                              src.slot->done.load() < Mark(s.seq, sent < kRingChunks ? 0 : sent - kRingChunks + 1);
         if (!lagging) continue;
-        if (std::string gone = ProcessGone(src.link->pid); !gone.empty()) {
+        if (std::string gone = src.shm->Failure(); !gone.empty()) {
           return src.desc + " failed: " + gone + " while this call streamed through shared memory (chunk " +
                  std::to_string(got) + " of " + std::to_string(chunks) + ")";
         }
@@ -293,7 +292,7 @@ std::string World::Pull(const StreamSpec& s, const StreamConsume& consume, bool*
   const uint64_t key = PullKey(plan.key);
   const int64_t finished = Mark(s.seq, chunks);
   std::string error;
-  SlotEntry* slot = shm_->Slot(key, plan.fingerprint, sizeof(uint64_t), &error);
+  SlotEntry* slot = shm_->owner().Slot(key, plan.fingerprint, sizeof(uint64_t), &error);
   if (!slot) return error;
 
   using Source = StreamPeer;  // its slot: where it says it finished reading, once it made it
@@ -321,11 +320,11 @@ std::string World::Pull(const StreamSpec& s, const StreamConsume& consume, bool*
         bytes += n * item;
       }
       if (here.empty()) continue;
-      const ssize_t got = process_vm_readv(src.link->pid, here.data(), here.size(), there.data(), there.size(), 0);
+      const ssize_t got = process_vm_readv(src.shm->pid(), here.data(), here.size(), there.data(), there.size(), 0);
       if (got == static_cast<ssize_t>(bytes)) continue;
       const int err = errno;
       const std::string at = " (chunk " + std::to_string(c) + " of " + std::to_string(chunks) + ")";
-      if (std::string gone = ProcessGone(src.link->pid); !gone.empty()) {
+      if (std::string gone = src.shm->Failure(); !gone.empty()) {
         error = src.desc + " failed: " + gone + " while this call read its operands from its memory" + at;
       } else {
         error = "reading the operands of " + src.desc + " from its memory (process_vm_readv)" + at + ": " +
@@ -350,8 +349,7 @@ std::string World::Pull(const StreamSpec& s, const StreamConsume& consume, bool*
     bool all = true;
     for (Source& src : sources) {
       if (!src.slot) {
-        std::lock_guard<std::mutex> lock(src.link->mu);
-        src.slot = src.link->shm->Find(key);
+        src.slot = src.shm->Slot(key);
         if (src.slot && src.slot->fingerprint != plan.fingerprint) {
           return RunsAnotherProgram(src.desc);
         }
@@ -365,7 +363,7 @@ std::string World::Pull(const StreamSpec& s, const StreamConsume& consume, bool*
       std::ostringstream behind;
       for (const Source& src : sources) {
         if (src.slot && src.slot->done.load() >= finished) continue;
-        if (std::string gone = ProcessGone(src.link->pid); !gone.empty()) {
+        if (std::string gone = src.shm->Failure(); !gone.empty()) {
           return !error.empty() ? error
                                 : src.desc + " failed: " + gone +
                                       " while it read this call's operands from this process's memory";
