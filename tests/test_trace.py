@@ -730,3 +730,30 @@ def test_verdict_names_the_dead_process_when_a_survivor_saw_another_exit_first(t
     assert "it left no dump" in report.verdict  # process 3 left nothing here
     assert report.findings[0].processes == [3]
     assert report.findings[0].consequences[0].startswith("process 1 (ranks [1]) failed first")
+
+
+def test_verdict_leads_a_dead_process_in_another_call_back_to_the_hung_one(tmp_path):
+    # A pipeline: process 2 never came to the call of group [0, 2]; process 0 timed out
+    # there and exited; process 1, in a call of group [0, 1], then saw process 0 exit.
+    # Process 1's call names only process 0 (dead), whose own error names process 2: the
+    # verdict is process 2's hang, not process 0's death, from either call.
+    missing2 = f"timed out waiting for {_who(2)}, which did not arrive at this call"
+    gone0 = f"{_who(0)} failed: it exited before it arrived at this call"
+
+    def call(p, group, instruction, site, at, error, end):
+        return dict(_entry(p, 3, "failed", error, end), group=group, processes=group,
+                    rank=group.index(p), instruction=instruction, call_site=site,
+                    enqueue_us=at)
+
+    _dump(tmp_path, 0, [_entry(0, 1), _entry(0, 2),
+                        call(0, [0, 2], "00000000000000bb", "pipe.py:20 (send)", 3000, missing2,
+                             5_000_000)])
+    _dump(tmp_path, 1, [_entry(1, 1), _entry(1, 2),
+                        call(1, [0, 1], "00000000000000cc", "pipe.py:30 (recv)", 3500, gone0,
+                             5_100_000)])
+    _dump(tmp_path, 2, [_entry(2, 1), _entry(2, 2)])
+    report = analyzer.analyze(tmp_path)
+    assert report.verdict.startswith("verdict: HANG: process 2 (ranks [2]) never arrived at "
+                                     "all_reduce at pipe.py:20 (send)"), report.text()
+    # Process 1's call leads back to the same fault: one finding, no "process 0 died".
+    assert [(f.kind, f.processes) for f in report.findings] == [("hang", [2])], report.text()

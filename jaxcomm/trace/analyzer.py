@@ -315,6 +315,22 @@ def _cross_call_mismatch(c: Call, waiting: list[int], errors: list[str], base: d
     def stuck_ranks(o: Call) -> list[int]:
         return sorted(r for r, e in o.entries.items() if _is_stuck(e, stuck_s))
 
+    def leads_back(o: Call) -> bool:
+        """Whether the ranks ``o`` misses wait, in turn, for ``c``'s ranks: a cycle of
+        waits (as core/mismatch.cc's FindCycle). Else ``c`` is a link of a chain that ends
+        at a rank that hung or died, and no mismatch."""
+        seen, todo = {o.key}, [o]
+        while todo:
+            for r in todo.pop().missing:
+                nxt = stuck_in.get(r)
+                if nxt is None or nxt.key in seen:
+                    continue
+                if nxt.key == c.key:
+                    return True
+                seen.add(nxt.key)
+                todo.append(nxt)
+        return False
+
     def call_at(op: str, call_site: str, execution: int) -> Call | None:
         return next((o for o in stuck if (o.op, o.call_site, o.key[2]) == (op, call_site, execution)
                      and o.group == c.group), None)
@@ -339,11 +355,12 @@ def _cross_call_mismatch(c: Call, waiting: list[int], errors: list[str], base: d
     if len(told) > 1:
         sides = {k: (sorted(rs), where) for k, (rs, where) in told.items()}
     else:
-        # Within a process, the dumps: the ranks this call misses wait in other calls.
+        # Within a process, the dumps: the ranks this call misses wait in other calls,
+        # which wait for this call's ranks.
         sides[c.key] = (sorted(waiting), c.where())
         for r in c.missing:
             o = stuck_in.get(r)
-            if o is not None and o.key != c.key:
+            if o is not None and o.key != c.key and leads_back(o):
                 sides.setdefault(o.key, (stuck_ranks(o), o.where()))
     sides = {k: v for k, v in sides.items() if v[0]}
     if len(sides) < 2:
