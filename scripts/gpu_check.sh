@@ -181,7 +181,8 @@ if [ -n "$WHY" ]; then
 elif ! selected tests; then
   skip tests "not in GPU_CHECK_STAGES"
 else
-  stage tests 400 "$OUT_DIR/tests.log" "$PY" -m pytest -q -ra -p no:cacheprovider \
+  # -o addopts=: without pyproject's pytest-xdist workers (one GPU; xdist may be absent).
+  stage tests 400 "$OUT_DIR/tests.log" "$PY" -m pytest -q -ra -o addopts= -p no:cacheprovider \
     tests/gpu/test_collectives_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_moe_inference_gpu.py \
     tests/gpu/test_multiprocess_gpu.py \
     tests/gpu/test_cuda_host.py --timeout=240 --junitxml="$OUT_DIR/tests.xml" -o junit_family=xunit1

@@ -100,3 +100,22 @@ def x64():
     """Enables 64-bit types for the duration of one test."""
     with jax.enable_x64(True):
         yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``--dist loadgroup``), the tests that share a module-scoped
+    fixture (a job run once and inspected by several tests) go to one worker, so the job
+    runs once per session rather than once per worker."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d[-1].scope == "module" for d in defs if d):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts) on a GPU run: no workers. Each worker would
+    start its own client on the GPU (and preallocate most of its memory)."""
+    if any(p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu")):
+        return 0
+    return None

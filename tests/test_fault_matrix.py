@@ -34,6 +34,10 @@ import pytest
 from jaxcomm import launch
 from jaxcomm.trace import analyzer
 
+# Under pytest-xdist, one worker runs the cells' tests one after the other: each already
+# runs its three jobs at once (12 processes on 2 cores).
+pytestmark = pytest.mark.xdist_group("fault_matrix")
+
 N = 4
 #: The deadline of the faulty loop's all_reduce, seconds.
 DEADLINE_S = 5

@@ -16,18 +16,24 @@ import numpy as np
 
 import pytest
 
-from mp_util import assert_ok, run_script
+from jaxcomm._src import distributed
+from mp_util import MPResult, assert_ok, run_script
 
 HERE = pathlib.Path(__file__).parent
 CHECK_OPS = (HERE / "multiprocess" / "check_ops.py").read_text()
 
 
-def jaxcomm_segments() -> set[str]:
-    """Names in /dev/shm that a jaxcomm job could have left behind."""
+def assert_no_segments_left(res: MPResult) -> None:
+    """The job left no shared-memory segment: none for the launcher to remove, none of its
+    own left in /dev/shm. Only this job's names count (``jaxcomm-<job id>-``): other jobs,
+    of parallel tests or of other users, may come and go meanwhile."""
+    assert res.launch.removed_shm == [], res.format()
+    prefix = distributed.shm_prefix(res.launch.job_id)
     try:
-        return {n for n in os.listdir("/dev/shm") if "jaxcomm" in n}
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     except FileNotFoundError:
-        return set()
+        left = []
+    assert left == [], left
 
 
 # Processes 2h and 2h+1 play one host (JAXCOMM_HOST_ID): shared memory within, TCP
@@ -65,7 +71,6 @@ NT_RING = {"JAXCOMM_NONTEMPORAL_BYTES": "1", "JAXCOMM_SINGLE_COPY": "0"}
 ])
 def test_every_op_matches_numpy_across_processes(processes: int, devices: int, transport: str,
                                                  settings: dict[str, str]) -> None:
-    before = jaxcomm_segments()
     body = TWO_PER_HOST + CHECK_OPS if transport == "hosts" else CHECK_OPS
     env = {"JAXCOMM_TRANSPORT": "auto" if transport == "hosts" else transport, **settings}
     res = run_script(body, processes, devices, env=env, timeout_s=180)
@@ -83,7 +88,7 @@ def test_every_op_matches_numpy_across_processes(processes: int, devices: int, t
         checked = [line.split("CHECKED ", 1)[1] for line in res.output[rank].splitlines()
                    if line.startswith("CHECKED ")]
         assert sorted(checked) == sorted(want), res.format()
-    assert jaxcomm_segments() <= before
+    assert_no_segments_left(res)
 
 
 # A streamed round reads the peers' memory directly only if every process of it offers
@@ -146,7 +151,6 @@ except Exception as e:
     ("auto", 1 << 19),  # 2 MiB per rank: streamed through shared memory
 ])
 def test_killed_process_is_named_by_the_survivors(transport: str, elements: int) -> None:
-    before = jaxcomm_segments()
     res = run_script(f"ELEMENTS = {elements}\nALGORITHM = None\n" + KILLED_MID_COLLECTIVE, 2, 1,
                      env={"JAXCOMM_TRANSPORT": transport, "JAXCOMM_TIMEOUT_S": "60"},
                      timeout_s=90, grace_s=20)
@@ -160,7 +164,7 @@ def test_killed_process_is_named_by_the_survivors(transport: str, elements: int)
     assert re.search(r"process 1 \(host \S+ \(127\.0\.0\.1\), pid \d+\) with ranks \[1\]", line), line
     assert "jaxcomm.all_reduce over axis 'x'" in line and re.search(r"execution #\d+", line), line
     assert ("exited" in line) if transport == "auto" else ("connection closed" in line), line
-    assert jaxcomm_segments() <= before
+    assert_no_segments_left(res)
 
 
 # Rounds in several exchanges, killing the last process:
