@@ -274,7 +274,7 @@ def test_ctrl_c_is_forwarded_to_every_rank(tmp_path):
         while not {"[0] ready", "[1] ready"} <= {s.strip() for s in seen}:
             seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        proc.wait(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
