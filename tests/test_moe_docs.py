@@ -20,6 +20,7 @@ def test_docs_moe_examples_run():
     blocks = code_blocks()
     assert len(blocks) >= 7, "docs/moe.md lost its examples"
     script = "\n\n".join(blocks) + "\nprint('DOC EXAMPLES OK')\n"
+    # tests/ as the working directory: the jaxcomm this test imported, never a source tree.
     proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0 and "DOC EXAMPLES OK" in proc.stdout, proc.stdout + proc.stderr

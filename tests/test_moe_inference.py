@@ -405,7 +405,9 @@ def test_split_send_returns_before_its_peers_arrive(tmp_path):
         print("PASSED", sorted(passed))
     """)
     env = dict(os.environ, JAXCOMM_FAULT="rank=3,op=moe_dispatch_send,action=hang", JAXCOMM_TIMEOUT_S="3")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    # tests/ as the working directory: the jaxcomm this test imported, never a source tree.
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
     out = proc.stdout
     assert "PASSED [0, 1, 2, 3, 4, 5, 6, 7]" in out, out + proc.stderr
     assert "ERROR" in out and "moe_dispatch_send" in out and "[3]" in out, out + proc.stderr
