@@ -68,8 +68,9 @@ def np_vjp(ct, operand_shape, io, ss, oo):
 
 
 def random_case(R, m, n_op, n_out, seed, max_size=3, overlap=False):
-    """Valid offsets/sizes: each receiver lays out its incoming slices in order with gaps
-    (overlapping if ``overlap``), zero-size slices included."""
+    """Valid offsets/sizes: each receiver lays out its incoming slices with gaps, the
+    sources in a random order (in rank order, the last ranks' slices found the rows taken
+    and were cut to zero rows), overlapping if ``overlap``; zero-size slices included."""
     rng = np.random.default_rng(seed)
     N = R * m
     ss = rng.integers(0, max_size + 1, size=(R, N))
@@ -81,7 +82,7 @@ def random_case(R, m, n_op, n_out, seed, max_size=3, overlap=False):
             io[s, i] = rng.integers(0, n_op - ss[s, i] + 1)
     for d in range(R):
         cursor = 0
-        for s in range(R):
+        for s in rng.permutation(R):
             for q in range(m):
                 i = d * m + q
                 if overlap:

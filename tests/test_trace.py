@@ -736,7 +736,9 @@ def test_verdict_leads_a_dead_process_in_another_call_back_to_the_hung_one(tmp_p
     # A pipeline: process 2 never came to the call of group [0, 2]; process 0 timed out
     # there and exited; process 1, in a call of group [0, 1], then saw process 0 exit.
     # Process 1's call names only process 0 (dead), whose own error names process 2: the
-    # verdict is process 2's hang, not process 0's death, from either call.
+    # verdict is process 2's hang, not process 0's death, from either call. Nor is it a
+    # program mismatch: process 0 waits for process 2, not for process 1 (a chain of
+    # waits, not a cycle).
     missing2 = f"timed out waiting for {_who(2)}, which did not arrive at this call"
     gone0 = f"{_who(0)} failed: it exited before it arrived at this call"
 

@@ -342,12 +342,22 @@ def check_pitches(copies, max_pitch):
 
 
 SHAPES = [((2, 3, 4), 0), ((2, 3, 4), 1), ((2, 3, 4), 2), ((5, 1, 2), 1), ((1, 6), 1)]
+# Group sizes of the copy plans: 4 and 5 besides 3, so that a plan that confuses blocks
+# past the first few (1 and 2 swapped for R >= 4) fails here too, not only on 4+ GPUs.
+GROUP_SIZES = [3, 4, 5]
 
 
+def with_blocks(shape, axis, R):
+    """``shape`` (written for R = 3) with dimension ``axis`` rescaled to split R ways."""
+    out = list(shape)
+    out[axis] = out[axis] // 3 * R
+    return tuple(out)
+
+
+@pytest.mark.parametrize("R", GROUP_SIZES)
 @pytest.mark.parametrize("max_pitch", [MAX_PITCH, 8], ids=["one_2d_copy", "pitch_limited"])
 @pytest.mark.parametrize("shape,axis", SHAPES)
-def test_all_gather_unpack_plan(shape, axis, max_pitch):
-    R = 3
+def test_all_gather_unpack_plan(shape, axis, max_pitch, R):
     xs = [np.arange(np.prod(shape), dtype=np.int32).reshape(shape) + 100 * r for r in range(R)]
     want = np.concatenate(xs, axis=axis)
     gathered = b"".join(x.tobytes() for x in xs)  # what NCCL's all_gather leaves: rank-major
@@ -361,10 +371,11 @@ def test_all_gather_unpack_plan(shape, axis, max_pitch):
         assert len(copies) == R * outer, "a pitch above the limit splits into one copy per row"
 
 
+@pytest.mark.parametrize("R", GROUP_SIZES)
 @pytest.mark.parametrize("max_pitch", [MAX_PITCH, 8], ids=["one_2d_copy", "pitch_limited"])
 @pytest.mark.parametrize("shape,axis", [((2, 6, 2), 1), ((6, 3), 0), ((2, 3, 6), 2)])
-def test_reduce_scatter_pack_plan(shape, axis, max_pitch):
-    R = 3
+def test_reduce_scatter_pack_plan(shape, axis, max_pitch, R):
+    shape = with_blocks(shape, axis, R)
     xs = [np.random.default_rng(r).integers(-9, 9, size=shape).astype(np.int32) for r in range(R)]
     block = xs[0].nbytes // R
     packed = []
@@ -383,8 +394,9 @@ def test_reduce_scatter_pack_plan(shape, axis, max_pitch):
 @pytest.mark.parametrize("max_pitch", [MAX_PITCH, 8], ids=["one_2d_copy", "pitch_limited"])
 @pytest.mark.parametrize("shape,split,concat", [((2, 6, 4), 1, 2), ((6, 2, 3), 0, 1), ((2, 3, 6), 2, 0),
                                                 ((3, 6), 1, 1)])
-def test_all_to_all_pack_unpack_plan(shape, split, concat, max_pitch):
-    R = 3
+@pytest.mark.parametrize("R", GROUP_SIZES)
+def test_all_to_all_pack_unpack_plan(shape, split, concat, max_pitch, R):
+    shape = with_blocks(shape, split, R)
     xs = [np.arange(np.prod(shape), dtype=np.int32).reshape(shape) + 1000 * r for r in range(R)]
     block = xs[0].nbytes // R
     out_shape = list(shape)
