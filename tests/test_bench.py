@@ -146,6 +146,10 @@ def test_one_process_measures_jaxcomm_xla_and_a_plain_jit_alike():
     text = "\n".join(report.report_lines(records))
     assert "one process: the scheduler places its threads" in text
     assert "vs xla: jaxcomm faster per collective in" in text
+    # The project's own targets are its check, printed only when asked (--targets).
+    assert " target " not in text
+    checked = "\n".join(report.report_lines(records, targets=True))
+    assert "[one process] target met: " in checked or "[one process] target MISSED: " in checked
 
 
 # ------------------------------------------------------------------------ command line
@@ -162,7 +166,7 @@ def test_help_lists_every_option():
     assert proc.returncode == 0, proc.stderr
     for option in ("--processes", "--devices", "--hosts", "--ops", "--sizes", "--latency",
                    "--lengths", "--rounds", "--warmup", "--bind", "--no-mpi4jax", "--no-gloo", "--dtype",
-                   "--timeout", "--hugetlb", "--json", "--no-check", "--no-progress", "--grace"):
+                   "--timeout", "--hugetlb", "--json", "--no-check", "--no-progress", "--grace", "--targets"):
         assert option in proc.stdout, option
     assert "--worker" not in proc.stdout and "--emit-json" not in proc.stdout
 

@@ -378,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = options.parse(sys.argv[1:] if argv is None else argv)
     if args.show:
         records = report.read_json(args.show)
-        report.print_report(records)
+        report.print_report(records, args.targets)
         return 0
     if args.plot:
         try:
@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         load = method.load_average()
         for r in records:
             r.update(started_by=f"python -m jaxcomm.bench --devices {args.devices}", load_after=load)
-        report.print_report(records)
+        report.print_report(records, args.targets)
         all_records.extend(records)
     if args.json:
         report.write_json(all_records, args.json)

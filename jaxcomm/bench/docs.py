@@ -57,7 +57,7 @@ TABLES: tuple[Table, ...] = (
           ("--processes", "2", "--ops", "all_reduce", "--sizes", "4B,64B,1KiB,4KiB", "--no-gloo"),
           env=(("JAXCOMM_INLINE", "0"),), minutes=6),
     Table("one-process", "One process, 8 emulated devices, jaxcomm against XLA",
-          ("--devices", "8", "--sizes", "4B,4KiB,64KiB,1MiB,16MiB,64MiB"), minutes=25),
+          ("--devices", "8", "--sizes", "4B,4KiB,64KiB,1MiB,16MiB,64MiB", "--targets"), minutes=25),
     Table("four-processes", "4 processes x 1 CPU device",
           ("--processes", "4", "--sizes", "4KiB,1MiB,16MiB", "--bind", "none"), minutes=20),
     Table("hosts-4", "4 processes as 4 hosts (TCP between every pair)",

@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not compare the peers' results with jaxcomm's")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress display")
+    p.add_argument("--targets", action="store_true",
+                   help="one process: also check jaxcomm's own performance targets against "
+                        "XLA (those of docs/benchmarks.md), met or missed")
     p.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                    help="across processes: launcher grace period after a process fails "
                         "(default %(default)g)")

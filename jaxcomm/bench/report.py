@@ -126,21 +126,24 @@ def summary_lines(records: Sequence[Record]) -> list[str]:
     return lines
 
 
-def report_lines(records: Sequence[Record]) -> list[str]:
-    """Every job's tables (one per op) and summary lines, in the order they ran."""
+def report_lines(records: Sequence[Record], targets: bool = False) -> list[str]:
+    """Every job's tables (one per op) and summary lines, in the order they ran; with
+    ``targets``, also whether the project's own targets against XLA (:data:`TARGETS`) are
+    met: a project check, not something a user's run has to meet."""
     out = []
     for key in dict.fromkeys(job_key(r) for r in records):
         mine = [r for r in records if job_key(r) == key]
         for op in dict.fromkeys(r["op"] for r in mine):
             out += [format_table([r for r in mine if r["op"] == op]), ""]
         out += [f"# {job_label(mine[0])} {line}" for line in summary_lines(mine)]
-        out += [f"# {job_label(mine[0])} target {line}" for line in target_lines(mine)]
+        if targets:
+            out += [f"# {job_label(mine[0])} target {line}" for line in target_lines(mine)]
     return out
 
 
-def print_report(records: Sequence[Record]) -> None:
+def print_report(records: Sequence[Record], targets: bool = False) -> None:
     """Prints :func:`report_lines`."""
-    for line in report_lines(records):
+    for line in report_lines(records, targets):
         print(line, flush=True)
 
 
