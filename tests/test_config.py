@@ -40,9 +40,18 @@ def test_docs_are_generated_from_the_registry():
 def test_every_python_reader_names_a_registered_variable():
     # Direct environment reads of JAXCOMM_* variables happen in config.py only; elsewhere
     # the names appear as arguments of config's functions or the launch contract's ENV_*.
-    reads = re.compile(r"""(?:environ\.get\(|getenv\()\s*["'](JAXCOMM_\w+)|environ\[\s*["'](JAXCOMM_\w+)["']\](?!\s*=)""")
+    # A name is a literal or an ENV_* constant; reads are get/getenv, [] not assigned, `in`.
+    name = r"""(?:["']JAXCOMM_\w+["']|\bENV_\w+)"""
+    reads = re.compile(rf"""(?:environ\.get\(|\benv\.get\(|getenv\()\s*{name}"""
+                       rf"""|(?:environ|\benv)\[\s*{name}\s*\](?!\s*=)"""
+                       rf"""|{name}\s+(?:not\s+)?in\s+(?:os\.environ|env)\b""")
     for path, text in _sources("jaxcomm", (".py",)).items():
-        assert not reads.findall(text) or path.endswith(os.path.join("_src", "config.py")), path
+        assert not reads.findall(text) or path.endswith(os.path.join("_src", "config.py")), \
+            (path, reads.findall(text))
+    for read in ('"JAXCOMM_X" in os.environ', "env.get(ENV_JOB_ID)", "os.environ['JAXCOMM_X']",
+                 "env[ENV_COORDINATOR]", "ENV_X not in env"):
+        assert reads.search(read), read  # the pattern sees each form of a read
+    assert not reads.search("os.environ[ENV_JOB_ID] = job_id")  # setting one is no read
     named = set()
     for text in _sources("jaxcomm", (".py",)).values():
         named |= set(re.findall(r"""config\.(?:get|raw|is_set|seconds|variable)\(\s*["'](JAXCOMM_\w+)""", text))
