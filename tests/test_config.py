@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from jaxcomm._src import config
+from jaxcomm._src import config, config_doc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..")  # the sources the C++ readers are checked in
@@ -34,16 +34,24 @@ def _sources(top: str, suffixes: tuple[str, ...]) -> dict[str, str]:
 def test_docs_are_generated_from_the_registry():
     with open(os.path.join(ROOT, "docs", "configuration.md"), encoding="utf-8") as f:
         committed = f.read()
-    assert committed == config.markdown(), \
-        "docs/configuration.md is stale: python -m jaxcomm._src.config --markdown > docs/configuration.md"
+    assert committed == config_doc.markdown(), f"docs/configuration.md is stale: {config_doc.COMMAND}"
 
 
 def test_every_python_reader_names_a_registered_variable():
     # Direct environment reads of JAXCOMM_* variables happen in config.py only; elsewhere
     # the names appear as arguments of config's functions or the launch contract's ENV_*.
-    reads = re.compile(r"""(?:environ\.get\(|getenv\()\s*["'](JAXCOMM_\w+)|environ\[\s*["'](JAXCOMM_\w+)["']\](?!\s*=)""")
+    # A name is a literal or an ENV_* constant; reads are get/getenv, [] not assigned, `in`.
+    name = r"""(?:["']JAXCOMM_\w+["']|\bENV_\w+)"""
+    reads = re.compile(rf"""(?:environ\.get\(|\benv\.get\(|getenv\()\s*{name}"""
+                       rf"""|(?:environ|\benv)\[\s*{name}\s*\](?!\s*=)"""
+                       rf"""|{name}\s+(?:not\s+)?in\s+(?:os\.environ|env)\b""")
     for path, text in _sources("jaxcomm", (".py",)).items():
-        assert not reads.findall(text) or path.endswith(os.path.join("_src", "config.py")), path
+        assert not reads.findall(text) or path.endswith(os.path.join("_src", "config.py")), \
+            (path, reads.findall(text))
+    for read in ('"JAXCOMM_X" in os.environ', "env.get(ENV_JOB_ID)", "os.environ['JAXCOMM_X']",
+                 "env[ENV_COORDINATOR]", "ENV_X not in env"):
+        assert reads.search(read), read  # the pattern sees each form of a read
+    assert not reads.search("os.environ[ENV_JOB_ID] = job_id")  # setting one is no read
     named = set()
     for text in _sources("jaxcomm", (".py",)).values():
         named |= set(re.findall(r"""config\.(?:get|raw|is_set|seconds|variable)\(\s*["'](JAXCOMM_\w+)""", text))
@@ -143,6 +151,11 @@ def test_defaults_and_overrides():
 
 
 def test_markdown_command():
-    proc = subprocess.run([sys.executable, "-m", "jaxcomm._src.config", "--markdown"],
+    # The documented command, as the docs name it; warning-free (a runpy RuntimeWarning
+    # said the module was imported before it ran as __main__).
+    assert config_doc.COMMAND in open(os.path.join(ROOT, "docs", "configuration.md")).read()
+    argv = config_doc.COMMAND.split(">")[0].split()[1:]
+    proc = subprocess.run([sys.executable, *argv],
                           capture_output=True, text=True, timeout=120, cwd=CHILD_CWD)
-    assert proc.returncode == 0 and proc.stdout == config.markdown()
+    assert proc.returncode == 0 and proc.stdout == config_doc.markdown(), proc.stderr
+    assert "RuntimeWarning" not in proc.stderr, proc.stderr

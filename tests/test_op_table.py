@@ -4,6 +4,7 @@ is an error in Python and in each backend's parsing."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 
@@ -13,10 +14,12 @@ import pytest
 import jaxcomm
 from jaxcomm import _jaxcomm
 from jaxcomm._src import cuda_runtime, primitive
-from jaxcomm._src.moe import fused
+from jaxcomm._src.moe import fp8, fused
 from jaxcomm._src.ops import ragged, reduce, table
 from conftest import per_device
 
+# The modules under jaxcomm/_src/ops/ that define primitives.
+OP_MODULES = ("reduce", "gather", "alltoall", "permute", "broadcast", "ragged", "ft")
 HEADER = os.path.join(os.path.dirname(__file__), "..", "ffi", "core", "op_table.h")
 
 
@@ -71,6 +74,25 @@ def test_op_modules_take_their_codes_from_the_table():
                                            "gather_dequant", "gather_dequant_sparse"))
     assert (fused.FP8_NONE, fused.FP8_DEQUANTIZED, fused.FP8_RAW) == \
         tuple(table.MOE_FP8[m] for m in ("none", "dequantize", "raw"))
+
+
+def test_every_op_has_one_primitive_from_primitive_py():
+    # Every op of the table has a primitive, made by primitive.define or define_local...
+    found = {}
+    for module in (*(importlib.import_module(f"jaxcomm._src.ops.{m}") for m in OP_MODULES),
+                   fused, fp8):
+        found.update({p.name: module.__name__ for p in vars(module).values()
+                      if isinstance(p, primitive.Primitive)})
+    assert {f"jaxcomm_{name}" for name in table.OPS} <= set(found), set(table.OPS)
+    # ... and no module but primitive.py builds a primitive or registers its rules.
+    by_hand = re.compile(r"core\.Primitive\(|def_(?:effectful_)?abstract_eval|def_impl|"
+                         r"primitive_batchers|register_lowering\(|_outside_shard_map")
+    package = os.path.join(os.path.dirname(__file__), "..", "jaxcomm")
+    for dirpath, _, files in os.walk(package):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            if f.endswith(".py") and not path.endswith(os.path.join("_src", "primitive.py")):
+                assert not by_hand.findall(open(path).read()), path
 
 
 def test_each_backend_registers_exactly_its_ops():

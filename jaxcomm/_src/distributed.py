@@ -118,8 +118,8 @@ def shm_prefix(job_id: str | None = None) -> str:
     return f"{SHM_PREFIX}{job_id or get_job_id()}-"
 
 
-def _env_int(name: str, env: dict[str, str] | os._Environ) -> int:
-    raw = env.get(name, "")
+def _env_int(name: str, env: dict[str, str] | None) -> int:
+    raw = config.raw(name, env)
     try:
         return int(raw)
     except ValueError:
@@ -145,10 +145,9 @@ def launch_spec(env: dict[str, str] | None = None) -> dict[str, Any] | None:
         if spec is not None:
             print(f"rank {spec['process_id']} of {spec['num_processes']}")
     """
-    env = os.environ if env is None else env
-    if ENV_COORDINATOR not in env:
+    if not config.is_set(ENV_COORDINATOR, env):
         return None
-    missing = [v for v in (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if v not in env]
+    missing = [v for v in (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if not config.is_set(v, env)]
     if missing:
         raise ValueError(f"jaxcomm.init(): {ENV_COORDINATOR} is set but {', '.join(missing)} "
                          f"is not; start the script with python -m jaxcomm.launch or set all "
@@ -158,12 +157,12 @@ def launch_spec(env: dict[str, str] | None = None) -> dict[str, Any] | None:
     if n < 1 or not 0 <= rank < n:
         raise ValueError(f"jaxcomm.init(): need {ENV_NUM_PROCESSES} >= 1 and 0 <= "
                          f"{ENV_PROCESS_ID} < {ENV_NUM_PROCESSES}, got {n} and {rank}")
-    job_id = env.get(ENV_JOB_ID) or None
+    job_id = config.raw(ENV_JOB_ID, env) or None
     if job_id is not None and not is_valid_job_id(job_id):
         raise ValueError(f"jaxcomm.init(): {ENV_JOB_ID}={job_id!r} must be 1-64 letters or "
                          f"digits")
-    devices = _env_int(ENV_LOCAL_DEVICES, env) if env.get(ENV_LOCAL_DEVICES) else None
-    return dict(coordinator=env[ENV_COORDINATOR], num_processes=n, process_id=rank,
+    devices = _env_int(ENV_LOCAL_DEVICES, env) if config.is_set(ENV_LOCAL_DEVICES, env) else None
+    return dict(coordinator=config.raw(ENV_COORDINATOR, env), num_processes=n, process_id=rank,
                 local_devices=devices, job_id=job_id)
 
 

@@ -5,12 +5,15 @@ axes as jax.lax does; a batching rule (vmap over anything but the collective's o
 axes); a lowering to its XLA FFI handler on platforms jaxcomm serves; and, in the op's
 module, a transpose rule written with other jaxcomm primitives.
 
-The op modules under ``ops/`` describe each op with a :class:`CollectiveSpec`.
+The op modules under ``ops/`` and ``moe/`` describe each op with a :class:`CollectiveSpec`
+(:func:`define`), and the op table's local kernels with a :class:`LocalSpec`
+(:func:`define_local`): this module is the only one that builds primitives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -20,7 +23,11 @@ from jax._src import core
 from jax._src.interpreters import batching, mlir
 
 from jaxcomm._src import backends, compat, groups, partitioning, program, runtime
+from jaxcomm._src.moe import globalview
 from jaxcomm._src.ops import table
+
+#: What :func:`define` and :func:`define_local` return.
+Primitive = core.Primitive
 
 # Params every collective primitive carries, besides the op's own. ``axis_index_groups``
 # (None, or groups.IndexGroups) may be absent where a primitive's params are built by hand.
@@ -55,8 +62,9 @@ class CollectiveSpec:
       multiple_results: the primitive returns a list (as out_avals gives it).
       shift_axes: the params after a batch dimension is inserted in front (vmap; one
         operand).
-      batcher: the op's own vmap rule (a fancy batching rule); the default (one operand)
-        moves the batch dimension in front and binds with shift_axes's params.
+      batcher: the op's own vmap rule (a fancy batching rule), or a :class:`PerElementVmap`
+        (one call per batch element); the default (one operand) moves the batch dimension
+        in front and binds with shift_axes's params.
       aliases: True: the result reuses the operand's buffer when the operand is at most
         ``ALIAS_MAX_BYTES`` (see there); a dict: {operand: result} always.
       batch_dims: how many leading dimensions XLA may split over auto mesh axes (in a
@@ -64,6 +72,14 @@ class CollectiveSpec:
       handler: the op whose FFI handler it lowers to (the op table's entry); default
         ``name``. Two primitives may share a handler and differ in typing.
       public_name: the name in messages (``jaxcomm.<public_name>``); default ``name``.
+      global_view: for a primitive that also runs outside shard_map, on global arrays under
+        jit (jaxcomm.moe's global view, moe/globalview.py); None: inside shard_map only.
+        Its params carry ``shards``, ``dim0`` and ``mesh`` (0, () and None inside
+        shard_map). A call with ``shards`` > 0 binds no axis (its out_avals get
+        ``group_size=None``) and lowers to the same primitive on each of the ``shards``
+        dim-0 blocks of its operands (split over the mesh axes ``dim0``), every axis bound
+        there; ``global_view(params, shards)`` gives a block's params from the global
+        call's (e.g. a global row count divided).
 
     Every spec's primitive lowers on the platforms of the backends the op table lists for
     its handler (ffi/core/op_table.h).
@@ -76,11 +92,49 @@ class CollectiveSpec:
     out_avals: Callable[..., Sequence[core.ShapedArray]] | None = None
     multiple_results: bool = False
     shift_axes: Callable[[dict[str, Any]], dict[str, Any]] = lambda params: params
-    batcher: Callable[..., Any] | None = None
+    batcher: Callable[..., Any] | PerElementVmap | None = None
     aliases: bool | dict[int, int] = False
     batch_dims: Callable[..., int] | None = lambda ndim, **_: ndim
     handler: str = ""
     public_name: str = ""
+    global_view: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PerElementVmap:
+    """A vmap rule for a primitive of any number of operands: one call per batch element,
+    in batch order on every rank (for ops that have no dimension a call could treat
+    independently, such as jaxcomm.moe's: the routing spans all rows).
+
+    Attributes:
+      axis_error: the NotImplementedError's message when the vmap axis is one of the
+        op's own axes.
+    """
+
+    axis_error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSpec:
+    """A kernel on one device's data, outside any group (the op table's local ops): no
+    axes and no call attributes. It lowers to the kernel of each backend the op table
+    lists for it, where that backend is available in this process, and to ``reference``
+    everywhere else.
+
+    Attributes:
+      name: the primitive is ``jaxcomm_<name>``; ``name`` is its op table entry.
+      out_avals: the results' avals from the operands' avals.
+      reference: the same computation in jax.numpy: the lowering where no kernel serves,
+        and the eager implementation.
+      batcher: its vmap rule (a plain batching rule: (values, dims) -> (outs, dims)).
+      multiple_results: the primitive returns a list.
+    """
+
+    name: str
+    out_avals: Callable[..., Any]
+    reference: Callable[..., Any]
+    batcher: Callable[..., Any]
+    multiple_results: bool = False
 
 
 def _outside_shard_map(name: str) -> Callable[..., Any]:
@@ -97,12 +151,15 @@ def define(spec: CollectiveSpec) -> core.Primitive:
 
     def abstract_eval(*avals: core.ShapedArray, **params: Any):
         axes = params["axes"]
-        size = groups.group_size(axes, params.get("axis_index_groups"))
+        on_blocks = _is_global_call(spec, params)
+        size = None if on_blocks else groups.group_size(axes, params.get("axis_index_groups"))
         if spec.out_avals is None:
             (x,) = avals
             outs = [x.update(shape=tuple(spec.out_shape(x.shape, size, **_own(params))), weak_type=False)]
         else:
             outs = [o.update(weak_type=False) for o in spec.out_avals(*avals, group_size=size, **_own(params))]
+        if on_blocks:  # no axis is bound here: the lowering binds them on each block
+            return (outs if spec.multiple_results else outs[0]), set()
         if params["vma_checked"]:
             # Over its axes a result is invariant (the same on every member) or varying;
             # an operand unreduced there (partial sums) is summed, so the result is not.
@@ -115,12 +172,46 @@ def define(spec: CollectiveSpec) -> core.Primitive:
         return (outs if spec.multiple_results else outs[0]), {compat.NamedAxisEffect(a) for a in axes}
 
     prim.def_effectful_abstract_eval(abstract_eval)
-    register_lowerings(prim, _ffi_lowering(spec), table.op(spec.handler or spec.name).backends)
-    batching.fancy_primitive_batchers[prim] = spec.batcher or _batcher(spec, prim)
+    _register_lowerings(prim, _ffi_lowering(spec, prim), table.op(spec.handler or spec.name).backends)
+    if spec.global_view is not None:
+        # The global view's lowering hands the devices to custom_partitioning; jax gives a
+        # lowering the program's devices only when one of its primitives asks.
+        compat.require_devices_at_lowering(prim)
+    if isinstance(spec.batcher, PerElementVmap):
+        batcher = _per_element_batcher(spec.batcher, prim)
+    else:
+        batcher = spec.batcher or _batcher(spec, prim)
+    batching.fancy_primitive_batchers[prim] = batcher
     return prim
 
 
-def register_lowerings(prim: core.Primitive, lowering: Callable[..., Any],
+def define_local(spec: LocalSpec) -> core.Primitive:
+    """Creates and registers the local-kernel primitive described by ``spec``."""
+    prim = core.Primitive(f"jaxcomm_{spec.name}")
+    prim.multiple_results = spec.multiple_results
+    prim.def_impl(spec.reference)
+    prim.def_abstract_eval(spec.out_avals)
+    reference = mlir.lower_fun(spec.reference, multiple_results=spec.multiple_results)
+    mlir.register_lowering(prim, reference)
+    entry = table.op(spec.name)
+    for platform in backends.lowering_platforms(entry.backends):
+        mlir.register_lowering(prim, functools.partial(_lower_local, entry.target, platform, reference),
+                               platform=platform)
+    batching.primitive_batchers[prim] = spec.batcher
+    return prim
+
+
+def _lower_local(target: str, platform: str, reference: Callable[..., Any],
+                 ctx: mlir.LoweringRuleContext, *args: Any) -> Any:
+    # The backend's kernel where this process has the backend; the reference elsewhere.
+    backend = backends.for_platform(platform)
+    if not backend.available():
+        return reference(ctx, *args)
+    backend.register()
+    return jax.ffi.ffi_lowering(target)(ctx, *args)
+
+
+def _register_lowerings(prim: core.Primitive, lowering: Callable[..., Any],
                        served_by: Sequence[str] | None = None) -> None:
     """Lowers ``prim`` to jaxcomm's custom call on the platform of every backend in
     ``served_by`` (default: every backend).
@@ -178,8 +269,15 @@ def lower_collective(ctx: mlir.LoweringRuleContext, op: str, operands: Sequence[
     )
 
 
-def _ffi_lowering(spec: CollectiveSpec) -> Callable[..., Any]:
+def _is_global_call(spec: CollectiveSpec, params: dict[str, Any]) -> bool:
+    """Whether a call runs on global arrays (CollectiveSpec.global_view)."""
+    return spec.global_view is not None and params["shards"] > 0
+
+
+def _ffi_lowering(spec: CollectiveSpec, prim: core.Primitive) -> Callable[..., Any]:
     def lowering(ctx: mlir.LoweringRuleContext, *args: Any, **params: Any) -> Any:
+        if _is_global_call(spec, params):
+            return _lower_global_view(spec, prim, ctx, args, params)
         size = len(groups.replica_groups(ctx.module_context.axis_context, params["axes"],
                                          params.get("axis_index_groups"))[0])
         x_aval = ctx.avals_in[0]
@@ -195,6 +293,24 @@ def _ffi_lowering(spec: CollectiveSpec) -> Callable[..., Any]:
     return lowering
 
 
+def _lower_global_view(spec: CollectiveSpec, prim: core.Primitive, ctx: mlir.LoweringRuleContext,
+                       args: Sequence[Any], params: dict[str, Any]) -> Any:
+    """A global call (``params["shards"]`` > 0 dim-0 blocks over the mesh axes
+    ``params["dim0"]``): the same primitive on each block, with its axes bound."""
+    shards = params["shards"]
+    block_params = spec.global_view(dict(params, shards=0, dim0=(), mesh=None), shards)
+
+    def on_block(*blocks: Any) -> list[Any]:
+        out = prim.bind(*blocks, **block_params)
+        return list(out) if spec.multiple_results else [out]
+
+    def run(*xs: Any) -> Any:
+        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_out]
+        out = globalview.sharded_call(on_block, xs, shapes, shards, params["dim0"], params["mesh"])
+        return out if spec.multiple_results else out[0]
+    return mlir.lower_fun(run, multiple_results=spec.multiple_results)(ctx, *args)
+
+
 def _batcher(spec: CollectiveSpec, prim: core.Primitive) -> Callable[..., Any]:
     def batcher(axis_data: Any, vals_in: Any, dims_in: Any, **params: Any):
         (x,), (d,) = vals_in, dims_in
@@ -206,4 +322,18 @@ def _batcher(spec: CollectiveSpec, prim: core.Primitive) -> Callable[..., Any]:
             return prim.bind(x, **params), getattr(batching, "not_mapped", None)
         x = jax.numpy.moveaxis(x, d, 0)
         return prim.bind(x, **spec.shift_axes(params)), 0
+    return batcher
+
+
+def _per_element_batcher(rule: PerElementVmap, prim: core.Primitive) -> Callable[..., Any]:
+    def batcher(axis_data: Any, vals_in: Any, dims_in: Any, **params: Any):
+        if axis_data.name in params["axes"]:
+            raise NotImplementedError(rule.axis_error)
+        # One collective per batch element, in batch order on every rank.
+        size = axis_data.size
+        vals = [batching.bdim_at_front(v, d, size) for v, d in zip(vals_in, dims_in)]
+        outs = [prim.bind(*(v[b] for v in vals), **params) for b in range(size)]
+        if prim.multiple_results:
+            return [jax.numpy.stack(o) for o in zip(*outs)], [0] * len(outs[0])
+        return jax.numpy.stack(outs), 0
     return batcher

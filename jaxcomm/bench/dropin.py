@@ -19,12 +19,12 @@ process 0 prints. The load average is printed before and after.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from typing import Any, Callable, Sequence
 
+from jaxcomm._src import config
 from jaxcomm.bench import common
 
 
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    launched = "JAXCOMM_NUM_PROCESSES" in os.environ
+    launched = config.is_set("JAXCOMM_NUM_PROCESSES")  # by python -m jaxcomm.launch
     if not launched:
         common.set_host_device_count(args.devices)
     import jax

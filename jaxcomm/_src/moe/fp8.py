@@ -16,8 +16,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src.interpreters import batching, mlir
+
+from jaxcomm._src import primitive
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -57,35 +57,11 @@ def dequantize(q: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
 
 # ------------------------------------------------------------------------ the primitive
 
-quantize_p = core.Primitive("jaxcomm_moe_fp8_quantize")
-quantize_p.multiple_results = True
-
-
-def _quantize_abstract(x):
+def _quantize_avals(x):
     T, H = x.shape
     # x's sharding and varying axes carry over (rows stay where they are).
     return [x.update(shape=(T, H), dtype=jnp.dtype(jnp.float8_e4m3fn)),
             x.update(shape=(T, blocks(H)), dtype=jnp.dtype(jnp.float32))]
-
-
-quantize_p.def_abstract_eval(_quantize_abstract)
-quantize_p.def_impl(lambda x: quantize(x))
-mlir.register_lowering(quantize_p, mlir.lower_fun(quantize, multiple_results=True))
-
-
-def _quantize_cuda(ctx, x):
-    # The op table's local CUDA kernel (no group, no call attributes) where this process
-    # has the CUDA backend; jax.numpy elsewhere.
-    from jaxcomm._src import backends
-    from jaxcomm._src.ops import table
-    cuda = backends.for_platform("cuda")
-    if not cuda.available():
-        return mlir.lower_fun(quantize, multiple_results=True)(ctx, x)
-    cuda.register()
-    return jax.ffi.ffi_lowering(table.op("moe_fp8_quantize").target)(ctx, x)
-
-
-mlir.register_lowering(quantize_p, _quantize_cuda, platform="cuda")
 
 
 def _quantize_batch(vals, dims):
@@ -95,7 +71,15 @@ def _quantize_batch(vals, dims):
     return [q.reshape(x.shape), s.reshape(*x.shape[:-1], s.shape[-1])], [0, 0]
 
 
-batching.primitive_batchers[quantize_p] = _quantize_batch
+# The op table's local CUDA kernel where this process has the CUDA backend; jax.numpy
+# (quantize) elsewhere.
+quantize_p = primitive.define_local(primitive.LocalSpec(
+    name="moe_fp8_quantize",
+    out_avals=_quantize_avals,
+    reference=quantize,
+    batcher=_quantize_batch,
+    multiple_results=True,
+))
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

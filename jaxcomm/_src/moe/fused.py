@@ -1,6 +1,8 @@
-"""The fused MoE primitives (ffi/cpu/moe_kernels.cc, moe_dispatch.cc, moe_split.cc), defined
-here with one set of rules (:func:`_define`): typing of results and their varying mesh axes,
-the lowering (inside shard_map, or the global view through custom_partitioning), batching.
+"""The fused MoE primitives (ffi/cpu/moe_kernels.cc, moe_dispatch.cc, moe_split.cc), each
+declared here as a :class:`primitive.CollectiveSpec`, its JVP (and transpose) rules after
+it. What they share comes from primitive.py: typing of the results' varying mesh axes, the
+lowering inside shard_map or in the global view (``global_view``: through
+custom_partitioning, moe/globalview.py), vmap as one call per batch element.
 
 * ``moe_transport``: the transports of the routed rows (core/moe_modes.h): the four
   portable ones, GATHER_SPARSE (leaves the rows no slot writes), and the FP8 gathers that
@@ -35,12 +37,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import ad
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm._src import callsite, compat, config, primitive
-from jaxcomm._src.moe import globalview
 from jaxcomm._src.ops import common, table
 
 GATHER_COPY = table.moe_mode("gather_copy")
@@ -109,83 +109,38 @@ def _result_aval(ref: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     return ref.update(shape=tuple(shape), dtype=jnp.dtype(dtype), weak_type=False, **kw)
 
 
-def _params_local(params: dict, shards: int) -> dict:
-    """A global-view primitive's params for one of its ``shards`` blocks."""
-    p = dict(params, shards=0, dim0=(), mesh=None)
-    if "rows" in p:
-        p["rows"] //= shards
-    return p
+def _typed_like_first(shapes: Callable[..., list[tuple[tuple[int, ...], Any]]]) -> Callable[..., list]:
+    """A spec's out_avals from ``shapes`` (each result's (shape, dtype) from the operand avals
+    and params; shapes global when ``params["shards"]``): every result typed like the first
+    operand (:func:`_result_aval`)."""
+    def out_avals(first: Any, *rest: Any, **params: Any) -> list:
+        return [_result_aval(first, s, d) for s, d in shapes(first, *rest, **params)]
+    return out_avals
 
 
-def _define(name: str, out_avals: Callable[..., list[tuple[tuple[int, ...], Any]]], *,
-            multiple_results: bool, attrs: Callable[[dict], dict],
-            aliases: dict[int, int] | None = None, batching_ok: bool = True) -> core.Primitive:
-    """A jaxcomm MoE primitive lowering to the handler of op ``name``.
+def _block_params(params: dict, shards: int) -> dict:
+    """A global-view call's params for one of its ``shards`` blocks (the spec's
+    ``global_view``): the expert rows divided among them."""
+    return dict(params, rows=params["rows"] // shards) if "rows" in params else params
 
-    Args:
-      out_avals: (shape, dtype) of each result from the operand avals and params (shapes
-        global when ``params["shards"]``).
-      attrs: the handler's own attributes from the params.
-      aliases: results that reuse operands' buffers ({operand: result}).
-      batching_ok: whether vmap may run one call per batch element (split halves may not:
-        stacking the send half's results would copy them while they are being written).
-    """
-    prim = core.Primitive(f"jaxcomm_{name}")
-    prim.multiple_results = multiple_results
-    prim.def_impl(primitive._outside_shard_map(name))
 
-    def abstract_eval(*args, **params):
-        outs = [_result_aval(args[0], s, d) for s, d in out_avals(*args, **params)]
-        if params["shards"]:  # global view: no axis is bound here
-            effects = set()
-        else:
-            if params["vma_checked"]:
-                varying = frozenset().union(*(compat.vma(a) for a in args))
-                outs = [compat.with_vma(o, varying) for o in outs]
-            effects = {compat.NamedAxisEffect(a) for a in params["axes"]}
-        return (outs if multiple_results else outs[0]), effects
+_VMAP_AXIS = "jaxcomm.moe over the vmap axis: use a shard_map axis"
+# Under vmap: one call per batch element (the routing spans all of a call's rows).
+_PER_ELEMENT = primitive.PerElementVmap(axis_error=_VMAP_AXIS)
 
-    prim.def_effectful_abstract_eval(abstract_eval)
 
-    def lowering(ctx: mlir.LoweringRuleContext, *args: Any, shards: int, dim0: tuple, mesh: Any,
-                 **params: Any):
-        if shards:
-            # Global view (shards > 0 dim-0 blocks over the mesh axes dim0): the same call on
-            # each block, with the expert-parallel axis bound (globalview.py).
-            local_params = _params_local(dict(params, shards=shards, dim0=dim0, mesh=mesh), shards)
+def _refuse_vmap(axis_data: Any, vals_in: Any, dims_in: Any, **params: Any):
+    """The split halves' vmap rule: stacking the send half's results would copy them while
+    they are being written."""
+    if axis_data.name in params["axes"]:
+        raise NotImplementedError(_VMAP_AXIS)
+    raise NotImplementedError("jaxcomm.moe's split-phase calls (send/recv) under jax.vmap: "
+                              "use the fused dispatch/combine there")
 
-            def local(*blocks):
-                out = prim.bind(*blocks, **local_params)
-                return list(out) if multiple_results else [out]
 
-            def run(*xs):
-                shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_out]
-                out = globalview.sharded_call(local, xs, shapes, shards, dim0, mesh)
-                return out if multiple_results else out[0]
-            return mlir.lower_fun(run, multiple_results=multiple_results)(ctx, *args)
-        return primitive.lower_collective(ctx, name, list(args), params, attrs(params), aliases=aliases)
-
-    primitive.register_lowerings(prim, lowering, table.op(name).backends)
-    # The global view's lowering hands the devices to custom_partitioning; jax gives a
-    # lowering the program's devices only when one of its primitives asks.
-    compat.require_devices_at_lowering(prim)
-
-    def batcher(axis_data, vals_in, dims_in, **params):
-        if axis_data.name in params["axes"]:
-            raise NotImplementedError("jaxcomm.moe over the vmap axis: use a shard_map axis")
-        if not batching_ok:
-            raise NotImplementedError("jaxcomm.moe's split-phase calls (send/recv) under jax.vmap: "
-                                      "use the fused dispatch/combine there")
-        # One collective per batch element, in batch order on every rank.
-        size = axis_data.size
-        vals = [batching.bdim_at_front(v, d, size) for v, d in zip(vals_in, dims_in)]
-        outs = [prim.bind(*(v[b] for v in vals), **params) for b in range(size)]
-        if multiple_results:
-            return [jnp.stack(o) for o in zip(*outs)], [0] * len(outs[0])
-        return jnp.stack(outs), 0
-
-    batching.fancy_primitive_batchers[prim] = batcher
-    return prim
+def _mode_attr(mode: int, **_: Any) -> dict:
+    """The handler attribute of moe_transport and moe_transport_send."""
+    return {"mode": int(mode)}
 
 
 def _common_params(x: jax.Array, axis_name: Any, shards: int, dim0: tuple, mesh: Any
@@ -207,7 +162,7 @@ def _zero(primal: Any) -> ad.Zero:
     return ad.Zero(jax.typeof(primal).to_tangent_aval())
 
 
-def _bind(prim: core.Primitive, args: Sequence[jax.Array], params: dict) -> Any:
+def _bind(prim: primitive.Primitive, args: Sequence[jax.Array], params: dict) -> Any:
     """Binds ``prim``, every operand cast to varying over the group's axes under check_vma."""
     if params["vma_checked"]:
         args = [compat.pvary(a, tuple(x for x in params["axes"] if x not in compat.vma(jax.typeof(a))))
@@ -229,8 +184,15 @@ def _transport_avals(src, dest, pos, w, g, *, mode, rows, out_dtype, **_):
     return [((T, K), _F32)]
 
 
-moe_transport_p = _define("moe_transport", _transport_avals, multiple_results=False,
-                          attrs=lambda p: {"mode": int(p["mode"])})
+moe_transport_p = primitive.define(primitive.CollectiveSpec(
+    name="moe_transport",
+    out_avals=_typed_like_first(_transport_avals),
+    invariant_result=False,
+    ffi_attrs=_mode_attr,
+    batcher=_PER_ELEMENT,
+    batch_dims=None,
+    global_view=_block_params,
+))
 
 # Operand positions: src, dest, pos, w, g. The float operands each mode is linear in.
 _SRC, _W, _G = 0, 3, 4
@@ -378,11 +340,21 @@ def _dispatch_avals(x, ids, *, rows, num_experts, ranks, fp8, split, shards, **_
     return [((rows, H), ex_dtype), ((n * route_length(T // n, K, num_experts // ranks, split),), _I32), *stage]
 
 
-def _dispatch_attrs(p: dict) -> dict:
+def _dispatch_attrs(**p: Any) -> dict:
     return {k: int(p[k]) for k in ("num_experts", "slab", "fp8", "zero_unused", "check_ids", "split")}
 
 
-moe_dispatch_p = _define("moe_dispatch", _dispatch_avals, multiple_results=True, attrs=_dispatch_attrs)
+# Results: expert rows, route table, FP8 values and scales (empty unless fp8).
+moe_dispatch_p = primitive.define(primitive.CollectiveSpec(
+    name="moe_dispatch",
+    out_avals=_typed_like_first(_dispatch_avals),
+    multiple_results=True,
+    invariant_result=False,
+    ffi_attrs=_dispatch_attrs,
+    batcher=_PER_ELEMENT,
+    batch_dims=None,
+    global_view=_block_params,
+))
 
 
 def reshape_rows(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -472,8 +444,17 @@ def _send_avals(src, dest, pos, w, g, *, shards, **params):
     return [*_transport_avals(src, dest, pos, w, g, **params), ((max(shards, 1) * STATUS_WORDS,), _I32)]
 
 
-moe_transport_send_p = _define("moe_transport_send", _send_avals, multiple_results=True,
-                               attrs=lambda p: {"mode": int(p["mode"])}, batching_ok=False)
+# Results: the transport's result (written after the call returns), the status block.
+moe_transport_send_p = primitive.define(primitive.CollectiveSpec(
+    name="moe_transport_send",
+    out_avals=_typed_like_first(_send_avals),
+    multiple_results=True,
+    invariant_result=False,
+    ffi_attrs=_mode_attr,
+    batcher=_refuse_vmap,
+    batch_dims=None,
+    global_view=_block_params,
+))
 
 
 def _send_jvp(primals, tangents, **params):
@@ -503,8 +484,18 @@ def _recv_avals(data, table, *keep, **_):
     return [(data.shape, data.dtype), (table.shape, table.dtype)]
 
 
-moe_recv_p = _define("moe_recv", _recv_avals, multiple_results=True, attrs=lambda p: {},
-                     aliases={0: 0, 1: 1}, batching_ok=False)
+# Operands: the send half's results, then every operand it published (kept alive).
+moe_recv_p = primitive.define(primitive.CollectiveSpec(
+    name="moe_recv",
+    out_avals=_typed_like_first(_recv_avals),
+    multiple_results=True,
+    invariant_result=False,
+    ffi_attrs=lambda **_: {},
+    aliases={0: 0, 1: 1},  # the send half's results, completed in place: no copy
+    batcher=_refuse_vmap,
+    batch_dims=None,
+    global_view=_block_params,
+))
 
 
 def _recv_jvp(primals, tangents, *, fused, **params):
