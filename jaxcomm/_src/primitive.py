@@ -22,8 +22,7 @@ import jax
 from jax._src import core
 from jax._src.interpreters import batching, mlir
 
-from jaxcomm._src import backends, compat, groups, partitioning, program, runtime
-from jaxcomm._src.moe import globalview
+from jaxcomm._src import backends, compat, globalview, groups, partitioning, program, runtime
 from jaxcomm._src.ops import table
 
 #: What :func:`define` and :func:`define_local` return.
@@ -73,7 +72,7 @@ class CollectiveSpec:
         ``name``. Two primitives may share a handler and differ in typing.
       public_name: the name in messages (``jaxcomm.<public_name>``); default ``name``.
       global_view: for a primitive that also runs outside shard_map, on global arrays under
-        jit (jaxcomm.moe's global view, moe/globalview.py); None: inside shard_map only.
+        jit (jaxcomm.moe's global view, globalview.py); None: inside shard_map only.
         Its params carry ``shards``, ``dim0`` and ``mesh`` (0, () and None inside
         shard_map). A call with ``shards`` > 0 binds no axis (its out_avals get
         ``group_size=None``) and lowers to the same primitive on each of the ``shards``

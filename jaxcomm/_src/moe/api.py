@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm._src import compat
+from jaxcomm._src import compat, globalview
 from jaxcomm._src.moe import dispatch as impl
 from jaxcomm._src.moe import fp8 as fp8_format
-from jaxcomm._src.moe import fused, globalview
+from jaxcomm._src.moe import fused
 
 
 @dataclasses.dataclass(frozen=True)

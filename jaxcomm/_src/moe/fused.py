@@ -2,7 +2,7 @@
 declared here as a :class:`primitive.CollectiveSpec`, its JVP (and transpose) rules after
 it. What they share comes from primitive.py: typing of the results' varying mesh axes, the
 lowering inside shard_map or in the global view (``global_view``: through
-custom_partitioning, moe/globalview.py), vmap as one call per batch element.
+custom_partitioning, _src/globalview.py), vmap as one call per batch element.
 
 * ``moe_transport``: the transports of the routed rows (core/moe_modes.h): the four
   portable ones, GATHER_SPARSE (leaves the rows no slot writes), and the FP8 gathers that

@@ -1,4 +1,5 @@
-"""The global view of jaxcomm.moe: per-rank code run on dim-0 shards of global arrays.
+"""The global view: per-rank code run on dim-0 shards of global arrays (jaxcomm.moe's global
+call form is built on it; CollectiveSpec.global_view lowers through it).
 
 Under ``jax.jit`` on ``NamedSharding`` arrays (pjit style), an argument's type carries only an
 abstract mesh: its devices are known once the program is lowered. jaxcomm's custom calls
