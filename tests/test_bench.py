@@ -274,3 +274,22 @@ def test_driver_plays_hosts(tmp_path):
         ("all_reduce", 16, 2), ("all_reduce", 1 << 20, 2)]
     for r in records:
         assert r["error"] is None and r["match"] == {"gloo": True}, r
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_docs_tables_are_commands_their_benchmark_accepts(quick, tmp_path):
+    # Every table `python -m jaxcomm.bench docs` runs parses with its benchmark's own
+    # options (a renamed option would otherwise fail only in a long docs run); only the
+    # collectives tables write records.
+    from jaxcomm.bench import docs, moe, options
+    assert {"moe-decode", "moe-training"} <= {t.name for t in docs.TABLES}
+    for table in docs.TABLES:
+        argv = docs.command(table, quick, str(tmp_path))[3:]
+        if table.records:
+            args = options.parse(argv)
+            assert args.json == str(tmp_path / f"{table.name}.json") and not args.progress
+            assert args.rounds == (3 if quick else 10), table.name
+        else:
+            assert argv[0] == "moe" and "--json" not in argv, argv
+            args = moe._parse(argv[1:])
+            assert args.iters == (2 if quick else 5), table.name

@@ -6,8 +6,9 @@
     python -m jaxcomm.bench docs --only latency,hosts-2       # some of the tables
 
 Runs each table's command (below, :data:`TABLES`) one after the other, prints its
-output, and writes into ``--out``: ``<name>.json`` (the records; ``python -m
-jaxcomm.bench --show <name>.json`` prints them again) and ``tables.md``, every table as a
+output, and writes into ``--out``: ``<name>.json`` for the collectives tables (the records;
+``python -m jaxcomm.bench --show <name>.json`` prints them again) and ``tables.md``, every
+table (the MoE ones included) as a
 fenced block under its heading, with the command, the date, the machine and the time it
 took, ready to replace the docs' blocks. Run it on a quiet machine: every table states
 the load average it was measured at, and the docs should quote none taken at a load
@@ -37,13 +38,16 @@ from jaxcomm.bench import method
 @dataclasses.dataclass(frozen=True)
 class Table:
     """One table of the docs: its name, the section it fills, and the arguments of
-    ``python -m jaxcomm.bench`` that measure it (``env``: set for its processes)."""
+    ``python -m jaxcomm.bench`` that measure it (``env``: set for its processes).
+    ``records``: the command is the collectives benchmark, which takes ``--rounds``,
+    ``--lengths`` and ``--json`` (the MoE benchmark prints its tables only)."""
 
     name: str
     section: str
     args: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
     minutes: float = 0.0  # an estimate of its duration on the 2-core development VM (--list)
+    records: bool = True
 
 
 #: Every table of docs/benchmarks.md, in the docs' order.
@@ -66,14 +70,26 @@ TABLES: tuple[Table, ...] = (
     Table("hosts-2", "4 processes as 2 hosts (shared memory within, TCP across)",
           ("--processes", "4", "--hosts", "2", "--sizes", "4KiB,1MiB,16MiB", "--bind", "none"),
           minutes=15),
+    Table("moe-decode", "MoE at decode size: normal, low-latency, FP8 and overlap rows",
+          ("moe", "--tokens", "128", "--hidden", "7168", "--topk", "8", "--experts", "256",
+           "--devices", "8", "--skip-layer", "--dtype", "float32,bfloat16", "--modes", "all"),
+          minutes=6, records=False),
+    Table("moe-training", "MoE at training size: dispatch and combine, float32 and bfloat16",
+          ("moe", "--tokens", "4096", "--hidden", "1024", "--topk", "8", "--experts", "64",
+           "--devices", "8", "--skip-layer", "--dtype", "float32,bfloat16", "--modes", "normal"),
+          minutes=6, records=False),
 )
 QUICK = ("--rounds", "3", "--lengths", "1,10,100")
+QUICK_MOE = ("--iters", "2")
 
 
 def command(table: Table, quick: bool, out_dir: str) -> list[str]:
     """The command line that measures ``table`` into ``out_dir``."""
-    return [sys.executable, "-m", "jaxcomm.bench", *table.args, *(QUICK if quick else ()),
-            "--no-progress", "--json", os.path.join(out_dir, f"{table.name}.json")]
+    cmd = [sys.executable, "-m", "jaxcomm.bench", *table.args]
+    if not table.records:
+        return cmd + list(QUICK_MOE if quick else ())
+    return cmd + [*(QUICK if quick else ()), "--no-progress", "--json",
+                  os.path.join(out_dir, f"{table.name}.json")]
 
 
 def _machine() -> str:
@@ -103,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="where the JSON records and tables.md go (default %(default)s)")
     p.add_argument("--quick", action="store_true",
-                   help=f"every table with {' '.join(QUICK)}")
+                   help=f"every table with {' '.join(QUICK)} (MoE: {' '.join(QUICK_MOE)})")
     p.add_argument("--only", metavar="NAMES", help="comma list of tables to run (default: all)")
     p.add_argument("--list", action="store_true", help="list the tables and their commands, run nothing")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -131,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = command(t, args.quick, args.out)
         env = dict(os.environ, **dict(t.env))
         shown = " ".join(f"{k}={v}" for k, v in t.env) + (" " if t.env else "") + \
-            "python -m jaxcomm.bench " + " ".join(cmd[3:-2])
+            "python -m jaxcomm.bench " + " ".join(cmd[3:-2] if t.records else cmd[3:])
         print(f"## {t.name}: {shown}", flush=True)
         began = time.monotonic()
         load_before = method.load_average()
@@ -146,8 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(os.path.join(args.out, "tables.md"), "w") as f:
             f.write("\n".join(md) + "\n")
     total = (time.monotonic() - start) / 60
-    print(f"# {len(tables)} tables in {total:.1f} min; wrote {args.out}/tables.md and "
-          f"{args.out}/<table>.json" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    records = any(t.records for t in tables)
+    print(f"# {len(tables)} tables in {total:.1f} min; wrote {args.out}/tables.md"
+          + (f" and {args.out}/<table>.json" if records else "")
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
