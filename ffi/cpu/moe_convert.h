@@ -57,11 +57,11 @@ decltype(auto) WithReal(Real t, F&& f) {
 enum class Sum { kSet, kChain, kMerge, kMergeFrom };
 
 // One pass over columns [h0, h0 + n) of M rows (In's type), acc[0, n) and part[0, n) in
-// float32: each row is read once and each sum stays in a register, where one AxpyRow per
-// row would read and write acc M times.
+// float32: each row is read once and each sum stays in a register, where one pass per row
+// would read and write acc M times.
 template <typename In, int M, Sum kHow>
-JAXCOMM_ROW_KERNEL void SumRows(float* acc, const float* part, const void* const* rows, const float* a, int64_t h0,
-             int64_t n) {
+JAXCOMM_ROW_KERNEL void SumRows(float* acc, const float* part, const void* const* rows, const float* a,
+                                int64_t h0, int64_t n) {
   const typename In::Storage* x[M];
   float w[M];
   for (int j = 0; j < M; ++j) {

@@ -108,8 +108,8 @@ void RunGather(const MoePlan& p, const std::vector<Peer>& peers, int r) {
 
 // Columns of one token's combine: y[0, n) = sum over its slots' ranks in order of (the sum
 // of that rank's slots in k order of a_j * x_j[h0 + h]), in float32. The slots come
-// ordered by rank, then k (cuda::logic::StageSlotsByRank); `part` holds a rank's partial sum
-// when it has more slots than one SumRows pass takes.
+// ordered by rank, then k (cuda::logic::StageSlotsByRank); `part` holds a rank's partial
+// sum when it has more slots than one SumRows pass takes.
 template <typename In>
 void ReduceColumns(float* y, float* part, const void* const* x, const float* a, const int* d, int n,
                    int64_t h0, int64_t len) {
@@ -169,8 +169,8 @@ void RunReduce(const MoePlan& p, const std::vector<Peer>& peers, int r) {
       using In = decltype(in);
       using Out = decltype(o);
       for (int64_t t = 0; t < p.T; ++t) {
-        const int n = cuda::logic::StageSlotsByRank(my_dest + t * p.K, my_pos + t * p.K, my_w + t * p.K, p.K, p.R,
-                                              p.rows, d.data(), row.data(), a.data());
+        const int n = cuda::logic::StageSlotsByRank(my_dest + t * p.K, my_pos + t * p.K, my_w + t * p.K, p.K,
+                                                    p.R, p.rows, d.data(), row.data(), a.data());
         for (int j = 0; j < n; ++j) x[j] = static_cast<const char*>(peers[d[j]].in) + row[j] * in_row_bytes;
         char* out = static_cast<char*>(peers[r].out) + t * p.H * out_item;
         for (int64_t h0 = 0; h0 < p.H; h0 += kReduceColumns) {
