@@ -76,11 +76,23 @@ def _differentiable(form, layer, x, ids, w):
 # ---------------------------------------------------------------- half precision combine
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_combine_accumulates_half_precision_in_float32(dtype, form):
-    """y equals the float32 sums in the kernels' order, rounded once to the token dtype."""
-    T, K, E, H = 6, 3, 16, 37  # H not a multiple of the vector width
-    ids = routing(T, K, E, seed=50)
+@pytest.mark.parametrize("dtype,case", [(jnp.float32, "small"), (jnp.bfloat16, "small"),
+                                        (jnp.float16, "small"), (jnp.bfloat16, "many_slots")])
+def test_combine_accumulates_half_precision_in_float32(dtype, case, form):
+    """y equals the float32 sums in the kernels' order, rounded once to the token dtype.
+
+    many_slots: tokens with more slots on one rank than the host kernel sums in one pass
+    (4), on the first rank a token reaches and on later ones, and rows longer than the
+    kernel's column chunk (4096)."""
+    if case == "small":
+        T, K, E, H = 6, 3, 16, 37  # H not a multiple of the vector width
+        ids = routing(T, K, E, seed=50)
+    else:
+        T, K, E, H = 4, 12, 16, 4100
+        ids = routing(T, K, E, seed=50, distinct=False)
+        ids[:, 0, :6] = 0   # token 0: six slots on rank 0, the first rank it reaches
+        ids[:, 1, 0] = 1    # token 1: one slot on rank 0, then six on rank 2
+        ids[:, 1, 1:7] = 5
     rng = np.random.default_rng(51)
     x = rng.normal(size=(R, T, H)).astype(dtype)
     w = rng.random((R, T, K)).astype(np.float32)

@@ -21,6 +21,17 @@ inline int RealBytes(Real t) { return t == Real::kF32 ? 4 : t == Real::kE4M3 ? 1
 // below are templates over them, so that each instantiation is one straight loop the
 // compiler vectorises.
 
+// The row kernels of the combine are built twice on x86-64 with GCC, for the baseline
+// (SSE2: 4 floats a vector, no 32->16-bit pack, so a bfloat16 store takes six shuffles per
+// eight elements) and for AVX2 (8 floats, vpmovzxwd/vpackusdw), the one the CPU runs
+// chosen when the module loads (an ifunc). AVX2 only, not FMA: contracting a * x + y
+// would change the rounding (the build also passes -ffp-contract=off).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define JAXCOMM_ROW_KERNEL __attribute__((target_clones("avx2", "default")))
+#else
+#define JAXCOMM_ROW_KERNEL
+#endif
+
 // Calls f(tag) with the tag type of `t`: f(F32T{}), f(BF16T{}), ...
 template <typename F>
 decltype(auto) WithReal(Real t, F&& f) {
@@ -36,20 +47,59 @@ decltype(auto) WithReal(Real t, F&& f) {
   }
 }
 
-// acc[h] = a * x[h] (set) or acc[h] += a * x[h], x in In's type.
-template <typename In>
-void ScaleRow(float* __restrict acc, const void* x, float a, int64_t n) {
-  const auto* __restrict in = static_cast<const typename In::Storage*>(x);
-  for (int64_t h = 0; h < n; ++h) acc[h] = a * In::Load(in[h]);
+// How SumRows combines acc[h] with its rows' terms a_j * x_j[h] (j = 0..M-1, added left to
+// right, every product and sum rounded once, so that a sum split over several passes
+// rounds as one pass would):
+//   kSet:       acc = a_0 x_0 + ... + a_{M-1} x_{M-1}
+//   kChain:     acc = acc + a_0 x_0 + ... (continues a partial sum)
+//   kMerge:     acc = acc + (a_0 x_0 + ...)
+//   kMergeFrom: acc = acc + (part + a_0 x_0 + ...) (finishes the partial sum `part`, adds it)
+enum class Sum { kSet, kChain, kMerge, kMergeFrom };
+
+// One pass over columns [h0, h0 + n) of M rows (In's type), acc[0, n) and part[0, n) in
+// float32: each row is read once and each sum stays in a register, where one pass per row
+// would read and write acc M times.
+template <typename In, int M, Sum kHow>
+JAXCOMM_ROW_KERNEL void SumRows(float* acc, const float* part, const void* const* rows, const float* a,
+                                int64_t h0, int64_t n) {
+  const typename In::Storage* x[M];
+  float w[M];
+  for (int j = 0; j < M; ++j) {
+    x[j] = static_cast<const typename In::Storage*>(rows[j]) + h0;
+    w[j] = a[j];
+  }
+  // acc, part and the rows never overlap (a result and its operands).
+#pragma GCC ivdep
+  for (int64_t h = 0; h < n; ++h) {
+    float s = w[0] * In::Load(x[0][h]);
+    if constexpr (kHow == Sum::kChain) s = acc[h] + s;
+    if constexpr (kHow == Sum::kMergeFrom) s = part[h] + s;
+    for (int j = 1; j < M; ++j) s = s + w[j] * In::Load(x[j][h]);
+    if constexpr (kHow == Sum::kMerge || kHow == Sum::kMergeFrom) s = acc[h] + s;
+    acc[h] = s;
+  }
 }
-template <typename In>
-void AxpyRow(float* __restrict acc, const void* x, float a, int64_t n) {
-  const auto* __restrict in = static_cast<const typename In::Storage*>(x);
-  for (int64_t h = 0; h < n; ++h) acc[h] += a * In::Load(in[h]);
+
+// SumRows over m rows, 1 <= m <= kSumRowsMax.
+constexpr int kSumRowsMax = 4;
+template <typename In, Sum kHow>
+void SumRowsOf(int m, float* acc, const float* part, const void* const* rows, const float* a, int64_t h0,
+               int64_t n) {
+  switch (m) {
+    case 1:
+      return SumRows<In, 1, kHow>(acc, part, rows, a, h0, n);
+    case 2:
+      return SumRows<In, 2, kHow>(acc, part, rows, a, h0, n);
+    case 3:
+      return SumRows<In, 3, kHow>(acc, part, rows, a, h0, n);
+    default:
+      return SumRows<In, 4, kHow>(acc, part, rows, a, h0, n);
+  }
 }
+
 // dst = acc in Out's type.
 template <typename Out>
-void StoreRow(void* dst, const float* __restrict acc, int64_t n) {
+JAXCOMM_ROW_KERNEL void StoreRow(void* dst, const float* __restrict acc, int64_t n) {
   auto* __restrict out = static_cast<typename Out::Storage*>(dst);
   for (int64_t h = 0; h < n; ++h) out[h] = Out::Store(acc[h]);
 }

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "cpu/launch.h"
 #include "cpu/moe_convert.h"
 #include "cpu/moe_split.h"
+#include "cuda/kernel_logic.h"  // StageSlotsByRank: the order the CUDA kernel sums in too
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cpu {
@@ -104,57 +106,85 @@ void RunGather(const MoePlan& p, const std::vector<Peer>& peers, int r) {
   }
 }
 
+// Columns of one token's combine: y[0, n) = sum over its slots' ranks in order of (the sum
+// of that rank's slots in k order of a_j * x_j[h0 + h]), in float32. The slots come
+// ordered by rank, then k (cuda::logic::StageSlotsByRank); `part` holds a rank's partial
+// sum when it has more slots than one SumRows pass takes.
+template <typename In>
+void ReduceColumns(float* y, float* part, const void* const* x, const float* a, const int* d, int n,
+                   int64_t h0, int64_t len) {
+  bool y_set = false;
+  for (int j = 0; j < n;) {
+    int end = j + 1;
+    while (end < n && d[end] == d[j]) ++end;
+    int m = end - j;
+    if (!y_set) {
+      // The first rank's sum goes straight into y.
+      int step = std::min(m, kSumRowsMax);
+      SumRowsOf<In, Sum::kSet>(step, y, nullptr, x + j, a + j, h0, len);
+      for (j += step, m -= step; m > 0; j += step, m -= step) {
+        step = std::min(m, kSumRowsMax);
+        SumRowsOf<In, Sum::kChain>(step, y, nullptr, x + j, a + j, h0, len);
+      }
+    } else {
+      // y + (this rank's sum): its first slots into `part` while more remain than the last
+      // pass takes.
+      if (m > kSumRowsMax) {
+        int step = std::min(m - 1, kSumRowsMax);
+        SumRowsOf<In, Sum::kSet>(step, part, nullptr, x + j, a + j, h0, len);
+        for (j += step, m -= step; m > kSumRowsMax; j += step, m -= step) {
+          step = kSumRowsMax;
+          SumRowsOf<In, Sum::kChain>(step, part, nullptr, x + j, a + j, h0, len);
+        }
+        SumRowsOf<In, Sum::kMergeFrom>(m, y, part, x + j, a + j, h0, len);
+      } else {
+        SumRowsOf<In, Sum::kMerge>(m, y, nullptr, x + j, a + j, h0, len);
+      }
+      j = end;
+    }
+    y_set = true;
+  }
+  if (!y_set) std::fill(y, y + len, 0.f);
+}
+
+// Columns a combine sums at once: y's chunk (16 KiB) stays in L1 while every slot's row
+// passes through it. (Chunks of 1024 columns cost more than 4096 or whole rows at
+// H = 7168: each visit to a row restarts the hardware prefetch.)
+constexpr int64_t kReduceColumns = 4096;
+
 // Rank s: y[t] = sum over ranks d in order of (sum over slots k with dest_s[t, k] == d, in
-// order, of w_s[t, k] * src_d[pos_s[t, k]]), in float32. A rank with one slot adds its
-// product straight into y: without contraction into fused multiply-adds (-O3 without
-// -march emits none) that rounds exactly as adding the one-term partial sum.
+// order, of w_s[t, k] * src_d[pos_s[t, k]]), in float32, stored in the result's type.
+// Without contraction into fused multiply-adds (-ffp-contract=off) the sums round as the
+// NumPy reference's and the CUDA kernel's.
 void RunReduce(const MoePlan& p, const std::vector<Peer>& peers, int r) {
   const auto [my_dest, my_pos] = SlotTables(peers[r]);
   const float* my_w = static_cast<const float*>(peers[r].aux[2]);
-  const int64_t in_row_bytes = p.H * RealBytes(p.src);
-  std::vector<float> part(static_cast<size_t>(p.H)), y32(p.out == Real::kF32 ? 0 : static_cast<size_t>(p.H));
+  const int64_t in_row_bytes = p.H * RealBytes(p.src), out_item = RealBytes(p.out);
+  std::vector<int> d(static_cast<size_t>(p.K)), row(static_cast<size_t>(p.K));
+  std::vector<float> a(static_cast<size_t>(p.K));
+  std::vector<const void*> x(static_cast<size_t>(p.K));
+  std::vector<float> y32(p.out == Real::kF32 ? 0 : kReduceColumns), part(kReduceColumns);
   WithReal(p.src, [&](auto in) {
-    using In = decltype(in);
-    for (int64_t t = 0; t < p.T; ++t) {
-      float* y = p.out == Real::kF32 ? static_cast<float*>(peers[r].out) + t * p.H : y32.data();
-      bool y_set = false;
-      for (int64_t d = 0; d < p.R; ++d) {
-        const char* src = static_cast<const char*>(peers[d].in);
-        int n = 0;
-        int64_t first = -1;
-        for (int64_t k = 0; k < p.K; ++k) {
-          const int64_t i = t * p.K + k, row = my_pos[i];
-          if (my_dest[i] != d || row < 0 || row >= p.rows) continue;
-          const char* x = src + row * in_row_bytes;
-          if (n == 0) {
-            first = i;
+    WithReal(p.out, [&](auto o) {
+      using In = decltype(in);
+      using Out = decltype(o);
+      for (int64_t t = 0; t < p.T; ++t) {
+        const int n = cuda::logic::StageSlotsByRank(my_dest + t * p.K, my_pos + t * p.K, my_w + t * p.K, p.K,
+                                                    p.R, p.rows, d.data(), row.data(), a.data());
+        for (int j = 0; j < n; ++j) x[j] = static_cast<const char*>(peers[d[j]].in) + row[j] * in_row_bytes;
+        char* out = static_cast<char*>(peers[r].out) + t * p.H * out_item;
+        for (int64_t h0 = 0; h0 < p.H; h0 += kReduceColumns) {
+          const int64_t len = std::min(kReduceColumns, p.H - h0);
+          if constexpr (std::is_same_v<Out, F32T>) {
+            ReduceColumns<In>(reinterpret_cast<float*>(out) + h0, part.data(), x.data(), a.data(), d.data(), n,
+                              h0, len);
           } else {
-            if (n == 1) ScaleRow<In>(part.data(), src + my_pos[first] * in_row_bytes, my_w[first], p.H);
-            AxpyRow<In>(part.data(), x, my_w[i], p.H);
+            ReduceColumns<In>(y32.data(), part.data(), x.data(), a.data(), d.data(), n, h0, len);
+            StoreRow<Out>(out + h0 * out_item, y32.data(), len);
           }
-          ++n;
         }
-        if (n == 0) continue;
-        if (n == 1) {
-          const char* x = src + my_pos[first] * in_row_bytes;
-          if (y_set) {
-            AxpyRow<In>(y, x, my_w[first], p.H);
-          } else {
-            ScaleRow<In>(y, x, my_w[first], p.H);
-          }
-        } else if (y_set) {
-          AxpyRow<F32T>(y, part.data(), 1.f, p.H);
-        } else {
-          std::memcpy(y, part.data(), sizeof(float) * p.H);
-        }
-        y_set = true;
       }
-      if (!y_set) std::fill(y, y + p.H, 0.f);
-      if (p.out != Real::kF32) {
-        char* dst = static_cast<char*>(peers[r].out) + t * p.row_bytes;
-        WithReal(p.out, [&](auto o) { StoreRow<decltype(o)>(dst, y, p.H); });
-      }
-    }
+    });
   });
 }
 

@@ -284,7 +284,19 @@ __global__ void ReduceKernel(MoePeers p, MoeShape s) {
       for (int v = 0; v < kV; ++v) y[v] = y_set ? AddRn(y[v], part[v]) : part[v];
       y_set = true;
     }
-    for (int v = 0; v < kV; ++v) out[h0 + v] = Out::Store(y_set ? y[v] : 0.f);
+    // Stored as one vector of kV results (8, 16 or 32 bytes) where kV elements were loaded
+    // as one: the columns are then aligned alike.
+    using Y = typename Out::Storage;
+    constexpr int kBytes = kV * static_cast<int>(sizeof(Y));
+    alignas(16) Y o[kV];
+    for (int v = 0; v < kV; ++v) o[v] = Out::Store(y_set ? y[v] : 0.f);
+    if constexpr (kV * sizeof(X) == 16 && kBytes % 16 == 0) {
+      for (int c = 0; c < kBytes / 16; ++c) reinterpret_cast<uint4*>(out + h0)[c] = reinterpret_cast<const uint4*>(o)[c];
+    } else if constexpr (kV * sizeof(X) == 16 && kBytes == 8) {
+      *reinterpret_cast<uint2*>(out + h0) = *reinterpret_cast<const uint2*>(o);
+    } else {
+      for (int v = 0; v < kV; ++v) out[h0 + v] = o[v];
+    }
   }
 }
 
