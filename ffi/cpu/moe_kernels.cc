@@ -14,11 +14,11 @@
 #include <utility>
 #include <vector>
 
+#include "core/moe_slots.h"
 #include "core/rendezvous.h"
 #include "cpu/launch.h"
 #include "cpu/moe_convert.h"
 #include "cpu/moe_split.h"
-#include "cuda/kernel_logic.h"  // StageSlotsByRank: the order the CUDA kernel sums in too
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cpu {
@@ -108,7 +108,7 @@ void RunGather(const MoePlan& p, const std::vector<Peer>& peers, int r) {
 
 // Columns of one token's combine: y[0, n) = sum over its slots' ranks in order of (the sum
 // of that rank's slots in k order of a_j * x_j[h0 + h]), in float32. The slots come
-// ordered by rank, then k (cuda::logic::StageSlotsByRank); `part` holds a rank's partial
+// ordered by rank, then k (moe_slots::StageSlotsByRank); `part` holds a rank's partial
 // sum when it has more slots than one SumRows pass takes.
 template <typename In>
 void ReduceColumns(float* y, float* part, const void* const* x, const float* a, const int* d, int n,
@@ -169,7 +169,7 @@ void RunReduce(const MoePlan& p, const std::vector<Peer>& peers, int r) {
       using In = decltype(in);
       using Out = decltype(o);
       for (int64_t t = 0; t < p.T; ++t) {
-        const int n = cuda::logic::StageSlotsByRank(my_dest + t * p.K, my_pos + t * p.K, my_w + t * p.K, p.K,
+        const int n = moe_slots::StageSlotsByRank(my_dest + t * p.K, my_pos + t * p.K, my_w + t * p.K, p.K,
                                                     p.R, p.rows, d.data(), row.data(), a.data());
         for (int j = 0; j < n; ++j) x[j] = static_cast<const char*>(peers[d[j]].in) + row[j] * in_row_bytes;
         char* out = static_cast<char*>(peers[r].out) + t * p.H * out_item;

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "core/number_formats.h"  // JAXCOMM_HD, and the conversions the kernels share with the host's
+#include "core/moe_slots.h"
 #include "core/op_table.h"
 
 namespace jaxcomm::cuda::logic {
@@ -83,42 +84,11 @@ JAXCOMM_HD int64_t KeptRows(bool padded, int64_t total, int64_t start, int64_t r
 // and decide which slots move data and in which order; kReduce sums slots by
 // destination rank, each rank's slots in k order (ffi/cpu/moe_kernels.cc's order).
 
-// Whether slot (d, row) is one a kernel acts on: a rank of the group, a row of the buffer.
-JAXCOMM_HD bool SlotOk(int64_t d, int64_t row, int64_t R, int64_t rows) {
-  return d >= 0 && d < R && row >= 0 && row < rows;
-}
-
-// The slots of one token that move a row, in k order: to any rank (self < 0) or only to
-// `self`. Writes (d, row, weight) of each into the out arrays; returns how many.
-JAXCOMM_HD int StageSlots(const int32_t* d, const int32_t* row, const float* w, int64_t K,
-                          int64_t R, int64_t rows, int64_t self, int* out_d, int* out_row,
-                          float* out_w) {
-  int n = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    if (!SlotOk(d[k], row[k], R, rows) || (self >= 0 && d[k] != self)) continue;
-    out_d[n] = d[k];
-    out_row[n] = row[k];
-    out_w[n] = w != nullptr ? w[k] : 0.f;
-    ++n;
-  }
-  return n;
-}
-
-// The same slots ordered by destination rank, then k: the order kReduce sums them in.
-JAXCOMM_HD int StageSlotsByRank(const int32_t* d, const int32_t* row, const float* w, int64_t K,
-                                int64_t R, int64_t rows, int* out_d, int* out_row, float* out_w) {
-  int n = 0;
-  for (int64_t rank = 0; rank < R; ++rank) {
-    for (int64_t k = 0; k < K; ++k) {
-      if (d[k] != rank || !SlotOk(d[k], row[k], R, rows)) continue;
-      out_d[n] = d[k];
-      out_row[n] = row[k];
-      out_w[n] = w != nullptr ? w[k] : 0.f;
-      ++n;
-    }
-  }
-  return n;
-}
+// Which of a token's slots a combine reads, and in what order: core/moe_slots.h (the host
+// backend's combine sums in the same order).
+using ::jaxcomm::moe_slots::SlotOk;
+using ::jaxcomm::moe_slots::StageSlots;
+using ::jaxcomm::moe_slots::StageSlotsByRank;
 
 // ------------------------------------------------------------------------- FP8
 //
