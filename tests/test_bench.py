@@ -150,15 +150,80 @@ def test_one_process_measures_jaxcomm_xla_and_a_plain_jit_alike():
 
 # ------------------------------------------------------------------------ command line
 
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                JAX_PLATFORMS="cpu", JAXCOMM_TIMEOUT_S="20")
+
+
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               JAX_PLATFORMS="cpu", JAXCOMM_TIMEOUT_S="20")
-    return subprocess.run([sys.executable, "-m", "jaxcomm.bench", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "jaxcomm.bench", *args], env=_env(),
                           capture_output=True, text=True, timeout=timeout, cwd=HERE)
 
 
-def test_help_lists_every_option():
-    proc = _run("--processes", "2", "--help", timeout=240)
+BENCH_MODULES = ["collectives", "multiprocess", "mpi4jax_compare", "moe", "dropin", "faults",
+                 "docs", "instructions"]
+
+# The commands that only parse their arguments (help, refusals): name -> `python -m`
+# module and arguments.
+COMMANDS = {
+    "--help": ("jaxcomm.bench", ["--help"]),
+    "--processes 2 --help": ("jaxcomm.bench", ["--processes", "2", "--help"]),
+    **{f"--processes 2 --hosts {h}": ("jaxcomm.bench", ["--processes", "2", "--hosts", h])
+       for h in ("0", "3")},
+    **{f"{m} --help": (f"jaxcomm.bench.{m}", ["--help"]) for m in BENCH_MODULES},
+}
+
+# Runs each command as `python -m` would (the module as __main__, a fresh jaxcomm): one
+# Python imports jax once, then forks a child per command that imports jaxcomm and runs
+# the module. Twelve Pythons of their own cost twelve jax imports, 30 s of CPU.
+_RUN_EACH = r"""
+import json, os, runpy, sys, traceback
+import jax  # before the forks; no backend yet, no jaxcomm: each child imports it afresh
+commands, out_dir = json.loads(sys.argv[1]), sys.argv[2]
+done = {}
+for i, (name, (module, args)) in enumerate(commands.items()):
+    out, err = (os.path.join(out_dir, f"{i}.{s}") for s in ("out", "err"))
+    pid = os.fork()
+    if pid == 0:
+        with open(out, "w") as o, open(err, "w") as e:
+            os.dup2(o.fileno(), 1)
+            os.dup2(e.fileno(), 2)
+        sys.argv = [module, *args]
+        code = 0
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    with open(out) as o, open(err) as e:
+        done[name] = [os.waitstatus_to_exitcode(status), o.read(), e.read()]
+print(json.dumps(done))
+"""
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each of COMMANDS' exit status and output, as a user would get them."""
+    out_dir = tmp_path_factory.mktemp("commands")
+    proc = subprocess.run([sys.executable, "-c", _RUN_EACH, json.dumps(COMMANDS), str(out_dir)],
+                          env=_env(), capture_output=True, text=True, timeout=240, cwd=HERE)
+    assert proc.returncode == 0, proc.stderr
+    done = json.loads(proc.stdout.splitlines()[-1])
+    assert sorted(done) == sorted(COMMANDS)
+    return {name: subprocess.CompletedProcess([*COMMANDS[name][1]], code, out, err)
+            for name, (code, out, err) in done.items()}
+
+
+def test_help_lists_every_option(commands):
+    proc = commands["--processes 2 --help"]
     assert proc.returncode == 0, proc.stderr
     for option in ("--processes", "--devices", "--hosts", "--ops", "--sizes", "--latency",
                    "--lengths", "--rounds", "--warmup", "--bind", "--no-mpi4jax", "--no-gloo", "--dtype",
@@ -195,19 +260,16 @@ def test_every_entry_point_has_a_help(entry, capsys):
         assert option in out, (entry, option)
 
 
-@pytest.mark.parametrize("module", ["collectives", "multiprocess", "mpi4jax_compare", "moe",
-                                    "dropin", "faults", "docs", "instructions"])
-def test_every_benchmark_module_runs_with_help(module):
+@pytest.mark.parametrize("module", BENCH_MODULES)
+def test_every_benchmark_module_runs_with_help(commands, module):
     # python -m jaxcomm.bench.<module> --help, as a user would type it.
-    proc = subprocess.run([sys.executable, "-m", f"jaxcomm.bench.{module}", "--help"],
-                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
-                          capture_output=True, text=True, timeout=240, cwd=HERE)
+    proc = commands[f"{module} --help"]
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m jaxcomm.bench") and "--help" in proc.stdout, proc.stdout
 
 
-def test_help_names_every_sub_benchmark():
-    proc = _run("--help", timeout=240)
+def test_help_names_every_sub_benchmark(commands):
+    proc = commands["--help"]
     assert proc.returncode == 0, proc.stderr
     from jaxcomm.bench import options
     assert set(options.SUBCOMMANDS) >= {"moe", "dropin", "faults", "docs", "instructions"}
@@ -217,8 +279,8 @@ def test_help_names_every_sub_benchmark():
 
 
 @pytest.mark.parametrize("hosts", ["0", "3"])
-def test_more_hosts_than_processes_is_refused(hosts):
-    proc = _run("--processes", "2", "--hosts", hosts, timeout=240)
+def test_more_hosts_than_processes_is_refused(commands, hosts):
+    proc = commands[f"--processes 2 --hosts {hosts}"]
     assert proc.returncode == 2
     assert f"need 1 <= --hosts <= --processes, got {hosts}" in proc.stderr
 
