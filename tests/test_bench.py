@@ -14,6 +14,7 @@ import sys
 import pytest
 
 import jaxcomm
+from fresh_util import Command, run_fresh
 from jaxcomm.bench import method, multiprocess, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -150,76 +151,32 @@ def test_one_process_measures_jaxcomm_xla_and_a_plain_jit_alike():
 
 # ------------------------------------------------------------------------ command line
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                JAX_PLATFORMS="cpu", JAXCOMM_TIMEOUT_S="20")
-
-
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxcomm.bench", *args], env=_env(),
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               JAX_PLATFORMS="cpu", JAXCOMM_TIMEOUT_S="20")
+    return subprocess.run([sys.executable, "-m", "jaxcomm.bench", *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=HERE)
 
 
 BENCH_MODULES = ["collectives", "multiprocess", "mpi4jax_compare", "moe", "dropin", "faults",
                  "docs", "instructions"]
 
-# The commands that only parse their arguments (help, refusals): name -> `python -m`
-# module and arguments.
+# The commands that only parse their arguments (help, refusals), run as a user types
+# them (`python -m ...`); in one forking Python (fresh_util), not twelve new ones.
 COMMANDS = {
-    "--help": ("jaxcomm.bench", ["--help"]),
-    "--processes 2 --help": ("jaxcomm.bench", ["--processes", "2", "--help"]),
-    **{f"--processes 2 --hosts {h}": ("jaxcomm.bench", ["--processes", "2", "--hosts", h])
+    "--help": Command(module="jaxcomm.bench", args=["--help"]),
+    "--processes 2 --help": Command(module="jaxcomm.bench", args=["--processes", "2", "--help"]),
+    **{f"--processes 2 --hosts {h}": Command(module="jaxcomm.bench",
+                                             args=["--processes", "2", "--hosts", h])
        for h in ("0", "3")},
-    **{f"{m} --help": (f"jaxcomm.bench.{m}", ["--help"]) for m in BENCH_MODULES},
+    **{f"{m} --help": Command(module=f"jaxcomm.bench.{m}", args=["--help"]) for m in BENCH_MODULES},
 }
-
-# Runs each command as `python -m` would (the module as __main__, a fresh jaxcomm): one
-# Python imports jax once, then forks a child per command that imports jaxcomm and runs
-# the module. Twelve Pythons of their own cost twelve jax imports, 30 s of CPU.
-_RUN_EACH = r"""
-import json, os, runpy, sys, traceback
-import jax  # before the forks; no backend yet, no jaxcomm: each child imports it afresh
-commands, out_dir = json.loads(sys.argv[1]), sys.argv[2]
-done = {}
-for i, (name, (module, args)) in enumerate(commands.items()):
-    out, err = (os.path.join(out_dir, f"{i}.{s}") for s in ("out", "err"))
-    pid = os.fork()
-    if pid == 0:
-        with open(out, "w") as o, open(err, "w") as e:
-            os.dup2(o.fileno(), 1)
-            os.dup2(e.fileno(), 2)
-        sys.argv = [module, *args]
-        code = 0
-        try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-            if isinstance(e.code, str):
-                print(e.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    with open(out) as o, open(err) as e:
-        done[name] = [os.waitstatus_to_exitcode(status), o.read(), e.read()]
-print(json.dumps(done))
-"""
 
 
 @pytest.fixture(scope="module")
-def commands(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """Each of COMMANDS' exit status and output, as a user would get them."""
-    out_dir = tmp_path_factory.mktemp("commands")
-    proc = subprocess.run([sys.executable, "-c", _RUN_EACH, json.dumps(COMMANDS), str(out_dir)],
-                          env=_env(), capture_output=True, text=True, timeout=240, cwd=HERE)
-    assert proc.returncode == 0, proc.stderr
-    done = json.loads(proc.stdout.splitlines()[-1])
-    assert sorted(done) == sorted(COMMANDS)
-    return {name: subprocess.CompletedProcess([*COMMANDS[name][1]], code, out, err)
-            for name, (code, out, err) in done.items()}
+def commands() -> dict[str, subprocess.CompletedProcess]:
+    """Each of COMMANDS' exit status and output."""
+    return run_fresh(COMMANDS)
 
 
 def test_help_lists_every_option(commands):
