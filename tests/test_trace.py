@@ -563,7 +563,7 @@ def test_two_processes_running_different_ops_are_a_mismatch(tmp_path, match_prog
 
 _KILLED = r"""
 import os, signal, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# 8 CPU devices: the session's XLA_FLAGS (tests/conftest.py).
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxcomm
