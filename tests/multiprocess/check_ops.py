@@ -48,9 +48,9 @@ def groups_of(mesh, axes):
 def global_data(n, block, seed=7):
     """Multiples of 1/8 in [-128, 128): 2048 distinct values, whose sums (and the scaled
     chunks of the cases below) are exact in float32 in any order and however XLA fuses the
-    arithmetic, so that data movement and sums compare exactly. Shared: never written."""
-    return (np.random.default_rng(seed).integers(-1024, 1024, size=(n, *block)) / 8
-            ).astype(np.float32)
+    arithmetic, so that data movement and sums compare exactly. Shared: read-only."""
+    return _read_only((np.random.default_rng(seed).integers(-1024, 1024, size=(n, *block)) / 8
+                       ).astype(np.float32))
 
 
 @functools.cache
@@ -58,10 +58,16 @@ def narrow_half(n, block, dtype, seed=8):
     """Half-precision values of magnitude 0.5 to 8: the sum of up to 8 of them is exact in
     float32 whatever the order, so a sum rounded once to ``dtype`` has one right answer.
     Drawn in float32 (half the work of float64; the values are rounded to ``dtype``
-    anyway). Shared: never written."""
+    anyway). Shared: read-only."""
     rng = np.random.default_rng(seed)
     mag = rng.random((n, *block), dtype=np.float32) * np.float32(7.5) + np.float32(0.5)
-    return np.where(rng.random((n, *block), dtype=np.float32) < 0.5, -mag, mag).astype(dtype)
+    return _read_only(np.where(rng.random((n, *block), dtype=np.float32) < 0.5, -mag, mag
+                               ).astype(dtype))
+
+
+def _read_only(x):
+    x.setflags(write=False)
+    return x
 
 
 _programs = 0
