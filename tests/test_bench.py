@@ -14,6 +14,7 @@ import sys
 import pytest
 
 import jaxcomm
+from fresh_util import Command, run_fresh
 from jaxcomm.bench import method, multiprocess, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -161,8 +162,29 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout, cwd=HERE)
 
 
-def test_help_lists_every_option():
-    proc = _run("--processes", "2", "--help", timeout=240)
+BENCH_MODULES = ["collectives", "multiprocess", "mpi4jax_compare", "moe", "dropin", "faults",
+                 "docs", "instructions"]
+
+# The commands that only parse their arguments (help, refusals), run as a user types
+# them (`python -m ...`); in one forking Python (fresh_util), not twelve new ones.
+COMMANDS = {
+    "--help": Command(module="jaxcomm.bench", args=["--help"]),
+    "--processes 2 --help": Command(module="jaxcomm.bench", args=["--processes", "2", "--help"]),
+    **{f"--processes 2 --hosts {h}": Command(module="jaxcomm.bench",
+                                             args=["--processes", "2", "--hosts", h])
+       for h in ("0", "3")},
+    **{f"{m} --help": Command(module=f"jaxcomm.bench.{m}", args=["--help"]) for m in BENCH_MODULES},
+}
+
+
+@pytest.fixture(scope="module")
+def commands() -> dict[str, subprocess.CompletedProcess]:
+    """Each of COMMANDS' exit status and output."""
+    return run_fresh(COMMANDS)
+
+
+def test_help_lists_every_option(commands):
+    proc = commands["--processes 2 --help"]
     assert proc.returncode == 0, proc.stderr
     for option in ("--processes", "--devices", "--hosts", "--ops", "--sizes", "--latency",
                    "--lengths", "--rounds", "--warmup", "--bind", "--no-mpi4jax", "--no-gloo", "--dtype",
@@ -199,19 +221,16 @@ def test_every_entry_point_has_a_help(entry, capsys):
         assert option in out, (entry, option)
 
 
-@pytest.mark.parametrize("module", ["collectives", "multiprocess", "mpi4jax_compare", "moe",
-                                    "dropin", "faults", "docs", "instructions"])
-def test_every_benchmark_module_runs_with_help(module):
+@pytest.mark.parametrize("module", BENCH_MODULES)
+def test_every_benchmark_module_runs_with_help(commands, module):
     # python -m jaxcomm.bench.<module> --help, as a user would type it.
-    proc = subprocess.run([sys.executable, "-m", f"jaxcomm.bench.{module}", "--help"],
-                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
-                          capture_output=True, text=True, timeout=240, cwd=HERE)
+    proc = commands[f"{module} --help"]
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m jaxcomm.bench") and "--help" in proc.stdout, proc.stdout
 
 
-def test_help_names_every_sub_benchmark():
-    proc = _run("--help", timeout=240)
+def test_help_names_every_sub_benchmark(commands):
+    proc = commands["--help"]
     assert proc.returncode == 0, proc.stderr
     from jaxcomm.bench import options
     assert set(options.SUBCOMMANDS) >= {"moe", "dropin", "faults", "docs", "instructions"}
@@ -221,8 +240,8 @@ def test_help_names_every_sub_benchmark():
 
 
 @pytest.mark.parametrize("hosts", ["0", "3"])
-def test_more_hosts_than_processes_is_refused(hosts):
-    proc = _run("--processes", "2", "--hosts", hosts, timeout=240)
+def test_more_hosts_than_processes_is_refused(commands, hosts):
+    proc = commands[f"--processes 2 --hosts {hosts}"]
     assert proc.returncode == 2
     assert f"need 1 <= --hosts <= --processes, got {hosts}" in proc.stderr
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from fresh_util import Command, run_fresh
 from jaxcomm._src import config, config_doc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,38 +89,52 @@ def test_every_cpp_reader_matches_the_registry():
     assert found == natives, (found ^ natives)
 
 
-@pytest.mark.parametrize("name,raw", [
+MALFORMED_NATIVE = [
     ("JAXCOMM_SPIN_US", "abc"), ("JAXCOMM_SPIN_US", "-5"), ("JAXCOMM_NONTEMPORAL_BYTES", "4MiB"),
     ("JAXCOMM_TRACE_ENTRIES", "1e3"), ("JAXCOMM_SINGLE_COPY", "yes"), ("JAXCOMM_INLINE", "2"),
-])
-def test_cpp_and_python_reject_a_malformed_value_alike(name, raw):
-    # A fresh process: the C++ runtime reads these once, when the extension loads.
+]
+# What the extension's loader and the Python check make of a malformed value, in a fresh
+# jaxcomm: the C++ runtime reads these once, when the extension loads. (import jaxcomm
+# itself validates JAXCOMM_TRACE_ENTRIES, for the flight recorder.)
+_CONFIG_ERRORS = """
+import sys
+try:
+    from jaxcomm._src import runtime
+    runtime.check_configuration()
+except ValueError as e:
+    error = e
+print(sys.modules['jaxcomm._jaxcomm'].config_errors())
+print('raised:', error)
+"""
+_FIRST_TRACE = """
+import jax, jax.numpy as jnp, jaxcomm
+mesh = jax.make_mesh((1,), ('x',))
+f = jax.shard_map(lambda v: jaxcomm.all_reduce(v, 'x'), mesh=mesh, in_specs=jax.P(), out_specs=jax.P())
+jax.jit(f)(jnp.ones(4))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_runs() -> dict:
+    """The commands of the tests below, each in a fresh jaxcomm (tests/fresh_util.py)."""
+    return run_fresh({
+        **{f"{name}={raw}": Command(code=_CONFIG_ERRORS, env={name: raw}) for name, raw in MALFORMED_NATIVE},
+        "first trace": Command(code=_FIRST_TRACE, env={"JAXCOMM_SPIN_US": "abc"}),
+    }, cwd=CHILD_CWD)
+
+
+@pytest.mark.parametrize("name,raw", MALFORMED_NATIVE)
+def test_cpp_and_python_reject_a_malformed_value_alike(fresh_runs, name, raw):
     with pytest.raises(ValueError) as python_error:
         config.get(name, {name: raw})
     assert str(python_error.value).startswith(f"{name} must be"), python_error.value
-    # (import jaxcomm itself validates JAXCOMM_TRACE_ENTRIES, for the flight recorder.)
-    code = ("import sys\n"
-            "try:\n"
-            "    from jaxcomm._src import runtime\n"
-            "    runtime.check_configuration()\n"
-            "except ValueError as e:\n"
-            "    error = e\n"
-            "print(sys.modules['jaxcomm._jaxcomm'].config_errors())\n"
-            "print('raised:', error)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, name: raw},
-                          capture_output=True, text=True, timeout=120, cwd=CHILD_CWD)
+    proc = fresh_runs[f"{name}={raw}"]
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"[{str(python_error.value)!r}]\nraised: {python_error.value}\n", proc.stdout
 
 
-def test_a_malformed_value_fails_the_first_trace():
-    code = ("import jax, jax.numpy as jnp, jaxcomm\n"
-            "mesh = jax.make_mesh((1,), ('x',))\n"
-            "f = jax.shard_map(lambda v: jaxcomm.all_reduce(v, 'x'), mesh=mesh, in_specs=jax.P(), out_specs=jax.P())\n"
-            "jax.jit(f)(jnp.ones(4))\n")
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "JAXCOMM_SPIN_US": "abc",
-                                                            "JAX_PLATFORMS": "cpu"},
-                          capture_output=True, text=True, timeout=120, cwd=CHILD_CWD)
+def test_a_malformed_value_fails_the_first_trace(fresh_runs):
+    proc = fresh_runs["first trace"]
     assert proc.returncode != 0
     assert "ValueError: JAXCOMM_SPIN_US must be a whole number of microseconds, got 'abc'" in proc.stderr, proc.stderr
 

@@ -247,9 +247,8 @@ def test_no_example_left_unrun():
 FRESH_PROCESS = {"jaxcomm.trace.dump"}
 
 _FRESH = """
-import doctest, importlib, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["JAX_PLATFORMS"] = "cpu"
+import doctest, importlib, sys
+# 8 CPU devices: the session's XLA_FLAGS and JAX_PLATFORMS (tests/conftest.py).
 module, name = sys.argv[1].rsplit(".", 1)
 obj = getattr(importlib.import_module(module), name)
 runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

@@ -380,9 +380,7 @@ def test_split_send_returns_before_its_peers_arrive(tmp_path):
     """Rank 3 never joins the send's round: every rank, rank 3 included, still runs the work
     between the halves, and the receive half fails at the round's deadline naming rank 3."""
     script = textwrap.dedent("""
-        import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        # 8 CPU devices: the session's XLA_FLAGS and JAX_PLATFORMS (tests/conftest.py).
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
         import jaxcomm

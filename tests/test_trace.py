@@ -8,6 +8,8 @@ at start) with 2-3 s collective timeouts; the analyzer then reads their real dum
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
 import json
 import os
 import re
@@ -21,6 +23,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomm
+from jaxcomm.trace import __main__ as trace_main
 from jaxcomm.trace import analyzer, causes, exporter, ringfile
 
 R = 8
@@ -253,9 +256,18 @@ def _child(tmp_path, mode, fault=None, timeout=120):
     return proc, out
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "jaxcomm.trace", *map(str, args)], env=_env(),
-                          capture_output=True, text=True, timeout=120, cwd=HERE)
+def _cli(*args, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m jaxcomm.trace ARGS``: its exit status and output. Run here (the
+    module's main(), as the command runs it), or with ``fresh`` in a new Python as a user
+    types it: that one starts jax again, 2-3 s of CPU, so one test does it."""
+    argv = [str(a) for a in args]
+    if fresh:
+        return subprocess.run([sys.executable, "-m", "jaxcomm.trace", *argv], env=_env(),
+                              capture_output=True, text=True, timeout=120, cwd=HERE)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = trace_main.main(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def _exit_dump(out):
@@ -280,7 +292,7 @@ def test_clean_run_verdict_and_exit_dump(clean_run):
     report = analyzer.analyze(out, straggler_ms=1000)
     assert report.kind == "clean" and report.exit_code == 0, report.text()
     assert report.calls == 12 and report.ranks == list(range(R))
-    cli = _cli("analyze", out, "--straggler-ms", 1000)
+    cli = _cli("analyze", out, "--straggler-ms", 1000, fresh=True)
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert cli.stdout.splitlines()[0].startswith("verdict: clean: 12 calls on 8 ranks")
 
@@ -551,7 +563,7 @@ def test_two_processes_running_different_ops_are_a_mismatch(tmp_path, match_prog
 
 _KILLED = r"""
 import os, signal, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# 8 CPU devices: the session's XLA_FLAGS (tests/conftest.py).
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxcomm

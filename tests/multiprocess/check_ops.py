@@ -11,6 +11,7 @@ The cases of one mesh and axis run as one program (independent collectives, whic
 runs in any order on each device): one compilation per group instead of one per op.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -41,20 +42,32 @@ def groups_of(mesh, axes):
     return where
 
 
+# The data are made once per shape (both meshes of a job check the same arrays): in
+# every process of the job, the half-precision arrays took a second of CPU each time.
+@functools.cache
 def global_data(n, block, seed=7):
     """Multiples of 1/8 in [-128, 128): 2048 distinct values, whose sums (and the scaled
     chunks of the cases below) are exact in float32 in any order and however XLA fuses the
-    arithmetic, so that data movement and sums compare exactly."""
-    return (np.random.default_rng(seed).integers(-1024, 1024, size=(n, *block)) / 8
-            ).astype(np.float32)
+    arithmetic, so that data movement and sums compare exactly. Shared: read-only."""
+    return _read_only((np.random.default_rng(seed).integers(-1024, 1024, size=(n, *block)) / 8
+                       ).astype(np.float32))
 
 
+@functools.cache
 def narrow_half(n, block, dtype, seed=8):
     """Half-precision values of magnitude 0.5 to 8: the sum of up to 8 of them is exact in
-    float32 whatever the order, so a sum rounded once to ``dtype`` has one right answer."""
+    float32 whatever the order, so a sum rounded once to ``dtype`` has one right answer.
+    Drawn in float32 (half the work of float64; the values are rounded to ``dtype``
+    anyway). Shared: read-only."""
     rng = np.random.default_rng(seed)
-    mag = rng.uniform(0.5, 8.0, size=(n, *block))
-    return (np.where(rng.random((n, *block)) < 0.5, -mag, mag)).astype(dtype)
+    mag = rng.random((n, *block), dtype=np.float32) * np.float32(7.5) + np.float32(0.5)
+    return _read_only(np.where(rng.random((n, *block), dtype=np.float32) < 0.5, -mag, mag
+                               ).astype(dtype))
+
+
+def _read_only(x):
+    x.setflags(write=False)
+    return x
 
 
 _programs = 0
