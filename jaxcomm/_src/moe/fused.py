@@ -143,6 +143,18 @@ def _mode_attr(mode: int, **_: Any) -> dict:
     return {"mode": int(mode)}
 
 
+def _define(name: str, shapes: Callable[..., list], ffi_attrs: Callable[..., dict],
+            batcher: Any = None, **spec: Any) -> primitive.Primitive:
+    """An MoE primitive: a CollectiveSpec with what every MoE op shares. Results vary over
+    the group (each rank gets its own rows), typed like the first operand; no dimension
+    XLA may split (the routing spans all rows); the global view's blocks divide the rows;
+    vmap as one call per batch element unless ``batcher`` says otherwise."""
+    return primitive.define(primitive.CollectiveSpec(
+        name=name, out_avals=_typed_like_first(shapes), invariant_result=False,
+        ffi_attrs=ffi_attrs, batcher=batcher or _PER_ELEMENT, batch_dims=None,
+        global_view=_block_params, **spec))
+
+
 def _common_params(x: jax.Array, axis_name: Any, shards: int, dim0: tuple, mesh: Any
                    ) -> tuple[jax.Array, dict]:
     """(x, the params every MoE primitive carries): inside shard_map (shards == 0) x is
@@ -184,15 +196,7 @@ def _transport_avals(src, dest, pos, w, g, *, mode, rows, out_dtype, **_):
     return [((T, K), _F32)]
 
 
-moe_transport_p = primitive.define(primitive.CollectiveSpec(
-    name="moe_transport",
-    out_avals=_typed_like_first(_transport_avals),
-    invariant_result=False,
-    ffi_attrs=_mode_attr,
-    batcher=_PER_ELEMENT,
-    batch_dims=None,
-    global_view=_block_params,
-))
+moe_transport_p = _define("moe_transport", _transport_avals, _mode_attr)
 
 # Operand positions: src, dest, pos, w, g. The float operands each mode is linear in.
 _SRC, _W, _G = 0, 3, 4
@@ -345,16 +349,7 @@ def _dispatch_attrs(**p: Any) -> dict:
 
 
 # Results: expert rows, route table, FP8 values and scales (empty unless fp8).
-moe_dispatch_p = primitive.define(primitive.CollectiveSpec(
-    name="moe_dispatch",
-    out_avals=_typed_like_first(_dispatch_avals),
-    multiple_results=True,
-    invariant_result=False,
-    ffi_attrs=_dispatch_attrs,
-    batcher=_PER_ELEMENT,
-    batch_dims=None,
-    global_view=_block_params,
-))
+moe_dispatch_p = _define("moe_dispatch", _dispatch_avals, _dispatch_attrs, multiple_results=True)
 
 
 def reshape_rows(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -445,16 +440,8 @@ def _send_avals(src, dest, pos, w, g, *, shards, **params):
 
 
 # Results: the transport's result (written after the call returns), the status block.
-moe_transport_send_p = primitive.define(primitive.CollectiveSpec(
-    name="moe_transport_send",
-    out_avals=_typed_like_first(_send_avals),
-    multiple_results=True,
-    invariant_result=False,
-    ffi_attrs=_mode_attr,
-    batcher=_refuse_vmap,
-    batch_dims=None,
-    global_view=_block_params,
-))
+moe_transport_send_p = _define("moe_transport_send", _send_avals, _mode_attr, batcher=_refuse_vmap,
+                               multiple_results=True)
 
 
 def _send_jvp(primals, tangents, **params):
@@ -485,17 +472,8 @@ def _recv_avals(data, table, *keep, **_):
 
 
 # Operands: the send half's results, then every operand it published (kept alive).
-moe_recv_p = primitive.define(primitive.CollectiveSpec(
-    name="moe_recv",
-    out_avals=_typed_like_first(_recv_avals),
-    multiple_results=True,
-    invariant_result=False,
-    ffi_attrs=lambda **_: {},
-    aliases={0: 0, 1: 1},  # the send half's results, completed in place: no copy
-    batcher=_refuse_vmap,
-    batch_dims=None,
-    global_view=_block_params,
-))
+moe_recv_p = _define("moe_recv", _recv_avals, lambda **_: {}, batcher=_refuse_vmap, multiple_results=True,
+                     aliases={0: 0, 1: 1})  # the send half's results, completed in place: no copy
 
 
 def _recv_jvp(primals, tangents, *, fused, **params):
