@@ -18,6 +18,10 @@ its extension afresh, so whatever they read from the environment at import (``JA
 they read from the command's, and a backend it creates reads its ``XLA_FLAGS``. What jax
 read at its own import cannot differ: ``JAX_*`` variables are refused.
 
+A child ends as the interpreter would: it waits for its non-daemon threads, runs its
+``atexit`` functions (jaxcomm's exit dump of the flight recorder is one), then exits with
+the command's status; a signal or ``os._exit`` ends it as it would end a process.
+
 For commands that end on their own within seconds (a crash ends only its child). Each
 child starts in the working directory ``cwd``: the tests' directory by default, so that a
 clean clone's source tree (no extension built in place) never shadows the installed
@@ -59,7 +63,7 @@ class Command:
 
 
 _RUN_EACH = r"""
-import json, os, runpy, sys, traceback
+import atexit, json, os, runpy, sys, threading, traceback
 import jax  # before the forks: no backend, no jaxcomm (each child imports it afresh)
 
 commands, out_dir = json.load(sys.stdin), sys.argv[1]
@@ -92,6 +96,14 @@ for i, (name, c) in enumerate(commands.items()):
         except BaseException:
             traceback.print_exc()
         finally:
+            # What the interpreter does at its end (Py_FinalizeEx): join the non-daemon
+            # threads, then run the atexit functions.
+            try:
+                threading._shutdown()
+                atexit._run_exitfuncs()
+            except BaseException:
+                traceback.print_exc()
+                code = code or 1
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
