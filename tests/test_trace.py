@@ -504,9 +504,25 @@ def test_analyzer_on_an_empty_directory(tmp_path):
 
 
 _MP_CHILD = r"""
-import os, sys
+import os, socket, sys, time
 import jax
-jax.distributed.initialize(os.environ["MP_COORD"], 2, int(os.environ["MP_ID"]),
+# Process 0 finds a free port for the coordinator and tells process 1 through a file.
+me = int(os.environ["MP_ID"])
+port_file = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "coordinator-port")
+if me == 0:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(port))
+    os.replace(port_file + ".tmp", port_file)
+else:
+    deadline = time.time() + 60
+    while not os.path.exists(port_file) and time.time() < deadline:
+        time.sleep(0.02)
+    with open(port_file) as f:
+        port = int(f.read())
+jax.distributed.initialize(f"127.0.0.1:{port}", 2, me,
                            heartbeat_timeout_seconds=30, shutdown_timeout_seconds=5)
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -537,34 +553,44 @@ os._exit(0)  # skip jax.distributed's shutdown barrier: nothing is left to agree
 """
 
 
-def _two_processes(tmp_path, fault, wait, mode="", transport="auto", match_programs="1"):
-    """Runs _MP_CHILD in 2 processes of 2 devices each; returns [(rc, stdout, stderr)]."""
-    out = tmp_path / "dumps"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for i in range(2):
-        env = _env(MP_COORD=f"127.0.0.1:{port}", MP_ID=str(i), MP_WAIT="1" if wait else "0",
-                   MP_MODE=mode, JAXCOMM_TRANSPORT=transport, JAXCOMM_MATCH_PROGRAMS=match_programs,
-                   XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXCOMM_FAULT=fault)
-        procs.append(subprocess.Popen([sys.executable, "-c", _MP_CHILD, str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      cwd=HERE))
-    results = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a process of the two-process job did not finish")
-        results.append((p.returncode, stdout, stderr))
-    return results, out
+#: The line of _MP_CHILD's mismatched call site (``python -c`` numbers them from 1).
+_MP_BODY_LINE = next(i for i, text in enumerate(_MP_CHILD.splitlines(), 1)
+                     if text.startswith("    body = lambda v:") and "all_gather" in text)
+
+#: The jobs of 2 processes x 2 devices running _MP_CHILD: name -> (JAXCOMM_FAULT, MP_WAIT
+#: (whether each waits for the other before it exits), MP_MODE, JAXCOMM_TRANSPORT,
+#: JAXCOMM_MATCH_PROGRAMS).
+TWO_PROCESS_RUNS = {
+    "hang": ("rank=2,op=all_reduce,call=3,action=hang", True, "", "auto", "1"),
+    "exit auto": ("process=1,op=all_reduce,call=3,action=exit", False, "", "auto", "1"),
+    "exit tcp": ("process=1,op=all_reduce,call=3,action=exit", False, "", "tcp", "1"),
+    "mismatch 1": ("", True, "mismatch", "auto", "1"),
+    "mismatch 0": ("", True, "mismatch", "auto", "0"),
+}
 
 
-def test_two_processes_hang_names_the_missing_rank(tmp_path):
-    results, out = _two_processes(tmp_path, "rank=2,op=all_reduce,call=3,action=hang", wait=True)
+@pytest.fixture(scope="module")
+def two_process_jobs(tmp_path_factory) -> dict[str, tuple[list[tuple[int, str, str]], pathlib.Path]]:
+    """Each job of TWO_PROCESS_RUNS: ([(rc, stdout, stderr)] of processes 0 and 1, the
+    directory of their dumps). One job after the other, its two processes at once, each
+    forked from one Python that imported jax (as ``children``)."""
+    commands, outs = {}, {}
+    for name, (fault, wait, mode, transport, match_programs) in TWO_PROCESS_RUNS.items():
+        out = tmp_path_factory.mktemp(name.replace(" ", "-")) / "dumps"
+        outs[name] = out
+        for i in range(2):
+            env = {**_CLEARED, "MP_ID": str(i), "MP_WAIT": "1" if wait else "0",
+                   "MP_MODE": mode, "JAXCOMM_TRANSPORT": transport,
+                   "JAXCOMM_MATCH_PROGRAMS": match_programs, "JAXCOMM_FAULT": fault,
+                   "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+            commands[f"{name} {i}"] = Command(code=_MP_CHILD, args=[out], env=env, wait=i == 1)
+    done = run_fresh(commands, timeout_s=280)
+    return {name: ([(p.returncode, p.stdout, p.stderr) for p in (done[f"{name} 0"], done[f"{name} 1"])],
+                   out) for name, out in outs.items()}
+
+
+def test_two_processes_hang_names_the_missing_rank(two_process_jobs):
+    results, out = two_process_jobs["hang"]
     for rc, stdout, stderr in results:
         assert "RAN-ERROR" in stdout, stdout + stderr[-2000:]
     report = analyzer.analyze(out)
@@ -579,9 +605,8 @@ def test_two_processes_hang_names_the_missing_rank(tmp_path):
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
-def test_two_processes_exit_names_the_dead_process(tmp_path, transport):
-    results, out = _two_processes(tmp_path, "process=1,op=all_reduce,call=3,action=exit",
-                                  wait=False, transport=transport)
+def test_two_processes_exit_names_the_dead_process(two_process_jobs, transport):
+    results, out = two_process_jobs[f"exit {transport}"]
     (rc0, stdout0, stderr0), (rc1, _, _) = results
     assert rc1 == 17
     assert "RAN-ERROR" in stdout0 and "with ranks [2 3] (partitions [2 3]) failed" in stdout0, (
@@ -598,8 +623,8 @@ def test_two_processes_exit_names_the_dead_process(tmp_path, transport):
 
 
 @pytest.mark.parametrize("match_programs", ["1", "0"])
-def test_two_processes_running_different_ops_are_a_mismatch(tmp_path, match_programs):
-    results, out = _two_processes(tmp_path, "", wait=True, mode="mismatch", match_programs=match_programs)
+def test_two_processes_running_different_ops_are_a_mismatch(two_process_jobs, match_programs):
+    results, out = two_process_jobs[f"mismatch {match_programs}"]
     # The processes traced different programs at one call site. By default their calls
     # are told apart by program (jaxcomm/_src/program.py): each side waits in its own
     # until the grace period shows the mismatch. Without the program in the key they
@@ -612,8 +637,9 @@ def test_two_processes_running_different_ops_are_a_mismatch(tmp_path, match_prog
     top = report.findings[0]
     assert top.execution == 1 and (top.waiting, top.culprits) == ([0, 1], [2, 3])
     if match_programs == "1":
-        assert "ranks [0, 1] (process 0) wait in all_reduce at <string>:11 (<lambda>) in jit__lambda#" in top.summary, top.summary
-        assert "ranks [2, 3] (process 1) wait in all_gather at <string>:11 (<lambda>) in jit__lambda#" in top.summary, top.summary
+        site = f"<string>:{_MP_BODY_LINE} (<lambda>) in jit__lambda#"
+        assert f"ranks [0, 1] (process 0) wait in all_reduce at {site}" in top.summary, top.summary
+        assert f"ranks [2, 3] (process 1) wait in all_gather at {site}" in top.summary, top.summary
     else:
         assert "ranks [0, 1] run all_reduce" in top.summary, top.summary
         assert "ranks [2, 3] run all_gather" in top.summary, top.summary
