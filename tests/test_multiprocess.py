@@ -230,8 +230,8 @@ os._exit(0)
 @pytest.fixture(scope="module")
 def shared_job() -> MPResult:
     """One job of 2 processes x 1 device over shared memory, default settings, for the
-    scenarios that fit one after the other in it (each job of its own started 2 Pythons,
-    jax and the coordination service again): check_ops.py (every_op's [2-1-auto] case),
+    scenarios that fit one after the other in it (a job of its own starts 2 Pythons that
+    import jax, and a coordination service): check_ops.py (every_op's [2-1-auto] case),
     then ONE_DECLINES_SINGLE_COPY, then LATE_PROCESS, which ends the job. A scenario that
     fails ends the job: the tests of the scenarios after it fail too, with its output."""
     return run_script(CHECK_OPS + ONE_DECLINES_SINGLE_COPY + LATE_PROCESS, 2, 1,

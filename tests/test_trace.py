@@ -2,8 +2,8 @@
 injection (JAXCOMM_FAULT).
 
 Fault runs happen in child processes (JAXCOMM_FAULT and JAXCOMM_TRACE_DIR are read once
-at start) with 2-3 s collective timeouts; the analyzer then reads their real dumps. The
-children of one process run once for the module (the ``children`` fixture), one after the
+at start) with 2-3 s collective timeouts; the analyzer then reads their real dumps. They
+run once for the module (fixtures ``children`` and ``two_process_jobs``), one after the
 other, each forked from one Python that imported jax (tests/fresh_util.py).
 """
 
@@ -16,9 +16,7 @@ import json
 import os
 import pathlib
 import re
-import socket
 import subprocess
-import sys
 from typing import NamedTuple
 
 import jax
@@ -33,8 +31,6 @@ from fresh_util import Command, run_fresh
 
 R = 8
 MESH = jax.make_mesh((R,), ("x",))
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
 
 
 def smap(body):
@@ -238,17 +234,6 @@ if mode == "signal":
     shutil.copy(jaxcomm.trace.dump_path(), os.path.join(out, "..", "signal.json"))
     print("SIGNAL-DUMPS", _jaxcomm.trace_auto_dumps(), flush=True)
 """
-
-
-def _env(**extra):
-    """This session's environment (8 CPU devices: tests/conftest.py), jaxcomm importable,
-    without fault or recorder settings."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    for k in ("JAXCOMM_FAULT", "JAXCOMM_TRACE_DIR", "JAXCOMM_TRACE_ENTRIES"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
 
 
 #: What a child gets of this session's recorder and fault settings: none (a command sets
