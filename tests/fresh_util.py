@@ -18,7 +18,16 @@ its extension afresh, so whatever they read from the environment at import (``JA
 they read from the command's, and a backend it creates reads its ``XLA_FLAGS``. What jax
 read at its own import cannot differ: ``JAX_*`` variables are refused.
 
-For commands that end on their own within seconds (a crash ends only its child). Each
+A child ends as the interpreter would: it waits for its non-daemon threads, runs its
+``atexit`` functions (jaxcomm's exit dump of the flight recorder is one), then exits with
+the command's status; a signal or ``os._exit`` ends it as it would end a process.
+
+A command made with ``wait=False`` does not hold up the next one: both run at once (the
+processes of a multi-process job), and the next command made with ``wait=True`` (the
+default) is the last one that starts before run_fresh waits for them all.
+
+For commands that end on their own within seconds (a crash ends only its child; a child
+whose forking Python ends, or is ended by the timeout, is killed too). Each
 child starts in the working directory ``cwd``: the tests' directory by default, so that a
 clean clone's source tree (no extension built in place) never shadows the installed
 jaxcomm.
@@ -49,6 +58,8 @@ class Command:
     code: str | None = None
     args: tuple[str, ...] | list[str] = ()
     env: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    #: Whether the next command waits for this one to end (else they run at once).
+    wait: bool = True
 
     def __post_init__(self) -> None:
         if (self.module is None) == (self.code is None):
@@ -59,17 +70,22 @@ class Command:
 
 
 _RUN_EACH = r"""
-import json, os, runpy, sys, traceback
+import atexit, ctypes, json, os, runpy, signal, sys, threading, traceback
 import jax  # before the forks: no backend, no jaxcomm (each child imports it afresh)
 
 commands, out_dir = json.load(sys.stdin), sys.argv[1]
-done = {}
+done, running = {}, []
 for i, (name, c) in enumerate(commands.items()):
     out, err = (os.path.join(out_dir, f"{i}.{s}") for s in ("out", "err"))
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            # Killed with this Python (PR_SET_PDEATHSIG), e.g. when run_fresh times out.
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+            if os.getppid() != parent:
+                os._exit(1)
             with open(out, "w") as o, open(err, "w") as e:
                 os.dup2(o.fileno(), 1)
                 os.dup2(e.fileno(), 2)
@@ -92,12 +108,24 @@ for i, (name, c) in enumerate(commands.items()):
         except BaseException:
             traceback.print_exc()
         finally:
+            # What the interpreter does at its end (Py_FinalizeEx): join the non-daemon
+            # threads, then run the atexit functions.
+            try:
+                threading._shutdown()
+                atexit._run_exitfuncs()
+            except BaseException:
+                traceback.print_exc()
+                code = code or 1
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    with open(out) as o, open(err) as e:
-        done[name] = [os.waitstatus_to_exitcode(status), o.read(), e.read()]
+    running.append((name, pid, out, err))
+    if c["wait"] or i == len(commands) - 1:
+        for name, pid, out, err in running:
+            _, status = os.waitpid(pid, 0)
+            with open(out) as o, open(err) as e:
+                done[name] = [os.waitstatus_to_exitcode(status), o.read(), e.read()]
+        running = []
 print(json.dumps(done))
 """
 
@@ -111,7 +139,7 @@ def run_fresh(commands: dict[str, Command], *, timeout_s: float = 240,
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     spec = {name: {"module": c.module, "code": c.code, "args": [str(a) for a in c.args],
-                   "env": c.env} for name, c in commands.items()}
+                   "env": c.env, "wait": c.wait} for name, c in commands.items()}
     with tempfile.TemporaryDirectory(prefix="jaxcomm-fresh-") as out_dir:
         proc = subprocess.run([sys.executable, "-c", _RUN_EACH, out_dir], input=json.dumps(spec),
                               env=env, capture_output=True, text=True, timeout=timeout_s, cwd=cwd)

@@ -59,8 +59,26 @@ STREAMED_CASES = [" all_reduce sum", " all_reduce max", " all_gather", " reduce_
 NT_RING = {"JAXCOMM_NONTEMPORAL_BYTES": "1", "JAXCOMM_SINGLE_COPY": "0"}
 
 
+def assert_every_op_checked(res: MPResult, processes: int, devices: int, transport: str) -> None:
+    """Every case of check_ops.py's meshes and axes checked, in every process: none
+    silently skipped."""
+    tags = {"p": ["moe packed"], "l": [], "pl": ["moe padded"], "transposed p": ["moe padded"],
+            "transposed lp": ["moe packed"]} if devices > 1 else {"x": ["moe packed", "moe padded"]}
+    streamed_tags = ["pl", "transposed p"] if devices > 1 else ["x"]
+    want = {f"{t} {c}" for t, moe in tags.items() for c in CHECKED_CASES + moe} | {
+        f"{t} streamed{c}" for t in streamed_tags for c in STREAMED_CASES}
+    if transport == "hosts":
+        want.add("hierarchical")
+    for rank in range(processes):
+        assert "ALL CHECKED" in res.output[rank], res.format()
+        checked = [line.split("CHECKED ", 1)[1] for line in res.output[rank].splitlines()
+                   if line.startswith("CHECKED ")]
+        assert sorted(checked) == sorted(want), res.format()
+
+
+# The case [2-1-auto] (2 processes of 1 device, shared memory, default settings) runs in
+# shared_job, below.
 @pytest.mark.parametrize("processes,devices,transport,settings", [
-    (2, 1, "auto", {}),
     (2, 2, "auto", NT_RING),
     (4, 1, "auto", {}),
     (2, 2, "tcp", {}),
@@ -75,26 +93,17 @@ def test_every_op_matches_numpy_across_processes(processes: int, devices: int, t
     env = {"JAXCOMM_TRANSPORT": "auto" if transport == "hosts" else transport, **settings}
     res = run_script(body, processes, devices, env=env, timeout_s=180)
     assert_ok(res)
-    # Every case of every mesh and axis checked, in every process: none silently skipped.
-    tags = {"p": ["moe packed"], "l": [], "pl": ["moe padded"], "transposed p": ["moe padded"],
-            "transposed lp": ["moe packed"]} if devices > 1 else {"x": ["moe packed", "moe padded"]}
-    streamed_tags = ["pl", "transposed p"] if devices > 1 else ["x"]
-    want = {f"{t} {c}" for t, moe in tags.items() for c in CHECKED_CASES + moe} | {
-        f"{t} streamed{c}" for t in streamed_tags for c in STREAMED_CASES}
-    if transport == "hosts":
-        want.add("hierarchical")
-    for rank in range(processes):
-        assert "ALL CHECKED" in res.output[rank], res.format()
-        checked = [line.split("CHECKED ", 1)[1] for line in res.output[rank].splitlines()
-                   if line.startswith("CHECKED ")]
-        assert sorted(checked) == sorted(want), res.format()
+    assert_every_op_checked(res, processes, devices, transport)
     assert_no_segments_left(res)
 
 
 # A streamed round reads the peers' memory directly only if every process of it offers
-# to: here process 1 turns it off, and both must then use the ring.
+# to: here process 1 turns it off (its links to the others still read directly), and both
+# must then use the ring.
 ONE_DECLINES_SINGLE_COPY = """
 from jaxcomm import _jaxcomm
+jaxcomm.reset_stats()
+rounds, offered = _jaxcomm.single_copy_rounds(), _jaxcomm.single_copy()
 if RANK == 1:
     _jaxcomm.set_single_copy(False)
 mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
@@ -107,15 +116,9 @@ for _ in range(3):
 want = np.arange(2 * n, dtype=np.float32).reshape(2, n)[1 - RANK]
 np.testing.assert_array_equal(np.asarray(out.addressable_shards[0].data), want)
 assert {s.algorithm for s in jaxcomm.stats()} == {"shm stream"}, jaxcomm.stats()
-print("SINGLE COPY ROUNDS", _jaxcomm.single_copy_rounds(), flush=True)
+print("SINGLE COPY ROUNDS", _jaxcomm.single_copy_rounds() - rounds, flush=True)
+_jaxcomm.set_single_copy(offered)
 """
-
-
-def test_single_copy_needs_every_process_to_offer_it() -> None:
-    res = run_script(ONE_DECLINES_SINGLE_COPY, 2, 1, timeout_s=60)
-    assert_ok(res)
-    for rank in range(2):
-        assert "SINGLE COPY ROUNDS 0" in res.output[rank], res.format()
 
 
 # The last process dies while the others are inside the loop's collectives. The script
@@ -224,8 +227,34 @@ os._exit(0)
 """
 
 
-def test_late_process_within_the_deadline_completes_past_it_fails_at_the_deadline() -> None:
-    res = run_script(LATE_PROCESS, 2, 1, timeout_s=60, grace_s=10)
+@pytest.fixture(scope="module")
+def shared_job() -> MPResult:
+    """One job of 2 processes x 1 device over shared memory, default settings, for the
+    scenarios that fit one after the other in it (a job of its own starts 2 Pythons that
+    import jax, and a coordination service): check_ops.py (every_op's [2-1-auto] case),
+    then ONE_DECLINES_SINGLE_COPY, then LATE_PROCESS, which ends the job. A scenario that
+    fails ends the job: the tests of the scenarios after it fail too, with its output."""
+    return run_script(CHECK_OPS + ONE_DECLINES_SINGLE_COPY + LATE_PROCESS, 2, 1,
+                      env={"JAXCOMM_TRANSPORT": "auto"}, timeout_s=240, grace_s=10)
+
+
+def test_every_op_matches_numpy_across_two_processes(shared_job: MPResult) -> None:
+    """test_every_op_matches_numpy_across_processes's case [2-1-auto]."""
+    assert_ok(shared_job)
+    assert_every_op_checked(shared_job, 2, 1, "auto")
+    assert_no_segments_left(shared_job)
+
+
+def test_single_copy_needs_every_process_to_offer_it(shared_job: MPResult) -> None:
+    res = shared_job
+    assert_ok(res)
+    for rank in range(2):
+        assert "SINGLE COPY ROUNDS 0" in res.output[rank], res.format()
+
+
+def test_late_process_within_the_deadline_completes_past_it_fails_at_the_deadline(
+        shared_job: MPResult) -> None:
+    res = shared_job
     for rank in range(2):
         assert f"WITHIN {[0.0, 1.0]}" in res.output[rank], res.format()
     line = next((l for l in res.output[0].splitlines() if "ERROR" in l), "")

@@ -2,7 +2,9 @@
 injection (JAXCOMM_FAULT).
 
 Fault runs happen in child processes (JAXCOMM_FAULT and JAXCOMM_TRACE_DIR are read once
-at start) with 2-3 s collective timeouts; the analyzer then reads their real dumps.
+at start) with 2-3 s collective timeouts; the analyzer then reads their real dumps. They
+run once for the module (fixtures ``children`` and ``two_process_jobs``), one after the
+other, each forked from one Python that imported jax (tests/fresh_util.py).
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import contextlib
 import io
 import json
 import os
+import pathlib
 import re
-import socket
 import subprocess
-import sys
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -25,11 +27,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxcomm
 from jaxcomm.trace import __main__ as trace_main
 from jaxcomm.trace import analyzer, causes, exporter, ringfile
+from fresh_util import Command, run_fresh
 
 R = 8
 MESH = jax.make_mesh((R,), ("x",))
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
 
 
 def smap(body):
@@ -235,35 +236,81 @@ if mode == "signal":
 """
 
 
-def _env(**extra):
-    """This session's environment (8 CPU devices: tests/conftest.py), jaxcomm importable,
-    without fault or recorder settings."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    for k in ("JAXCOMM_FAULT", "JAXCOMM_TRACE_DIR", "JAXCOMM_TRACE_ENTRIES"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
+#: What a child gets of this session's recorder and fault settings: none (a command sets
+#: its own).
+_CLEARED = {"JAXCOMM_FAULT": None, "JAXCOMM_TRACE_DIR": None, "JAXCOMM_TRACE_ENTRIES": None}
+
+#: The runs of _CHILD: name -> (mode, JAXCOMM_FAULT).
+FAULT_RUNS = {
+    "clean": ("signal", None),
+    "hang": ("hang", "rank=3,op=all_reduce,call=5,action=hang"),
+    "stuck": ("stuck", "rank=6,op=all_gather,call=2,action=hang"),
+    # Two faults: the second selects no call of this program (no broadcast) and must not fire.
+    "delay": ("delay", "rank=5,op=all_gather,call=2,action=delay:1.5; op=broadcast,action=exit"),
+    "late": ("late", "rank=4,op=all_reduce,call=2,action=delay:3"),
+    "mismatch": ("mismatch", None),
+    "exit": ("exit", "rank=2,op=all_reduce,call=2,action=exit"),
+}
+#: The runs of _KILLED: name -> JAXCOMM_FAULT.
+KILLED_RUNS = {"killed": None, "killed after a hang": "rank=5,op=all_reduce,call=4,action=hang"}
 
 
-def _child(tmp_path, mode, fault=None, timeout=120):
-    out = tmp_path / "dumps"
-    out.mkdir(exist_ok=True)
-    env = _env(JAXCOMM_TRACE_DIR=str(out), **({"JAXCOMM_FAULT": fault} if fault else {}))
-    # cwd: not the repository root, whose jaxcomm/ would shadow the installed package.
-    proc = subprocess.run([sys.executable, "-c", _CHILD, mode, str(out)], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=HERE)
-    return proc, out
+class Child(NamedTuple):
+    """A child's exit status and output (``proc``), its JAXCOMM_TRACE_DIR (``out``, in
+    ``tmp``, a directory of its own)."""
+
+    proc: subprocess.CompletedProcess
+    out: pathlib.Path
+    tmp: pathlib.Path
 
 
-def _cli(*args, fresh: bool = False) -> subprocess.CompletedProcess:
-    """``python -m jaxcomm.trace ARGS``: its exit status and output. Run here (the
-    module's main(), as the command runs it), or with ``fresh`` in a new Python as a user
-    types it: that one starts jax again, 2-3 s of CPU, so one test does it."""
+@pytest.fixture(scope="module")
+def children(tmp_path_factory) -> dict[str, Child]:
+    """Every child process of this module but the two-process jobs, by name.
+
+    Each starts as ``python -c`` (or ``-m``) would, with its own JAXCOMM_* settings; a
+    real new Python for each would import jax again, 2-3 s of CPU each."""
+    commands, dirs = {}, {}
+
+    def add(name, command_for_out):
+        tmp = tmp_path_factory.mktemp(name.replace(" ", "-"))
+        dirs[name] = (tmp / "dumps", tmp)
+        commands[name] = command_for_out(tmp / "dumps")
+
+    for name, (mode, fault) in FAULT_RUNS.items():
+        add(name, lambda out, mode=mode, fault=fault: Command(
+            code=_CHILD, args=[mode, out], env={**_CLEARED, "JAXCOMM_TRACE_DIR": str(out),
+                                                 "JAXCOMM_FAULT": fault}))
+    # The analyzer's command as a user types it (the other tests call its main() here),
+    # on the clean run's dumps: after that run.
+    clean_out = dirs["clean"][0]
+    add("analyze clean", lambda out: Command(
+        module="jaxcomm.trace", args=["analyze", clean_out, "--straggler-ms", 1000], env=_CLEARED))
+    for name, fault in KILLED_RUNS.items():
+        add(name, lambda out, fault=fault: Command(
+            code=_KILLED, args=["1" if fault else "30"],
+            env={**_CLEARED, "JAXCOMM_TRACE_DIR": str(out), "JAXCOMM_FAULT": fault}))
+    add("entries zero", lambda out: Command(
+        code=_ENTRIES_ZERO, env={**_CLEARED, "JAXCOMM_TRACE_ENTRIES": "0"}))
+    add("malformed fault", lambda out: Command(
+        code="import jaxcomm", env={**_CLEARED, "JAXCOMM_FAULT": "rank=1,action=explode"}))
+    # The launcher imports jaxcomm too: it must not look like one more process 0.
+    add("records nothing", lambda out: Command(
+        code="import jaxcomm", env={**_CLEARED, "JAXCOMM_TRACE_DIR": str(out)}))
+    for out, _ in dirs.values():
+        out.mkdir()
+    done = run_fresh(commands, timeout_s=280)
+    return {name: Child(done[name], *dirs[name]) for name in commands}
+
+
+def _run(children, name) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
+    return children[name].proc, children[name].out
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    """``python -m jaxcomm.trace ARGS``: its exit status and output, run here (the
+    module's main(), as the command runs it; ``children`` runs it as a user types it)."""
     argv = [str(a) for a in args]
-    if fresh:
-        return subprocess.run([sys.executable, "-m", "jaxcomm.trace", *argv], env=_env(),
-                              capture_output=True, text=True, timeout=120, cwd=HERE)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = trace_main.main(argv)
@@ -278,21 +325,20 @@ def _exit_dump(out):
 
 
 @pytest.fixture(scope="module")
-def clean_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("clean")
-    proc, out = _child(tmp, "signal")
+def clean_run(children):
+    proc, out, tmp = children["clean"]
     assert proc.returncode == 0 and "RAN-OK" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     return proc, out, tmp
 
 
-def test_clean_run_verdict_and_exit_dump(clean_run):
+def test_clean_run_verdict_and_exit_dump(clean_run, children):
     proc, out, tmp = clean_run
     assert _exit_dump(out)["reason"] == "exit"
     # A loaded machine may delay a device thread by tens of ms: a generous threshold.
     report = analyzer.analyze(out, straggler_ms=1000)
     assert report.kind == "clean" and report.exit_code == 0, report.text()
     assert report.calls == 12 and report.ranks == list(range(R))
-    cli = _cli("analyze", out, "--straggler-ms", 1000, fresh=True)
+    cli = children["analyze clean"].proc
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert cli.stdout.splitlines()[0].startswith("verdict: clean: 12 calls on 8 ranks")
 
@@ -328,8 +374,8 @@ def test_plot(clean_run, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_injected_hang_names_the_missing_rank(tmp_path):
-    proc, out = _child(tmp_path, "hang", "rank=3,op=all_reduce,call=5,action=hang")
+def test_injected_hang_names_the_missing_rank(children):
+    proc, out = _run(children, "hang")
     assert "RAN-ERROR" in proc.stdout and "waiting for ranks [3]" in proc.stdout, proc.stdout
     assert "AUTO-DUMPS 1" in proc.stdout or "AUTO-DUMPS 2" in proc.stdout, proc.stdout
     report = analyzer.analyze(out)
@@ -344,8 +390,8 @@ def test_injected_hang_names_the_missing_rank(tmp_path):
     assert "execution 5" in first
 
 
-def test_sigusr1_dump_of_a_stuck_job_names_the_missing_rank(tmp_path):
-    proc, out = _child(tmp_path, "stuck", "rank=6,op=all_gather,call=2,action=hang")
+def test_sigusr1_dump_of_a_stuck_job_names_the_missing_rank(children):
+    proc, out, tmp_path = children["stuck"]
     assert "RAN-ERROR" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     with open(tmp_path / "stuck" / "dump.json") as f:
         d = json.load(f)
@@ -361,10 +407,8 @@ def test_sigusr1_dump_of_a_stuck_job_names_the_missing_rank(tmp_path):
     assert analyzer.analyze(tmp_path / "stuck", stuck_s=60).kind in ("clean", "straggler")
 
 
-def test_injected_delay_names_the_straggler(tmp_path):
-    # Two faults: the second selects no call of this program (no broadcast) and must not fire.
-    proc, out = _child(tmp_path, "delay",
-                       "rank=5,op=all_gather,call=2,action=delay:1.5; op=broadcast,action=exit")
+def test_injected_delay_names_the_straggler(children):
+    proc, out = _run(children, "delay")
     assert "RAN-OK" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     report = analyzer.analyze(out)
     assert report.kind == "straggler" and report.exit_code == 2, report.text()
@@ -376,8 +420,8 @@ def test_injected_delay_names_the_straggler(tmp_path):
     assert cli.stdout.startswith("verdict: STRAGGLER: rank 5 arrived"), cli.stdout
 
 
-def test_rank_later_than_the_deadline_is_named(tmp_path):
-    proc, out = _child(tmp_path, "late", "rank=4,op=all_reduce,call=2,action=delay:3")
+def test_rank_later_than_the_deadline_is_named(children):
+    proc, out = _run(children, "late")
     assert "RAN-ERROR" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     report = analyzer.analyze(out)
     assert report.kind == "hang", report.text()
@@ -387,8 +431,8 @@ def test_rank_later_than_the_deadline_is_named(tmp_path):
     assert "had timed out" in top.summary
 
 
-def test_mismatched_ops_are_a_program_mismatch(tmp_path):
-    proc, out = _child(tmp_path, "mismatch")
+def test_mismatched_ops_are_a_program_mismatch(children):
+    proc, out = _run(children, "mismatch")
     assert "RAN-ERROR" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     # Failed as a mismatch within its grace period (a tenth of the 2 s deadline), not by it.
     assert "MISMATCH: " in proc.stdout and "timed out" not in proc.stdout, proc.stdout
@@ -402,34 +446,36 @@ def test_mismatched_ops_are_a_program_mismatch(tmp_path):
     assert _cli("analyze", out).returncode == 1
 
 
-def test_injected_exit(tmp_path):
-    proc, out = _child(tmp_path, "exit", "rank=2,op=all_reduce,call=2,action=exit")
+def test_injected_exit(children):
+    proc, out = _run(children, "exit")
     assert proc.returncode == 17, proc.stdout + proc.stderr[-2000:]
     assert "JAXCOMM_FAULT 'rank=2,op=all_reduce,call=2,action=exit' fired" in proc.stderr
     assert list(out.glob("*.json")) == []  # like a crash: no exit dump
 
 
-def test_trace_entries_zero_turns_the_recorder_off():
-    code = ("import jax, jax.numpy as jnp, jaxcomm\n"
-            "from jax.sharding import NamedSharding, PartitionSpec as P\n"
-            "mesh = jax.make_mesh((8,), ('x',))\n"
-            "x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('x')))\n"
-            "f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, 'x'), mesh=mesh,\n"
-            "                          in_specs=P('x'), out_specs=P('x')))\n"
-            "import numpy as np; print('SUM', float(np.asarray(f(x))[0, 0]))\n"
-            "jaxcomm.trace.set_enabled(True)  # no rings: stays off\n"
-            "s = jaxcomm.trace.snapshot()\n"
-            "print('OFF', jaxcomm.trace.enabled(), len(s['entries']), s['entries_per_rank'],\n"
-            "      jaxcomm.stats())\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=_env(JAXCOMM_TRACE_ENTRIES="0"), timeout=240, cwd=HERE)
+_ENTRIES_ZERO = r"""
+import jax, jax.numpy as jnp, jaxcomm
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((8,), ('x',))
+x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('x')))
+f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, 'x'), mesh=mesh,
+                          in_specs=P('x'), out_specs=P('x')))
+import numpy as np; print('SUM', float(np.asarray(f(x))[0, 0]))
+jaxcomm.trace.set_enabled(True)  # no rings: stays off
+s = jaxcomm.trace.snapshot()
+print('OFF', jaxcomm.trace.enabled(), len(s['entries']), s['entries_per_rank'],
+      jaxcomm.stats())
+"""
+
+
+def test_trace_entries_zero_turns_the_recorder_off(children):
+    proc = children["entries zero"].proc
     assert "SUM 8.0" in proc.stdout and "OFF False 0 0 []" in proc.stdout, (
         proc.stdout + proc.stderr[-2000:])
 
 
-def test_malformed_fault_is_rejected():
-    proc = subprocess.run([sys.executable, "-c", "import jaxcomm"], capture_output=True, text=True,
-                          env=_env(JAXCOMM_FAULT="rank=1,action=explode"), timeout=240, cwd=HERE)
+def test_malformed_fault_is_rejected(children):
+    proc = children["malformed fault"].proc
     assert proc.returncode != 0
     assert "JAXCOMM_FAULT: in 'rank=1,action=explode': unknown action 'explode'" in proc.stderr
 
@@ -443,9 +489,25 @@ def test_analyzer_on_an_empty_directory(tmp_path):
 
 
 _MP_CHILD = r"""
-import os, sys
+import os, socket, sys, time
 import jax
-jax.distributed.initialize(os.environ["MP_COORD"], 2, int(os.environ["MP_ID"]),
+# Process 0 finds a free port for the coordinator and tells process 1 through a file.
+me = int(os.environ["MP_ID"])
+port_file = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "coordinator-port")
+if me == 0:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(port))
+    os.replace(port_file + ".tmp", port_file)
+else:
+    deadline = time.time() + 60
+    while not os.path.exists(port_file) and time.time() < deadline:
+        time.sleep(0.02)
+    with open(port_file) as f:
+        port = int(f.read())
+jax.distributed.initialize(f"127.0.0.1:{port}", 2, me,
                            heartbeat_timeout_seconds=30, shutdown_timeout_seconds=5)
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -476,34 +538,44 @@ os._exit(0)  # skip jax.distributed's shutdown barrier: nothing is left to agree
 """
 
 
-def _two_processes(tmp_path, fault, wait, mode="", transport="auto", match_programs="1"):
-    """Runs _MP_CHILD in 2 processes of 2 devices each; returns [(rc, stdout, stderr)]."""
-    out = tmp_path / "dumps"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for i in range(2):
-        env = _env(MP_COORD=f"127.0.0.1:{port}", MP_ID=str(i), MP_WAIT="1" if wait else "0",
-                   MP_MODE=mode, JAXCOMM_TRANSPORT=transport, JAXCOMM_MATCH_PROGRAMS=match_programs,
-                   XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXCOMM_FAULT=fault)
-        procs.append(subprocess.Popen([sys.executable, "-c", _MP_CHILD, str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      cwd=HERE))
-    results = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a process of the two-process job did not finish")
-        results.append((p.returncode, stdout, stderr))
-    return results, out
+#: The line of _MP_CHILD's mismatched call site (``python -c`` numbers them from 1).
+_MP_BODY_LINE = next(i for i, text in enumerate(_MP_CHILD.splitlines(), 1)
+                     if text.startswith("    body = lambda v:") and "all_gather" in text)
+
+#: The jobs of 2 processes x 2 devices running _MP_CHILD: name -> (JAXCOMM_FAULT, MP_WAIT
+#: (whether each waits for the other before it exits), MP_MODE, JAXCOMM_TRANSPORT,
+#: JAXCOMM_MATCH_PROGRAMS).
+TWO_PROCESS_RUNS = {
+    "hang": ("rank=2,op=all_reduce,call=3,action=hang", True, "", "auto", "1"),
+    "exit auto": ("process=1,op=all_reduce,call=3,action=exit", False, "", "auto", "1"),
+    "exit tcp": ("process=1,op=all_reduce,call=3,action=exit", False, "", "tcp", "1"),
+    "mismatch 1": ("", True, "mismatch", "auto", "1"),
+    "mismatch 0": ("", True, "mismatch", "auto", "0"),
+}
 
 
-def test_two_processes_hang_names_the_missing_rank(tmp_path):
-    results, out = _two_processes(tmp_path, "rank=2,op=all_reduce,call=3,action=hang", wait=True)
+@pytest.fixture(scope="module")
+def two_process_jobs(tmp_path_factory) -> dict[str, tuple[list[tuple[int, str, str]], pathlib.Path]]:
+    """Each job of TWO_PROCESS_RUNS: ([(rc, stdout, stderr)] of processes 0 and 1, the
+    directory of their dumps). One job after the other, its two processes at once, each
+    forked from one Python that imported jax (as ``children``)."""
+    commands, outs = {}, {}
+    for name, (fault, wait, mode, transport, match_programs) in TWO_PROCESS_RUNS.items():
+        out = tmp_path_factory.mktemp(name.replace(" ", "-")) / "dumps"
+        outs[name] = out
+        for i in range(2):
+            env = {**_CLEARED, "MP_ID": str(i), "MP_WAIT": "1" if wait else "0",
+                   "MP_MODE": mode, "JAXCOMM_TRANSPORT": transport,
+                   "JAXCOMM_MATCH_PROGRAMS": match_programs, "JAXCOMM_FAULT": fault,
+                   "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+            commands[f"{name} {i}"] = Command(code=_MP_CHILD, args=[out], env=env, wait=i == 1)
+    done = run_fresh(commands, timeout_s=280)
+    return {name: ([(p.returncode, p.stdout, p.stderr) for p in (done[f"{name} 0"], done[f"{name} 1"])],
+                   out) for name, out in outs.items()}
+
+
+def test_two_processes_hang_names_the_missing_rank(two_process_jobs):
+    results, out = two_process_jobs["hang"]
     for rc, stdout, stderr in results:
         assert "RAN-ERROR" in stdout, stdout + stderr[-2000:]
     report = analyzer.analyze(out)
@@ -518,9 +590,8 @@ def test_two_processes_hang_names_the_missing_rank(tmp_path):
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
-def test_two_processes_exit_names_the_dead_process(tmp_path, transport):
-    results, out = _two_processes(tmp_path, "process=1,op=all_reduce,call=3,action=exit",
-                                  wait=False, transport=transport)
+def test_two_processes_exit_names_the_dead_process(two_process_jobs, transport):
+    results, out = two_process_jobs[f"exit {transport}"]
     (rc0, stdout0, stderr0), (rc1, _, _) = results
     assert rc1 == 17
     assert "RAN-ERROR" in stdout0 and "with ranks [2 3] (partitions [2 3]) failed" in stdout0, (
@@ -537,8 +608,8 @@ def test_two_processes_exit_names_the_dead_process(tmp_path, transport):
 
 
 @pytest.mark.parametrize("match_programs", ["1", "0"])
-def test_two_processes_running_different_ops_are_a_mismatch(tmp_path, match_programs):
-    results, out = _two_processes(tmp_path, "", wait=True, mode="mismatch", match_programs=match_programs)
+def test_two_processes_running_different_ops_are_a_mismatch(two_process_jobs, match_programs):
+    results, out = two_process_jobs[f"mismatch {match_programs}"]
     # The processes traced different programs at one call site. By default their calls
     # are told apart by program (jaxcomm/_src/program.py): each side waits in its own
     # until the grace period shows the mismatch. Without the program in the key they
@@ -551,8 +622,9 @@ def test_two_processes_running_different_ops_are_a_mismatch(tmp_path, match_prog
     top = report.findings[0]
     assert top.execution == 1 and (top.waiting, top.culprits) == ([0, 1], [2, 3])
     if match_programs == "1":
-        assert "ranks [0, 1] (process 0) wait in all_reduce at <string>:11 (<lambda>) in jit__lambda#" in top.summary, top.summary
-        assert "ranks [2, 3] (process 1) wait in all_gather at <string>:11 (<lambda>) in jit__lambda#" in top.summary, top.summary
+        site = f"<string>:{_MP_BODY_LINE} (<lambda>) in jit__lambda#"
+        assert f"ranks [0, 1] (process 0) wait in all_reduce at {site}" in top.summary, top.summary
+        assert f"ranks [2, 3] (process 1) wait in all_gather at {site}" in top.summary, top.summary
     else:
         assert "ranks [0, 1] run all_reduce" in top.summary, top.summary
         assert "ranks [2, 3] run all_gather" in top.summary, top.summary
@@ -580,12 +652,10 @@ os.kill(os.getpid(), signal.SIGKILL)  # no exit dump, no atexit: only the ring f
 """
 
 
-@pytest.mark.parametrize("fault", [None, "rank=5,op=all_reduce,call=4,action=hang"])
-def test_ring_file_outlives_a_killed_process(tmp_path, fault):
-    out = tmp_path / "dumps"
-    env = _env(JAXCOMM_TRACE_DIR=str(out), **({"JAXCOMM_FAULT": fault} if fault else {}))
-    proc = subprocess.run([sys.executable, "-c", _KILLED, "1" if fault else "30"], env=env,
-                          capture_output=True, text=True, timeout=120, cwd=HERE)
+@pytest.mark.parametrize("run", sorted(KILLED_RUNS))
+def test_ring_file_outlives_a_killed_process(children, run):
+    fault = KILLED_RUNS[run]
+    proc, out = _run(children, run)
     assert proc.returncode == -9, proc.stdout + proc.stderr[-2000:]
     rings = sorted(out.glob("jaxcomm-ring-p0-*.bin"))
     assert len(rings) == 1, list(out.iterdir())
@@ -610,13 +680,10 @@ def test_ring_file_outlives_a_killed_process(tmp_path, fault):
     assert report.kind == "hang" and report.findings[0].culprits == [5], report.text()
 
 
-def test_a_process_that_records_nothing_leaves_no_file(tmp_path):
-    # The launcher imports jaxcomm too: it must not look like one more process 0.
-    proc = subprocess.run([sys.executable, "-c", "import jaxcomm"], capture_output=True,
-                          text=True, env=_env(JAXCOMM_TRACE_DIR=str(tmp_path)), timeout=240,
-                          cwd=HERE)
+def test_a_process_that_records_nothing_leaves_no_file(children):
+    proc, out = _run(children, "records nothing")
     assert proc.returncode == 0, proc.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert list(out.iterdir()) == []
 
 
 def test_ringfile_read_refuses_what_is_not_one(tmp_path):
