@@ -77,15 +77,18 @@ def _differentiable(form, layer, x, ids, w):
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype,case", [(jnp.float32, "small"), (jnp.bfloat16, "small"),
-                                        (jnp.float16, "small"), (jnp.bfloat16, "many_slots")])
+                                        (jnp.float16, "small"), (jnp.bfloat16, "many_slots"),
+                                        (jnp.float32, "special"), (jnp.bfloat16, "special")])
 def test_combine_accumulates_half_precision_in_float32(dtype, case, form):
     """y equals the float32 sums in the kernels' order, rounded once to the token dtype.
 
-    many_slots: tokens with more slots on one rank than the host kernel sums in one pass
-    (4), on the first rank a token reaches and on later ones, and rows longer than the
-    kernel's column chunk (4096)."""
-    if case == "small":
-        T, K, E, H = 6, 3, 16, 37  # H not a multiple of the vector width
+    many_slots: tokens with several slots on one rank, on the first rank a token reaches
+    and on later ones, and rows of 4100 columns (a tail after the host kernel's 16- or
+    32-column blocks). special: zeros of both signs, infinities and NaNs in the expert rows
+    and negative and zero weights; compared bit for bit (signed zeros included), NaN where
+    the reference has NaN."""
+    if case in ("small", "special"):
+        T, K, E, H = 6, 3, 16, 37 if case == "small" else 70  # H not a multiple of the vector width
         ids = routing(T, K, E, seed=50)
     else:
         T, K, E, H = 4, 12, 16, 4100
@@ -96,6 +99,13 @@ def test_combine_accumulates_half_precision_in_float32(dtype, case, form):
     rng = np.random.default_rng(51)
     x = rng.normal(size=(R, T, H)).astype(dtype)
     w = rng.random((R, T, K)).astype(np.float32)
+    if case == "special":
+        for col, v in enumerate([0.0, -0.0, np.inf, -np.inf, np.nan]):
+            x[:, :, col::9] = v
+        x[:, :, 5::9] = -0.0
+        x[:, ::2, 6::9] = 0.0       # every term of some columns a zero of either sign
+        w[:, ::3, :] *= -1.0
+        w[:, 1::4, 0] = 0.0
 
     def f(x, ids, w):
         ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
@@ -105,7 +115,17 @@ def test_combine_accumulates_half_precision_in_float32(dtype, case, form):
     want_ex, _, row_of, _ = np_dispatch(x, ids, E)
     np.testing.assert_array_equal(ex, want_ex)
     assert y.dtype == np.dtype(dtype)
-    np.testing.assert_array_equal(y, np_combine_f32(want_ex, row_of, w, T, H, dtype))
+    with np.errstate(invalid="ignore"):  # inf * 0 in the special case
+        want = np_combine_f32(want_ex, row_of, w, T, H, dtype)
+    if case != "special":
+        np.testing.assert_array_equal(y, want)
+        return
+    nan = np.isnan(want.astype(np.float32))
+    zeros = want[~nan][want[~nan] == 0]
+    assert nan.any() and np.signbit(zeros).any() and not np.signbit(zeros).all()
+    np.testing.assert_array_equal(np.isnan(y.astype(np.float32)), nan)
+    bits = np.uint16 if np.dtype(dtype).itemsize == 2 else np.uint32
+    np.testing.assert_array_equal(y.view(bits)[~nan], want.view(bits)[~nan])
 
 
 def test_half_precision_combine_gradients():

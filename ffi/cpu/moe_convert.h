@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "core/number_formats.h"
 
@@ -47,53 +48,151 @@ decltype(auto) WithReal(Real t, F&& f) {
   }
 }
 
-// How SumRows combines acc[h] with its rows' terms a_j * x_j[h] (j = 0..M-1, added left to
-// right, every product and sum rounded once, so that a sum split over several passes
-// rounds as one pass would):
-//   kSet:       acc = a_0 x_0 + ... + a_{M-1} x_{M-1}
-//   kChain:     acc = acc + a_0 x_0 + ... (continues a partial sum)
-//   kMerge:     acc = acc + (a_0 x_0 + ...)
-//   kMergeFrom: acc = acc + (part + a_0 x_0 + ...) (finishes the partial sum `part`, adds it)
-enum class Sum { kSet, kChain, kMerge, kMergeFrom };
+// Eight float32 lanes as one value (GCC/Clang vector extensions): the combine's sums stay
+// in registers across all of a token's rows, where an array would go through L1 on every
+// row. On the AVX2 clone one ymm register; on the baseline two xmm.
+typedef float F32x8 __attribute__((vector_size(32)));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
 
-// One pass over columns [h0, h0 + n) of M rows (In's type), acc[0, n) and part[0, n) in
-// float32: each row is read once and each sum stays in a register, where one pass per row
-// would read and write acc M times.
-template <typename In, int M, Sum kHow>
-JAXCOMM_ROW_KERNEL void SumRows(float* acc, const float* part, const void* const* rows, const float* a,
-                                int64_t h0, int64_t n) {
-  const typename In::Storage* x[M];
-  float w[M];
-  for (int j = 0; j < M; ++j) {
-    x[j] = static_cast<const typename In::Storage*>(rows[j]) + h0;
-    w[j] = a[j];
+// One 64-byte cache line of a row of In's type, as float32 lanes. The lanes are in column
+// order, except bfloat16's: each 16 columns are loaded as eight 32-bit words, whose low
+// halves (shifted up) are the even columns and whose high halves the odd ones, two integer
+// operations in place of a widening shuffle per eight columns. Sums never mix lanes, so the
+// order only matters when a line is stored (StoreLine).
+template <typename In>
+struct RowLine {
+  using Storage = typename In::Storage;
+  static constexpr int kColumns = 64 / static_cast<int>(sizeof(Storage));
+  static constexpr int kVecs = kColumns / 8;
+  static constexpr bool kEvenOdd = std::is_same_v<In, BF16T>;
+
+  static void Load(const Storage* x, F32x8* v) {
+    if constexpr (kEvenOdd) {
+      for (int i = 0; i < kVecs / 2; ++i) {
+        U32x8 w;
+        std::memcpy(&w, x + 16 * i, sizeof w);
+        const U32x8 even = w << 16, odd = w & 0xFFFF0000u;
+        std::memcpy(&v[2 * i], &even, sizeof even);
+        std::memcpy(&v[2 * i + 1], &odd, sizeof odd);
+      }
+    } else if constexpr (std::is_same_v<In, F32T>) {
+      // One copy per vector: a single 64-byte copy went through the stack in 16-byte
+      // pieces, and the vector reads of them stalled on store forwarding.
+      for (int i = 0; i < kVecs; ++i) std::memcpy(&v[i], x + 8 * i, sizeof v[i]);
+    } else {
+      for (int i = 0; i < kVecs; ++i) {
+        for (int l = 0; l < 8; ++l) v[i][l] = In::Load(x[8 * i + l]);
+      }
+    }
   }
-  // acc, part and the rows never overlap (a result and its operands).
-#pragma GCC ivdep
-  for (int64_t h = 0; h < n; ++h) {
-    float s = w[0] * In::Load(x[0][h]);
-    if constexpr (kHow == Sum::kChain) s = acc[h] + s;
-    if constexpr (kHow == Sum::kMergeFrom) s = part[h] + s;
-    for (int j = 1; j < M; ++j) s = s + w[j] * In::Load(x[j][h]);
-    if constexpr (kHow == Sum::kMerge || kHow == Sum::kMergeFrom) s = acc[h] + s;
-    acc[h] = s;
+};
+
+// F32ToBf16 of eight lanes at once (round to nearest even, NaN kept quiet), into the low
+// 16 bits of each word. (Vectors by reference: passed by value, GCC warns that their ABI
+// differs between the AVX2 clone and the baseline.)
+inline void RoundToBf16(const F32x8& f, U32x8& out) {
+  U32x8 u;
+  std::memcpy(&u, &f, sizeof u);
+  const U32x8 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const U32x8 quiet_nan = (u >> 16) | 0x40u;
+  const U32x8 is_nan = (U32x8)((u & 0x7FFFFFFFu) > 0x7F800000u);
+  out = (quiet_nan & is_nan) | (rounded & ~is_nan);
+}
+
+// Whether a combine from In's rows writes its Out-typed result straight from the lanes;
+// otherwise SumSlots leaves float32 sums in column order for StoreRow.
+template <typename In, typename Out>
+constexpr bool kStoresDirect = std::is_same_v<Out, F32T> || (std::is_same_v<In, BF16T> && std::is_same_v<Out, BF16T>);
+
+// Stores a line's sums (RowLine<In>'s lane order) at column h: into `out` (Out's type)
+// where kStoresDirect, else into y32 in column order.
+template <typename In, typename Out>
+inline void StoreLine(void* out, float* y32, int64_t h, const F32x8* v) {
+  using Line = RowLine<In>;
+  if constexpr (std::is_same_v<In, BF16T> && std::is_same_v<Out, BF16T>) {
+    // Even columns in the low half of each word, odd in the high: little-endian bfloat16
+    // pairs, in column order.
+    for (int i = 0; i < Line::kVecs / 2; ++i) {
+      U32x8 even, odd;
+      RoundToBf16(v[2 * i], even);
+      RoundToBf16(v[2 * i + 1], odd);
+      const U32x8 pairs = even | (odd << 16);
+      std::memcpy(static_cast<uint16_t*>(out) + h + 16 * i, &pairs, sizeof pairs);
+    }
+  } else {
+    float* y = std::is_same_v<Out, F32T> ? static_cast<float*>(out) : y32;
+    if constexpr (Line::kEvenOdd) {
+      for (int i = 0; i < Line::kVecs / 2; ++i) {
+        for (int l = 0; l < 8; ++l) {
+          y[h + 16 * i + 2 * l] = v[2 * i][l];
+          y[h + 16 * i + 2 * l + 1] = v[2 * i + 1][l];
+        }
+      }
+    } else {
+      for (int i = 0; i < Line::kVecs; ++i) std::memcpy(y + h + 8 * i, &v[i], sizeof v[i]);
+    }
   }
 }
 
-// SumRows over m rows, 1 <= m <= kSumRowsMax.
-constexpr int kSumRowsMax = 4;
-template <typename In, Sum kHow>
-void SumRowsOf(int m, float* acc, const float* part, const void* const* rows, const float* a, int64_t h0,
-               int64_t n) {
-  switch (m) {
-    case 1:
-      return SumRows<In, 1, kHow>(acc, part, rows, a, h0, n);
-    case 2:
-      return SumRows<In, 2, kHow>(acc, part, rows, a, h0, n);
-    case 3:
-      return SumRows<In, 3, kHow>(acc, part, rows, a, h0, n);
-    default:
-      return SumRows<In, 4, kHow>(acc, part, rows, a, h0, n);
+// How far ahead in each row the combine asks for lines (bytes): the loop takes one line
+// of each of a token's rows in turn, and bfloat16's conversions leave the out-of-order
+// window room for fewer lines in flight than its reads need. Measured on the 2-core
+// development VM (one thread per core, 8 ranks): 4 lines ahead took the bfloat16
+// combine from 42 to 37 ms at T=4096, H=1024 and from 7.9 to 5.8 ms at T=128, H=7168,
+// float32's within noise; 8 lines ahead, or the next token's first lines, did no better.
+constexpr int kSumPrefetchBytes = 256;
+
+// The combine of one token: y[h] = g_0[h] + g_1[h] + ... in float32, left to right, for
+// h in [0, H), where group g_i is the sum, left to right, of its slots' a_j * x_j[h] (In's
+// type), and `opens[j]` marks the slots that start a group (opens[0] is true). Every
+// product and sum is rounded once, so the bits do not depend on how the columns are
+// blocked. The running sums live in registers, a cache line of columns at a time: each
+// row is read once and each result written once. Starting from -0.0 (x + -0.0 == x for
+// every x, signed zeros included) lets the first group be added like the rest. The result
+// goes to `out` (Out's type) or, where not kStoresDirect, to y32[H] in float32. n >= 1.
+template <typename In, typename Out>
+JAXCOMM_ROW_KERNEL void SumSlots(void* out, float* y32, const void* const* rows, const float* a,
+                                 const bool* opens, int n, int64_t H) {
+  using Line = RowLine<In>;
+  using S = typename In::Storage;
+  constexpr int kVecs = Line::kVecs;
+  int64_t h = 0;
+  for (; h + Line::kColumns <= H; h += Line::kColumns) {
+    F32x8 s[kVecs], g[kVecs], t[kVecs];
+    for (int v = 0; v < kVecs; ++v) s[v] = g[v] = F32x8{-0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f};
+    for (int j = 0; j < n; ++j) {
+      const S* x = static_cast<const S*>(rows[j]) + h;
+      __builtin_prefetch(reinterpret_cast<const char*>(x) + kSumPrefetchBytes);
+      Line::Load(x, t);
+      if (opens[j]) {
+        for (int v = 0; v < kVecs; ++v) {
+          s[v] = s[v] + g[v];
+          g[v] = a[j] * t[v];
+        }
+      } else {
+        for (int v = 0; v < kVecs; ++v) g[v] = g[v] + a[j] * t[v];
+      }
+    }
+    for (int v = 0; v < kVecs; ++v) s[v] = s[v] + g[v];
+    StoreLine<In, Out>(out, y32, h, s);
+  }
+  for (; h < H; ++h) {
+    float s = -0.f, g = -0.f;
+    for (int j = 0; j < n; ++j) {
+      const float t = a[j] * In::Load(static_cast<const S*>(rows[j])[h]);
+      if (opens[j]) {
+        s = s + g;
+        g = t;
+      } else {
+        g = g + t;
+      }
+    }
+    s = s + g;
+    if constexpr (kStoresDirect<In, Out>) {
+      static_cast<typename Out::Storage*>(out)[h] = Out::Store(s);
+    } else {
+      y32[h] = s;
+    }
   }
 }
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -106,83 +107,62 @@ void RunGather(const MoePlan& p, const std::vector<Peer>& peers, int r) {
   }
 }
 
-// Columns of one token's combine: y[0, n) = sum over its slots' ranks in order of (the sum
-// of that rank's slots in k order of a_j * x_j[h0 + h]), in float32. The slots come
-// ordered by rank, then k (moe_slots::StageSlotsByRank); `part` holds a rank's partial
-// sum when it has more slots than one SumRows pass takes.
-template <typename In>
-void ReduceColumns(float* y, float* part, const void* const* x, const float* a, const int* d, int n,
-                   int64_t h0, int64_t len) {
-  bool y_set = false;
-  for (int j = 0; j < n;) {
-    int end = j + 1;
-    while (end < n && d[end] == d[j]) ++end;
-    int m = end - j;
-    if (!y_set) {
-      // The first rank's sum goes straight into y.
-      int step = std::min(m, kSumRowsMax);
-      SumRowsOf<In, Sum::kSet>(step, y, nullptr, x + j, a + j, h0, len);
-      for (j += step, m -= step; m > 0; j += step, m -= step) {
-        step = std::min(m, kSumRowsMax);
-        SumRowsOf<In, Sum::kChain>(step, y, nullptr, x + j, a + j, h0, len);
-      }
-    } else {
-      // y + (this rank's sum): its first slots into `part` while more remain than the last
-      // pass takes.
-      if (m > kSumRowsMax) {
-        int step = std::min(m - 1, kSumRowsMax);
-        SumRowsOf<In, Sum::kSet>(step, part, nullptr, x + j, a + j, h0, len);
-        for (j += step, m -= step; m > kSumRowsMax; j += step, m -= step) {
-          step = kSumRowsMax;
-          SumRowsOf<In, Sum::kChain>(step, part, nullptr, x + j, a + j, h0, len);
-        }
-        SumRowsOf<In, Sum::kMergeFrom>(m, y, part, x + j, a + j, h0, len);
-      } else {
-        SumRowsOf<In, Sum::kMerge>(m, y, nullptr, x + j, a + j, h0, len);
-      }
-      j = end;
-    }
-    y_set = true;
-  }
-  if (!y_set) std::fill(y, y + len, 0.f);
-}
+// One token's combine operands: its n slots' rows, weights, and which slots open a rank's
+// group (a slot whose rank differs from the previous slot's), in StageSlotsByRank's order.
+class CombineSlots {
+ public:
+  explicit CombineSlots(int64_t K)
+      : d_(static_cast<size_t>(K)), row_(static_cast<size_t>(K)), a_(static_cast<size_t>(K)),
+        x_(static_cast<size_t>(K)), opens_(new bool[static_cast<size_t>(std::max<int64_t>(K, 1))]) {}
 
-// Columns a combine sums at once: y's chunk (16 KiB) stays in L1 while every slot's row
-// passes through it. (Chunks of 1024 columns cost more than 4096 or whole rows at
-// H = 7168: each visit to a row restarts the hardware prefetch.)
-constexpr int64_t kReduceColumns = 4096;
+  // Rank r's token t of plan p.
+  void Stage(const MoePlan& p, const std::vector<Peer>& peers, int r, int64_t t) {
+    const auto [dest, pos] = SlotTables(peers[r]);
+    const float* w = static_cast<const float*>(peers[r].aux[2]);
+    n_ = moe_slots::StageSlotsByRank(dest + t * p.K, pos + t * p.K, w + t * p.K, p.K, p.R, p.rows, d_.data(),
+                                     row_.data(), a_.data());
+    const int64_t row_bytes = p.H * RealBytes(p.src);
+    for (int j = 0; j < n_; ++j) {
+      x_[j] = static_cast<const char*>(peers[d_[j]].in) + row_[j] * row_bytes;
+      opens_[j] = j == 0 || d_[j] != d_[j - 1];
+    }
+  }
+  int n() const { return n_; }
+  const void* const* rows() const { return x_.data(); }
+  const float* weights() const { return a_.data(); }
+  const bool* opens() const { return opens_.get(); }
+
+ private:
+  int n_ = 0;
+  std::vector<int> d_, row_;
+  std::vector<float> a_;
+  std::vector<const void*> x_;
+  std::unique_ptr<bool[]> opens_;
+};
 
 // Rank s: y[t] = sum over ranks d in order of (sum over slots k with dest_s[t, k] == d, in
 // order, of w_s[t, k] * src_d[pos_s[t, k]]), in float32, stored in the result's type.
 // Without contraction into fused multiply-adds (-ffp-contract=off) the sums round as the
 // NumPy reference's and the CUDA kernel's.
 void RunReduce(const MoePlan& p, const std::vector<Peer>& peers, int r) {
-  const auto [my_dest, my_pos] = SlotTables(peers[r]);
-  const float* my_w = static_cast<const float*>(peers[r].aux[2]);
-  const int64_t in_row_bytes = p.H * RealBytes(p.src), out_item = RealBytes(p.out);
-  std::vector<int> d(static_cast<size_t>(p.K)), row(static_cast<size_t>(p.K));
-  std::vector<float> a(static_cast<size_t>(p.K));
-  std::vector<const void*> x(static_cast<size_t>(p.K));
-  std::vector<float> y32(p.out == Real::kF32 ? 0 : kReduceColumns), part(kReduceColumns);
+  const int64_t out_item = RealBytes(p.out);
+  CombineSlots slots(p.K);
+  // A token's float32 sums in column order, where the result's type is not written
+  // straight from the sums (kStoresDirect): whole rows, 28 KiB at H = 7168, in L1/L2.
+  std::vector<float> y32(static_cast<size_t>(p.H));
   WithReal(p.src, [&](auto in) {
     WithReal(p.out, [&](auto o) {
       using In = decltype(in);
       using Out = decltype(o);
       for (int64_t t = 0; t < p.T; ++t) {
-        const int n = moe_slots::StageSlotsByRank(my_dest + t * p.K, my_pos + t * p.K, my_w + t * p.K, p.K,
-                                                    p.R, p.rows, d.data(), row.data(), a.data());
-        for (int j = 0; j < n; ++j) x[j] = static_cast<const char*>(peers[d[j]].in) + row[j] * in_row_bytes;
+        slots.Stage(p, peers, r, t);
         char* out = static_cast<char*>(peers[r].out) + t * p.H * out_item;
-        for (int64_t h0 = 0; h0 < p.H; h0 += kReduceColumns) {
-          const int64_t len = std::min(kReduceColumns, p.H - h0);
-          if constexpr (std::is_same_v<Out, F32T>) {
-            ReduceColumns<In>(reinterpret_cast<float*>(out) + h0, part.data(), x.data(), a.data(), d.data(), n,
-                              h0, len);
-          } else {
-            ReduceColumns<In>(y32.data(), part.data(), x.data(), a.data(), d.data(), n, h0, len);
-            StoreRow<Out>(out + h0 * out_item, y32.data(), len);
-          }
+        if (slots.n() == 0) {
+          std::memset(out, 0, static_cast<size_t>(p.H * out_item));  // +0.0 in every type
+          continue;
         }
+        SumSlots<In, Out>(out, y32.data(), slots.rows(), slots.weights(), slots.opens(), slots.n(), p.H);
+        if constexpr (!kStoresDirect<In, Out>) StoreRow<Out>(out, y32.data(), p.H);
       }
     });
   });
