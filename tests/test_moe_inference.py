@@ -78,15 +78,16 @@ def _differentiable(form, layer, x, ids, w):
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype,case", [(jnp.float32, "small"), (jnp.bfloat16, "small"),
                                         (jnp.float16, "small"), (jnp.bfloat16, "many_slots"),
-                                        (jnp.float32, "special"), (jnp.bfloat16, "special")])
+                                        (jnp.float32, "special"), (jnp.bfloat16, "special"),
+                                        (jnp.float16, "special")])
 def test_combine_accumulates_half_precision_in_float32(dtype, case, form):
     """y equals the float32 sums in the kernels' order, rounded once to the token dtype.
 
     many_slots: tokens with several slots on one rank, on the first rank a token reaches
     and on later ones, and rows of 4100 columns (a tail after the host kernel's 16- or
-    32-column blocks). special: zeros of both signs, infinities and NaNs in the expert rows
-    and negative and zero weights; compared bit for bit (signed zeros included), NaN where
-    the reference has NaN."""
+    32-column blocks). special: zeros of both signs, infinities, NaNs and values that are
+    subnormal in float16 in the expert rows, and negative and zero weights; compared bit
+    for bit (signed zeros included), NaN where the reference has NaN."""
     if case in ("small", "special"):
         T, K, E, H = 6, 3, 16, 37 if case == "small" else 70  # H not a multiple of the vector width
         ids = routing(T, K, E, seed=50)
@@ -103,6 +104,7 @@ def test_combine_accumulates_half_precision_in_float32(dtype, case, form):
         for col, v in enumerate([0.0, -0.0, np.inf, -np.inf, np.nan]):
             x[:, :, col::9] = v
         x[:, :, 5::9] = -0.0
+        x[:, :, 7::9] = np.asarray([3e-6, -5e-7, 6e-8, 2e-5], np.float32)[rng.integers(0, 4, (R, T, 1))]
         x[:, ::2, 6::9] = 0.0       # every term of some columns a zero of either sign
         w[:, ::3, :] *= -1.0
         w[:, 1::4, 0] = 0.0

@@ -54,26 +54,80 @@ decltype(auto) WithReal(Real t, F&& f) {
 typedef float F32x8 __attribute__((vector_size(32)));
 typedef uint32_t U32x8 __attribute__((vector_size(32)));
 
+typedef int32_t I32x8 __attribute__((vector_size(32)));
+
+// The element conversions of core/number_formats.h on eight lanes at once, the same bits:
+// 16-bit codes in the low half of each word. A comparison gives a lane mask (all bits or
+// none): (a & m) | (b & ~m) is m ? a : b. Vectors pass by reference and are reinterpreted
+// by copies: passed or returned by value, GCC warns that their ABI differs between the
+// AVX2 clone and the baseline.
+inline void F16Lanes(const U32x8& h, F32x8& out) {  // F16ToF32
+  const U32x8 sign = (h & 0x8000u) << 16, em = h & 0x7FFFu;
+  const U32x8 normal = (em << 13) + (112u << 23);
+  const F32x8 sub_value = __builtin_convertvector((I32x8)em, F32x8) * 5.9604644775390625e-8f;
+  U32x8 subnormal;
+  std::memcpy(&subnormal, &sub_value, sizeof subnormal);
+  const U32x8 inf_nan = (em << 13) | 0x7F800000u;
+  const U32x8 is_inf_nan = (U32x8)(em >= 0x7C00u), is_sub = (U32x8)(em < 0x0400u);
+  const U32x8 finite = (subnormal & is_sub) | (normal & ~is_sub);
+  const U32x8 bits = ((inf_nan & is_inf_nan) | (finite & ~is_inf_nan)) | sign;
+  std::memcpy(&out, &bits, sizeof out);
+}
+inline void RoundToBf16(const F32x8& f, U32x8& out) {  // F32ToBf16
+  U32x8 u;
+  std::memcpy(&u, &f, sizeof u);
+  const U32x8 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const U32x8 is_nan = (U32x8)((u & 0x7FFFFFFFu) > 0x7F800000u);
+  out = (((u >> 16) | 0x40u) & is_nan) | (rounded & ~is_nan);
+}
+inline void RoundToF16(const F32x8& f, U32x8& out) {  // F32ToF16
+  U32x8 u;
+  std::memcpy(&u, &f, sizeof u);
+  const U32x8 sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+  const U32x8 normal = (a - (112u << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+  F32x8 abs_value;
+  std::memcpy(&abs_value, &a, sizeof abs_value);
+  const F32x8 sub_value = abs_value + 0.5f;
+  U32x8 subnormal;
+  std::memcpy(&subnormal, &sub_value, sizeof subnormal);
+  subnormal -= 0x3F000000u;
+  const U32x8 is_sub = (U32x8)(a < (113u << 23)), is_inf = (U32x8)(a >= 0x477FF000u),
+              is_nan = (U32x8)(a > 0x7F800000u);
+  U32x8 o = (subnormal & is_sub) | (normal & ~is_sub);
+  o = (0x7C00u & is_inf) | (o & ~is_inf);
+  o = (0x7E00u & is_nan) | (o & ~is_nan);
+  out = o | sign;
+}
+
 // One 64-byte cache line of a row of In's type, as float32 lanes. The lanes are in column
-// order, except bfloat16's: each 16 columns are loaded as eight 32-bit words, whose low
-// halves (shifted up) are the even columns and whose high halves the odd ones, two integer
-// operations in place of a widening shuffle per eight columns. Sums never mix lanes, so the
-// order only matters when a line is stored (StoreLine).
+// order, except half precision's: each 16 columns are loaded as eight 32-bit words, whose
+// low halves are the even columns and whose high halves the odd ones, converted lane by
+// lane with integer operations (bfloat16: two per 16 columns) in place of widening
+// shuffles. Sums never mix lanes, so the order only matters when a line is stored
+// (StoreLine).
 template <typename In>
 struct RowLine {
   using Storage = typename In::Storage;
   static constexpr int kColumns = 64 / static_cast<int>(sizeof(Storage));
   static constexpr int kVecs = kColumns / 8;
-  static constexpr bool kEvenOdd = std::is_same_v<In, BF16T>;
+  static constexpr bool kEvenOdd = std::is_same_v<In, BF16T> || std::is_same_v<In, F16T>;
 
   static void Load(const Storage* x, F32x8* v) {
-    if constexpr (kEvenOdd) {
+    if constexpr (std::is_same_v<In, BF16T>) {
       for (int i = 0; i < kVecs / 2; ++i) {
         U32x8 w;
         std::memcpy(&w, x + 16 * i, sizeof w);
         const U32x8 even = w << 16, odd = w & 0xFFFF0000u;
         std::memcpy(&v[2 * i], &even, sizeof even);
         std::memcpy(&v[2 * i + 1], &odd, sizeof odd);
+      }
+    } else if constexpr (std::is_same_v<In, F16T>) {
+      for (int i = 0; i < kVecs / 2; ++i) {
+        U32x8 w;
+        std::memcpy(&w, x + 16 * i, sizeof w);
+        const U32x8 even = w & 0xFFFFu, odd = w >> 16;
+        F16Lanes(even, v[2 * i]);
+        F16Lanes(odd, v[2 * i + 1]);
       }
     } else if constexpr (std::is_same_v<In, F32T>) {
       // One copy per vector: a single 64-byte copy went through the stack in 16-byte
@@ -87,35 +141,30 @@ struct RowLine {
   }
 };
 
-// F32ToBf16 of eight lanes at once (round to nearest even, NaN kept quiet), into the low
-// 16 bits of each word. (Vectors by reference: passed by value, GCC warns that their ABI
-// differs between the AVX2 clone and the baseline.)
-inline void RoundToBf16(const F32x8& f, U32x8& out) {
-  U32x8 u;
-  std::memcpy(&u, &f, sizeof u);
-  const U32x8 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const U32x8 quiet_nan = (u >> 16) | 0x40u;
-  const U32x8 is_nan = (U32x8)((u & 0x7FFFFFFFu) > 0x7F800000u);
-  out = (quiet_nan & is_nan) | (rounded & ~is_nan);
-}
-
-// Whether a combine from In's rows writes its Out-typed result straight from the lanes;
-// otherwise SumSlots leaves float32 sums in column order for StoreRow.
+// Whether a combine from In's rows writes its Out-typed result straight from the lanes
+// (float32, or half precision rows to the same type); otherwise SumSlots leaves float32
+// sums in column order for StoreRow.
 template <typename In, typename Out>
-constexpr bool kStoresDirect = std::is_same_v<Out, F32T> || (std::is_same_v<In, BF16T> && std::is_same_v<Out, BF16T>);
+constexpr bool kStoresDirect =
+    std::is_same_v<Out, F32T> || (std::is_same_v<In, Out> && RowLine<In>::kEvenOdd);
 
 // Stores a line's sums (RowLine<In>'s lane order) at column h: into `out` (Out's type)
 // where kStoresDirect, else into y32 in column order.
 template <typename In, typename Out>
 inline void StoreLine(void* out, float* y32, int64_t h, const F32x8* v) {
   using Line = RowLine<In>;
-  if constexpr (std::is_same_v<In, BF16T> && std::is_same_v<Out, BF16T>) {
-    // Even columns in the low half of each word, odd in the high: little-endian bfloat16
+  if constexpr (Line::kEvenOdd && std::is_same_v<In, Out>) {
+    // Even columns in the low half of each word, odd in the high: little-endian 16-bit
     // pairs, in column order.
     for (int i = 0; i < Line::kVecs / 2; ++i) {
       U32x8 even, odd;
-      RoundToBf16(v[2 * i], even);
-      RoundToBf16(v[2 * i + 1], odd);
+      if constexpr (std::is_same_v<Out, BF16T>) {
+        RoundToBf16(v[2 * i], even);
+        RoundToBf16(v[2 * i + 1], odd);
+      } else {
+        RoundToF16(v[2 * i], even);
+        RoundToF16(v[2 * i + 1], odd);
+      }
       const U32x8 pairs = even | (odd << 16);
       std::memcpy(static_cast<uint16_t*>(out) + h + 16 * i, &pairs, sizeof pairs);
     }
