@@ -22,11 +22,11 @@ inline int RealBytes(Real t) { return t == Real::kF32 ? 4 : t == Real::kE4M3 ? 1
 // below are templates over them, so that each instantiation is one straight loop the
 // compiler vectorises.
 
-// The row kernels of the combine are built twice on x86-64 with GCC, for the baseline
-// (SSE2: 4 floats a vector, no 32->16-bit pack, so a bfloat16 store takes six shuffles per
-// eight elements) and for AVX2 (8 floats, vpmovzxwd/vpackusdw), the one the CPU runs
-// chosen when the module loads (an ifunc). AVX2 only, not FMA: contracting a * x + y
-// would change the rounding (the build also passes -ffp-contract=off).
+// The combine's row kernels (SumSlots, StoreRow) are built twice on x86-64 with GCC, for
+// the baseline (SSE2: an 8-lane vector is two registers) and for AVX2 (one register), the
+// one the CPU runs chosen when the module loads (an ifunc). AVX2 only, not FMA:
+// contracting a * x + y would change the rounding (the build also passes
+// -ffp-contract=off).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define JAXCOMM_ROW_KERNEL __attribute__((target_clones("avx2", "default")))
 #else
@@ -53,7 +53,6 @@ decltype(auto) WithReal(Real t, F&& f) {
 // row. On the AVX2 clone one ymm register; on the baseline two xmm.
 typedef float F32x8 __attribute__((vector_size(32)));
 typedef uint32_t U32x8 __attribute__((vector_size(32)));
-
 typedef int32_t I32x8 __attribute__((vector_size(32)));
 
 // The element conversions of core/number_formats.h on eight lanes at once, the same bits:

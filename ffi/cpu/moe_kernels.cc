@@ -147,13 +147,13 @@ class CombineSlots {
 void RunReduce(const MoePlan& p, const std::vector<Peer>& peers, int r) {
   const int64_t out_item = RealBytes(p.out);
   CombineSlots slots(p.K);
-  // A token's float32 sums in column order, where the result's type is not written
-  // straight from the sums (kStoresDirect): whole rows, 28 KiB at H = 7168, in L1/L2.
-  std::vector<float> y32(static_cast<size_t>(p.H));
   WithReal(p.src, [&](auto in) {
     WithReal(p.out, [&](auto o) {
       using In = decltype(in);
       using Out = decltype(o);
+      // A token's float32 sums in column order, only where the result's type is not
+      // written straight from the sums: whole rows, 28 KiB at H = 7168, in L1/L2.
+      std::vector<float> y32(kStoresDirect<In, Out> ? 0 : static_cast<size_t>(p.H));
       for (int64_t t = 0; t < p.T; ++t) {
         slots.Stage(p, peers, r, t);
         char* out = static_cast<char*>(peers[r].out) + t * p.H * out_item;
