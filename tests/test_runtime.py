@@ -299,6 +299,35 @@ def test_back_to_back_async_dispatch():
                           "\n".join(failures[:4]))
 
 
+def _thread_cpu_masks(name: str) -> dict[int, set[int]]:
+    """CPU masks of this process's threads called `name`, by thread id."""
+    masks = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != name:
+                    continue
+            masks[int(tid)] = os.sched_getaffinity(int(tid))
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+    return masks
+
+
+def test_helper_threads_get_their_cpu_mask_back():
+    """Rounds large enough to share their work: a pool thread that helps its poster moves
+    off the poster's CPU for the round (ffi/core/cpu_affinity.h), and must get the
+    process's CPU mask back afterwards, or it would run a later rank's program pinned."""
+    n = 256 * 1024  # 1 MiB per rank: the work is shared by the pool's threads
+    f = smap(lambda v: jaxcomm.all_gather(v, "x", tiled=True, timeout_s=T))
+    x = data((R, n), seed=5)
+    for _ in range(20):
+        np.testing.assert_array_equal(np.asarray(f(put(x, P("x")))), np.tile(x, (R, 1)))
+    masks = _thread_cpu_masks("jaxcomm-pool")
+    assert masks, "no jaxcomm pool threads found"
+    allowed = os.sched_getaffinity(0)
+    assert {tid: m for tid, m in masks.items() if m != allowed} == {}
+
+
 # ----------------------------------------------------------------------------- memory
 
 

@@ -16,6 +16,7 @@ void CompletionPool::Post(std::function<void()> task) {
 
 void CompletionPool::PostAll(std::vector<std::function<void()>> tasks) {
   if (tasks.empty()) return;
+  const size_t tasks_posted = tasks.size();
   int spawn = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -36,7 +37,9 @@ void CompletionPool::PostAll(std::vector<std::function<void()>> tasks) {
       Worker();
     }).detach();
   }
-  cv_.notify_all();
+  // One wake per task: waking every sleeper for one task made them preempt the poster,
+  // which then waited a time slice on its own core while the other core idled.
+  for (size_t i = 0; i < tasks_posted; ++i) cv_.notify_one();
 }
 
 void CompletionPool::Worker() {

@@ -1,5 +1,7 @@
 #include "core/rendezvous.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -7,6 +9,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "core/cpu_affinity.h"
 #include "core/cross_process.h"
 #include "core/registry.h"
 #include "core/round.h"
@@ -22,11 +25,11 @@ constexpr size_t kMaxTombstones = 4096;
 // Below this many bytes of traffic one thread finishes sooner than waking others.
 constexpr size_t kSplitBytes = 512 * 1024;
 
-// Large data movement is split into at most one part per core this process may use:
-// one part per rank (8 on 2 cores) made 16 MiB reduce_scatter 2x slower, and with several
+// Large data movement is shared by at most one thread per core this process may use:
+// one thread per rank (8 on 2 cores) made 16 MiB reduce_scatter 2x slower, and with several
 // processes on one host each gets its share of the cores (two processes on two cores
 // that each woke a second thread took a 1 MiB all_reduce from 0.2 to 1 ms).
-int MaxParts() {
+int MaxThreads() {
   static const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, cores / std::max(1, Registry::Get().host_processes()));
 }
@@ -100,13 +103,16 @@ ElementRange ReadHull(const ReadsFn& reads, const std::vector<int>& ranks) {
   return hull.first < hull.second ? hull : ElementRange{0, 0};
 }
 
-// Runs part `part` of the work; the thread that finishes the last part completes every
-// rank's future, `inline_rank`'s on this thread.
-void RunPart(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int part,
-             int inline_rank) {
-  RecordError(*round, (*work)(round->peers, part, round->parts));
-  if (round->parts_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    CompleteAll(*round, inline_rank, ffi::ErrorCode::kInternal);
+// Claims parts of the work until none are left; true on the thread that finished the
+// last part, which then completes every rank's future. Parts are claimed, not dealt: a
+// thread the scheduler delays then leaves its parts to the others instead of holding up
+// the round.
+bool RunParts(Round& round, const WorkFn& work) {
+  for (;;) {
+    const int part = round.next_part.fetch_add(1, std::memory_order_relaxed);
+    if (part >= round.parts) return false;
+    RecordError(round, work(round.peers, part, round.parts));
+    if (round.parts_left.fetch_sub(1, std::memory_order_acq_rel) == 1) return true;
   }
 }
 
@@ -169,19 +175,28 @@ void PlaceRemoteOperands(std::vector<Peer>& peers, const std::vector<std::vector
 
 void Execute(const std::shared_ptr<Round>& round, const std::shared_ptr<const WorkFn>& work, int me) {
   Registry::Get().recorder().Start(round->peers);
-  if (round->parts == 1) {
+  if (round->threads == 1) {
     RecordError(*round, (*work)(round->peers, 0, 1));
     CompleteAll(*round, me, ffi::ErrorCode::kInternal);
     return;
   }
   round->parts_left.store(round->parts, std::memory_order_relaxed);
-  const int mine = me % round->parts;
-  for (int p = 0; p < round->parts; ++p) {
-    if (p == mine) continue;
-    // A pool thread that finishes last may as well continue some rank: part p's.
-    Registry::Get().pool().Post([round, work, p] { RunPart(round, work, p, p); });
+  round->next_part.store(0, std::memory_order_relaxed);
+  const int mine = me % round->threads;
+  const int my_cpu = sched_getcpu();
+  for (int t = 0; t < round->threads; ++t) {
+    if (t == mine) continue;
+    Registry::Get().pool().Post([round, work, t, my_cpu] {
+      bool last = false;
+      {
+        AwayFromCpu away(my_cpu);
+        last = RunParts(*round, *work);
+      }
+      // A pool thread that finishes last may as well continue some rank: rank t's.
+      if (last) CompleteAll(*round, t, ffi::ErrorCode::kInternal);
+    });
   }
-  RunPart(round, work, mine, me);
+  if (RunParts(*round, *work)) CompleteAll(*round, me, ffi::ErrorCode::kInternal);
 }
 
 RoundTable::RoundTable(std::vector<std::vector<int64_t>> groups,
@@ -317,7 +332,9 @@ std::shared_ptr<Round> RoundTable::NewRound(const CollectiveCall& call, int64_t 
   round->group_index = g;
   // This process does its own ranks' share of the work.
   const size_t my_bytes = call.work_bytes / size * local;
-  round->parts = my_bytes < kSplitBytes ? 1 : std::min(call.split_by_rank ? local : size, MaxParts());
+  round->threads = my_bytes < kSplitBytes ? 1 : std::min(call.split_by_rank ? local : size, MaxThreads());
+  // Split by rank, one part per local rank, so that the threads even out uneven ranks.
+  round->parts = round->threads > 1 && call.split_by_rank ? local : round->threads;
   round->timeout = call.timeout;
   round->tolerant = call.tolerant;
   const auto share = [](const auto& fn) {
@@ -346,7 +363,7 @@ bool InlineEnabled() { return Registry::Get().settings().inline_rounds; }
 // this process, operands small enough that the work is never split, and a plain
 // exchange (not fault tolerant, not streamed, not in phases, no partial operands).
 bool InlineCandidate(const Round& round, size_t local, const Peer& shape, bool subsets) {
-  if (!InlineEnabled() || local != 1 || round.tolerant || round.parts != 1 || subsets) return false;
+  if (!InlineEnabled() || local != 1 || round.tolerant || round.threads != 1 || subsets) return false;
   size_t bytes = shape.in_bytes;
   for (size_t b : shape.aux_bytes) bytes += b;
   return bytes <= kInlineBytes;

@@ -26,7 +26,9 @@ struct Round {
   std::vector<std::optional<ffi::Promise>> promises;  // engaged once that rank arrived
   std::vector<int64_t> partitions;
   int arrived = 0;
+  // The work's parts (WorkFn) and the threads that claim them in turn (Execute).
   int parts = 1;
+  int threads = 1;
   bool tolerant = false;
   std::shared_ptr<const RangeFn> range;
   std::shared_ptr<const CombineFn> combine;
@@ -50,6 +52,7 @@ struct Round {
   // tells the peers their inputs were read).
   std::function<void()> after_work;
 
+  std::atomic<int> next_part{0};
   std::atomic<int> parts_left{0};
   std::mutex error_mu;
   std::string error;
