@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/cpu_affinity.h"
 #include "core/registry.h"
 #include "core/rendezvous.h"
 #include "cpu/world.h"
@@ -137,7 +138,7 @@ NB_MODULE(_jaxcomm, m) {
   m.def("mismatch_grace_ms", [] { return jaxcomm::Registry::Get().mismatch_grace().count(); },
         "The mismatch grace period in force, in milliseconds (0: no check).");
 
-  m.def("leave_core", [](int cpu) { return jaxcomm::cpu::LeaveCore(cpu); }, nb::arg("cpu"),
+  m.def("leave_core", [](int cpu) { return jaxcomm::LeaveCore(cpu); }, nb::arg("cpu"),
         "Moves the calling thread off core `cpu`, its affinity kept (what waiting threads do).");
   m.def("core_moves", [] { return jaxcomm::Registry::Get().core_moves.load(); },
         "How often a thread waiting for a peer process moved off the core that peer spun on.");

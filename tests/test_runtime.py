@@ -314,9 +314,9 @@ def _thread_cpu_masks(name: str) -> dict[int, set[int]]:
 
 
 def test_helper_threads_get_their_cpu_mask_back():
-    """Rounds large enough to share their work: a pool thread that helps its poster moves
-    off the poster's CPU for the round (ffi/core/cpu_affinity.h), and must get the
-    process's CPU mask back afterwards, or it would run a later rank's program pinned."""
+    """Rounds large enough to share their work: a pool thread that wakes on its poster's
+    CPU moves off it (LeaveCore, ffi/core/cpu_affinity.h) and must keep the process's CPU
+    mask, or it would run later ranks' programs pinned."""
     n = 256 * 1024  # 1 MiB per rank: the work is shared by the pool's threads
     f = smap(lambda v: jaxcomm.all_gather(v, "x", tiled=True, timeout_s=T))
     x = data((R, n), seed=5)

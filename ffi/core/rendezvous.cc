@@ -1,7 +1,5 @@
 #include "core/rendezvous.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -183,17 +181,13 @@ void Execute(const std::shared_ptr<Round>& round, const std::shared_ptr<const Wo
   round->parts_left.store(round->parts, std::memory_order_relaxed);
   round->next_part.store(0, std::memory_order_relaxed);
   const int mine = me % round->threads;
-  const int my_cpu = sched_getcpu();
+  const int my_cpu = CurrentCore();
   for (int t = 0; t < round->threads; ++t) {
     if (t == mine) continue;
     Registry::Get().pool().Post([round, work, t, my_cpu] {
-      bool last = false;
-      {
-        AwayFromCpu away(my_cpu);
-        last = RunParts(*round, *work);
-      }
+      if (CurrentCore() == my_cpu) LeaveCore(my_cpu);  // see core/cpu_affinity.h
       // A pool thread that finishes last may as well continue some rank: rank t's.
-      if (last) CompleteAll(*round, t, ffi::ErrorCode::kInternal);
+      if (RunParts(*round, *work)) CompleteAll(*round, t, ffi::ErrorCode::kInternal);
     });
   }
   if (RunParts(*round, *work)) CompleteAll(*round, me, ffi::ErrorCode::kInternal);

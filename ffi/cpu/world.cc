@@ -8,6 +8,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/cpu_affinity.h"
 #include "core/registry.h"
 #include "core/thread_name.h"
 #include "cpu/world_internal.h"
@@ -30,18 +31,6 @@ constexpr int kPausesPerStep = 2;
 constexpr int kStepsPerYield = 128;
 
 }  // namespace
-
-bool LeaveCore(int cpu) {
-  cpu_set_t allowed;
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) {
-    return false;
-  }
-  cpu_set_t others = allowed;
-  CPU_CLR(cpu, &others);
-  if (sched_setaffinity(0, sizeof(others), &others) != 0) return false;
-  sched_setaffinity(0, sizeof(allowed), &allowed);  // back to what it was: no further move
-  return true;
-}
 
 PeerSpin::PeerSpin(ControlBlock* mine, SharesCore shares_core)
     : mine_(mine), shares_core_(std::move(shares_core)) {}

@@ -48,13 +48,6 @@ struct Endpoint {
   std::string host;
 };
 
-// Moves the calling thread off core `cpu` now, to another core it may run on, and leaves
-// it free to run wherever it could before (its affinity is restored at once); false when
-// it may run nowhere else or the system refuses. Waiting threads use it to leave a core
-// their peer spins on (PeerSpin, world_internal.h): a thread woken from a sleep stayed on
-// its busy core on the development VM, so the move is explicit.
-bool LeaveCore(int cpu);
-
 class World : public CrossProcess {
  public:
   World();
