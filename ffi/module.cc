@@ -14,6 +14,7 @@
 #include "core/cpu_affinity.h"
 #include "core/registry.h"
 #include "core/rendezvous.h"
+#include "cpu/moe_kernels.h"
 #include "cpu/world.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -152,6 +153,12 @@ NB_MODULE(_jaxcomm, m) {
         "Streamed rounds that read the peers' operands straight from their memory (JAXCOMM_SINGLE_COPY).");
   m.def("inline_rounds", [] { return jaxcomm::Registry::Get().inline_rounds.load(); },
         "Cross-process rounds a device thread completed inline, without a hand-off (JAXCOMM_INLINE).");
+  m.def("cpu_f16c", [] { return jaxcomm::Registry::Get().cpu_f16c(); },
+        "Whether the host MoE combine may convert float16 with the CPU's F16C instructions.");
+  m.def("set_cpu_f16c", [](bool on) { jaxcomm::Registry::Get().set_cpu_f16c(on); }, nb::arg("on"),
+        "Sets cpu_f16c (JAXCOMM_CPU_F16C); off: the portable float16 kernels.");
+  m.def("has_f16c_kernels", [] { return jaxcomm::cpu::HasF16cKernels(); },
+        "Whether this build and CPU have the F16C float16 combine kernels (JAXCOMM_CPU_F16C).");
   m.def("nontemporal_bytes", [] { return jaxcomm::Registry::Get().nontemporal_bytes(); },
         "Results of at least this many bytes are written with non-temporal stores (0: never).");
   m.def("set_nontemporal_bytes", [](int64_t bytes) { jaxcomm::Registry::Get().set_nontemporal_bytes(bytes); },

@@ -92,6 +92,7 @@ def test_every_cpp_reader_matches_the_registry():
 MALFORMED_NATIVE = [
     ("JAXCOMM_SPIN_US", "abc"), ("JAXCOMM_SPIN_US", "-5"), ("JAXCOMM_NONTEMPORAL_BYTES", "4MiB"),
     ("JAXCOMM_TRACE_ENTRIES", "1e3"), ("JAXCOMM_SINGLE_COPY", "yes"), ("JAXCOMM_INLINE", "2"),
+    ("JAXCOMM_CPU_F16C", "on"),
 ]
 # What the extension's loader and the Python check make of a malformed value, in a fresh
 # jaxcomm: the C++ runtime reads these once, when the extension loads. (import jaxcomm

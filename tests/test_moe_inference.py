@@ -75,19 +75,8 @@ def _differentiable(form, layer, x, ids, w):
 
 # ---------------------------------------------------------------- half precision combine
 
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("dtype,case", [(jnp.float32, "small"), (jnp.bfloat16, "small"),
-                                        (jnp.float16, "small"), (jnp.bfloat16, "many_slots"),
-                                        (jnp.float32, "special"), (jnp.bfloat16, "special"),
-                                        (jnp.float16, "special")])
-def test_combine_accumulates_half_precision_in_float32(dtype, case, form):
-    """y equals the float32 sums in the kernels' order, rounded once to the token dtype.
-
-    many_slots: tokens with several slots on one rank, on the first rank a token reaches
-    and on later ones, and rows of 4100 columns (a tail after the host kernel's 16- or
-    32-column blocks). special: zeros of both signs, infinities, NaNs and values that are
-    subnormal in float16 in the expert rows, and negative and zero weights; compared bit
-    for bit (signed zeros included), NaN where the reference has NaN."""
+def _half_case(dtype, case):
+    """(ids, x, w, E, T, H) of a combine case (test_combine_accumulates_half_precision_in_float32)."""
     if case in ("small", "special"):
         T, K, E, H = 6, 3, 16, 37 if case == "small" else 70  # H not a multiple of the vector width
         ids = routing(T, K, E, seed=50)
@@ -108,12 +97,31 @@ def test_combine_accumulates_half_precision_in_float32(dtype, case, form):
         x[:, ::2, 6::9] = 0.0       # every term of some columns a zero of either sign
         w[:, ::3, :] *= -1.0
         w[:, 1::4, 0] = 0.0
+    return ids, x, w, E, T, H
 
+
+def _dispatch_combine(E):
     def f(x, ids, w):
         ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
         return ex, jaxcomm.moe.combine(ex, h, w)
+    return f
 
-    ex, y = run(form, f, x, ids, w)
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype,case", [(jnp.float32, "small"), (jnp.bfloat16, "small"),
+                                        (jnp.float16, "small"), (jnp.bfloat16, "many_slots"),
+                                        (jnp.float32, "special"), (jnp.bfloat16, "special"),
+                                        (jnp.float16, "special")])
+def test_combine_accumulates_half_precision_in_float32(dtype, case, form):
+    """y equals the float32 sums in the kernels' order, rounded once to the token dtype.
+
+    many_slots: tokens with several slots on one rank, on the first rank a token reaches
+    and on later ones, and rows of 4100 columns (a tail after the host kernel's 16- or
+    32-column blocks). special: zeros of both signs, infinities, NaNs and values that are
+    subnormal in float16 in the expert rows, and negative and zero weights; compared bit
+    for bit (signed zeros included), NaN where the reference has NaN."""
+    ids, x, w, E, T, H = _half_case(dtype, case)
+    ex, y = run(form, _dispatch_combine(E), x, ids, w)
     want_ex, _, row_of, _ = np_dispatch(x, ids, E)
     np.testing.assert_array_equal(ex, want_ex)
     assert y.dtype == np.dtype(dtype)
@@ -128,6 +136,41 @@ def test_combine_accumulates_half_precision_in_float32(dtype, case, form):
     np.testing.assert_array_equal(np.isnan(y.astype(np.float32)), nan)
     bits = np.uint16 if np.dtype(dtype).itemsize == 2 else np.uint32
     np.testing.assert_array_equal(y.view(bits)[~nan], want.view(bits)[~nan])
+
+
+@pytest.fixture
+def cpu_f16c():
+    """Sets JAXCOMM_CPU_F16C for one test (jaxcomm._jaxcomm.set_cpu_f16c)."""
+    from jaxcomm import _jaxcomm
+    before = _jaxcomm.cpu_f16c()
+    yield _jaxcomm.set_cpu_f16c
+    _jaxcomm.set_cpu_f16c(before)
+
+
+@pytest.mark.parametrize("case", ["small", "special", "many_slots"])
+@pytest.mark.parametrize("tokens", [jnp.float16, jnp.float32])
+def test_float16_combine_same_bits_with_and_without_f16c(cpu_f16c, tokens, case):
+    """The combine's F16C kernels (moe_convert.h) and its portable ones give the same bits,
+    NaNs included, for float16 expert rows and for float16 results of float32 rows: the
+    suite's other float16 cases run whichever this CPU takes (F16C on x86-64 with AVX2)."""
+    from jaxcomm import _jaxcomm
+    ids, x, w, E, T, H = _half_case(tokens, case)
+    f = _dispatch_combine(E)
+    if tokens == jnp.float32:  # float32 tokens, float16 expert outputs combined
+        def f(x, ids, w):
+            ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
+            return ex, jaxcomm.moe.combine(ex.astype(jnp.float16), h, w)
+    got = {}
+    for on in (True, False):
+        cpu_f16c(on)
+        got[on] = np.asarray(run("shard_map", f, x, ids, w)[1])
+    assert got[False].dtype == np.dtype(jnp.float16) or tokens == jnp.float32
+    np.testing.assert_array_equal(got[True].view(np.uint16 if got[True].itemsize == 2 else np.uint32),
+                                  got[False].view(np.uint16 if got[False].itemsize == 2 else np.uint32))
+    if case == "special":
+        assert np.isnan(got[False].astype(np.float32)).any()
+    if not _jaxcomm.has_f16c_kernels():
+        pytest.skip("this build or CPU has no F16C kernels: only the portable ones ran")
 
 
 def test_half_precision_combine_gradients():

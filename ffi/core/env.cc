@@ -81,6 +81,7 @@ Settings Settings::FromEnvironment() {
   s.trace_entries = env::Count("JAXCOMM_TRACE_ENTRIES", "calls", 2048, &s.errors);
   s.single_copy = env::Flag("JAXCOMM_SINGLE_COPY", true, &s.errors);
   s.inline_rounds = env::Flag("JAXCOMM_INLINE", true, &s.errors);
+  s.cpu_f16c = env::Flag("JAXCOMM_CPU_F16C", true, &s.errors);
   s.trace_dir = env::Text("JAXCOMM_TRACE_DIR");
   const char* fault = std::getenv("JAXCOMM_FAULT");
   s.fault_set = fault != nullptr;

@@ -36,6 +36,7 @@ struct Settings {
   int64_t trace_entries = 0;
   bool single_copy = true;
   bool inline_rounds = true;
+  bool cpu_f16c = true;
   std::string trace_dir;
   bool fault_set = false;  // JAXCOMM_FAULT (parsed by FaultInjector, which reports its errors)
   std::string fault;

@@ -10,6 +10,7 @@ Registry::Registry()
       spin_us_(settings_.spin_us),
       nontemporal_bytes_(settings_.nontemporal_bytes),
       single_copy_(settings_.single_copy),
+      cpu_f16c_(settings_.cpu_f16c),
       recorder_(static_cast<size_t>(settings_.trace_entries), settings_.trace_dir),
       faults_(settings_.fault_set ? settings_.fault.c_str() : nullptr) {
   set_spin(std::chrono::microseconds(settings_.spin_us));

@@ -52,6 +52,11 @@ class Registry {
   bool single_copy() const { return single_copy_.load(std::memory_order_relaxed); }
   void set_single_copy(bool on) { single_copy_.store(on, std::memory_order_relaxed); }
 
+  // Whether the host MoE combine may convert float16 with the CPU's F16C instructions
+  // where it has them (cpu/moe_convert.h); JAXCOMM_CPU_F16C. Off: the portable kernels.
+  bool cpu_f16c() const { return cpu_f16c_.load(std::memory_order_relaxed); }
+  void set_cpu_f16c(bool on) { cpu_f16c_.store(on, std::memory_order_relaxed); }
+
   // How long a rank waits in a collective before jaxcomm looks for peers waiting in
   // another one (core/mismatch.h); 0: never. JAXCOMM_MISMATCH_GRACE_S, set from Python.
   std::chrono::milliseconds mismatch_grace() const {
@@ -108,6 +113,7 @@ class Registry {
   std::atomic<int64_t> spin_us_;
   std::atomic<int64_t> nontemporal_bytes_;
   std::atomic<bool> single_copy_;
+  std::atomic<bool> cpu_f16c_;
   std::atomic<int64_t> mismatch_grace_ms_{kDefaultMismatchGraceMs};
   std::atomic<int64_t> process_index_{0};
   std::atomic<int> host_processes_{1};

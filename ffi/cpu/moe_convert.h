@@ -9,6 +9,13 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#include <immintrin.h>
+#define JAXCOMM_F16C_KERNELS 1
+#else
+#define JAXCOMM_F16C_KERNELS 0
+#endif
+
 #include "core/number_formats.h"
 
 namespace jaxcomm::cpu {
@@ -98,89 +105,13 @@ inline void RoundToF16(const F32x8& f, U32x8& out) {  // F32ToF16
   out = o | sign;
 }
 
-// One 64-byte cache line of a row of In's type, as float32 lanes. The lanes are in column
-// order, except half precision's: each 16 columns are loaded as eight 32-bit words, whose
-// low halves are the even columns and whose high halves the odd ones, converted lane by
-// lane with integer operations (bfloat16: two per 16 columns) in place of widening
-// shuffles. Sums never mix lanes, so the order only matters when a line is stored
-// (StoreLine).
-template <typename In>
-struct RowLine {
-  using Storage = typename In::Storage;
-  static constexpr int kColumns = 64 / static_cast<int>(sizeof(Storage));
-  static constexpr int kVecs = kColumns / 8;
-  static constexpr bool kEvenOdd = std::is_same_v<In, BF16T> || std::is_same_v<In, F16T>;
-
-  static void Load(const Storage* x, F32x8* v) {
-    if constexpr (std::is_same_v<In, BF16T>) {
-      for (int i = 0; i < kVecs / 2; ++i) {
-        U32x8 w;
-        std::memcpy(&w, x + 16 * i, sizeof w);
-        const U32x8 even = w << 16, odd = w & 0xFFFF0000u;
-        std::memcpy(&v[2 * i], &even, sizeof even);
-        std::memcpy(&v[2 * i + 1], &odd, sizeof odd);
-      }
-    } else if constexpr (std::is_same_v<In, F16T>) {
-      for (int i = 0; i < kVecs / 2; ++i) {
-        U32x8 w;
-        std::memcpy(&w, x + 16 * i, sizeof w);
-        const U32x8 even = w & 0xFFFFu, odd = w >> 16;
-        F16Lanes(even, v[2 * i]);
-        F16Lanes(odd, v[2 * i + 1]);
-      }
-    } else if constexpr (std::is_same_v<In, F32T>) {
-      // One copy per vector: a single 64-byte copy went through the stack in 16-byte
-      // pieces, and the vector reads of them stalled on store forwarding.
-      for (int i = 0; i < kVecs; ++i) std::memcpy(&v[i], x + 8 * i, sizeof v[i]);
-    } else {
-      for (int i = 0; i < kVecs; ++i) {
-        for (int l = 0; l < 8; ++l) v[i][l] = In::Load(x[8 * i + l]);
-      }
-    }
-  }
-};
-
 // Whether a combine from In's rows writes its Out-typed result straight from the lanes
 // (float32, or half precision rows to the same type); otherwise SumSlots leaves float32
 // sums in column order for StoreRow.
 template <typename In, typename Out>
 constexpr bool kStoresDirect =
-    std::is_same_v<Out, F32T> || (std::is_same_v<In, Out> && RowLine<In>::kEvenOdd);
-
-// Stores a line's sums (RowLine<In>'s lane order) at column h: into `out` (Out's type)
-// where kStoresDirect, else into y32 in column order.
-template <typename In, typename Out>
-inline void StoreLine(void* out, float* y32, int64_t h, const F32x8* v) {
-  using Line = RowLine<In>;
-  if constexpr (Line::kEvenOdd && std::is_same_v<In, Out>) {
-    // Even columns in the low half of each word, odd in the high: little-endian 16-bit
-    // pairs, in column order.
-    for (int i = 0; i < Line::kVecs / 2; ++i) {
-      U32x8 even, odd;
-      if constexpr (std::is_same_v<Out, BF16T>) {
-        RoundToBf16(v[2 * i], even);
-        RoundToBf16(v[2 * i + 1], odd);
-      } else {
-        RoundToF16(v[2 * i], even);
-        RoundToF16(v[2 * i + 1], odd);
-      }
-      const U32x8 pairs = even | (odd << 16);
-      std::memcpy(static_cast<uint16_t*>(out) + h + 16 * i, &pairs, sizeof pairs);
-    }
-  } else {
-    float* y = std::is_same_v<Out, F32T> ? static_cast<float*>(out) : y32;
-    if constexpr (Line::kEvenOdd) {
-      for (int i = 0; i < Line::kVecs / 2; ++i) {
-        for (int l = 0; l < 8; ++l) {
-          y[h + 16 * i + 2 * l] = v[2 * i][l];
-          y[h + 16 * i + 2 * l + 1] = v[2 * i + 1][l];
-        }
-      }
-    } else {
-      for (int i = 0; i < Line::kVecs; ++i) std::memcpy(y + h + 8 * i, &v[i], sizeof v[i]);
-    }
-  }
-}
+    std::is_same_v<Out, F32T> ||
+    (std::is_same_v<In, Out> && (std::is_same_v<In, BF16T> || std::is_same_v<In, F16T>));
 
 // How far ahead in each row the combine asks for lines (bytes): the loop takes one line
 // of each of a token's rows in turn, and bfloat16's conversions leave the out-of-order
@@ -190,58 +121,52 @@ inline void StoreLine(void* out, float* y32, int64_t h, const F32x8* v) {
 // float32's within noise; 8 lines ahead, or the next token's first lines, did no better.
 constexpr int kSumPrefetchBytes = 256;
 
-// The combine of one token: y[h] = g_0[h] + g_1[h] + ... in float32, left to right, for
-// h in [0, H), where group g_i is the sum, left to right, of its slots' a_j * x_j[h] (In's
-// type), and `opens[j]` marks the slots that start a group (opens[0] is true). Every
-// product and sum is rounded once, so the bits do not depend on how the columns are
-// blocked. The running sums live in registers, a cache line of columns at a time: each
-// row is read once and each result written once. Starting from -0.0 (x + -0.0 == x for
-// every x, signed zeros included) lets the first group be added like the rest. The result
-// goes to `out` (Out's type) or, where not kStoresDirect, to y32[H] in float32. n >= 1.
+// The combine's row kernels (RowLine, StoreLine, SumSlots: moe_sum_rows.inc), built
+// twice: portable (the baseline and AVX2 clones above), and, on x86-64 with GCC, for
+// CPUs with AVX2 and F16C, whose float16 lines convert in one instruction per eight
+// columns (vcvtph2ps, vcvtps2ph) where the portable kernels take about twenty integer
+// operations. GCC 12 converts _Float16 vectors one element at a time, and an intrinsic
+// inlines only into a function built for its instructions, so the whole kernel is built a
+// second time under `#pragma GCC target`, in its own namespace.
+namespace portable {
+#define JAXCOMM_HW_F16 0
+#define JAXCOMM_SUM_KERNEL JAXCOMM_ROW_KERNEL
+#include "cpu/moe_sum_rows.inc"
+#undef JAXCOMM_SUM_KERNEL
+#undef JAXCOMM_HW_F16
+}  // namespace portable
+
+#if JAXCOMM_F16C_KERNELS
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+namespace f16c {
+#define JAXCOMM_HW_F16 1
+#define JAXCOMM_SUM_KERNEL
+#include "cpu/moe_sum_rows.inc"
+#undef JAXCOMM_SUM_KERNEL
+#undef JAXCOMM_HW_F16
+}  // namespace f16c
+#pragma GCC pop_options
+
+// Whether this CPU can run the f16c kernels.
+inline bool HasF16c() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
+// The combine of one token (see moe_sum_rows.inc): the f16c kernel for float16 rows or
+// results where `use_f16c` (which only HasF16c() may turn on), else the portable one.
 template <typename In, typename Out>
-JAXCOMM_ROW_KERNEL void SumSlots(void* out, float* y32, const void* const* rows, const float* a,
-                                 const bool* opens, int n, int64_t H) {
-  using Line = RowLine<In>;
-  using S = typename In::Storage;
-  constexpr int kVecs = Line::kVecs;
-  int64_t h = 0;
-  for (; h + Line::kColumns <= H; h += Line::kColumns) {
-    F32x8 s[kVecs], g[kVecs], t[kVecs];
-    for (int v = 0; v < kVecs; ++v) s[v] = g[v] = F32x8{-0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f};
-    for (int j = 0; j < n; ++j) {
-      const S* x = static_cast<const S*>(rows[j]) + h;
-      __builtin_prefetch(reinterpret_cast<const char*>(x) + kSumPrefetchBytes);
-      Line::Load(x, t);
-      if (opens[j]) {
-        for (int v = 0; v < kVecs; ++v) {
-          s[v] = s[v] + g[v];
-          g[v] = a[j] * t[v];
-        }
-      } else {
-        for (int v = 0; v < kVecs; ++v) g[v] = g[v] + a[j] * t[v];
-      }
-    }
-    for (int v = 0; v < kVecs; ++v) s[v] = s[v] + g[v];
-    StoreLine<In, Out>(out, y32, h, s);
+void SumSlots(void* out, float* y32, const void* const* rows, const float* a, const bool* opens, int n,
+              int64_t H, bool use_f16c) {
+#if JAXCOMM_F16C_KERNELS
+  if constexpr (std::is_same_v<In, F16T> || std::is_same_v<Out, F16T>) {
+    if (use_f16c) return f16c::SumSlots<In, Out>(out, y32, rows, a, opens, n, H);
   }
-  for (; h < H; ++h) {
-    float s = -0.f, g = -0.f;
-    for (int j = 0; j < n; ++j) {
-      const float t = a[j] * In::Load(static_cast<const S*>(rows[j])[h]);
-      if (opens[j]) {
-        s = s + g;
-        g = t;
-      } else {
-        g = g + t;
-      }
-    }
-    s = s + g;
-    if constexpr (kStoresDirect<In, Out>) {
-      static_cast<typename Out::Storage*>(out)[h] = Out::Store(s);
-    } else {
-      y32[h] = s;
-    }
-  }
+#endif
+  (void)use_f16c;
+  portable::SumSlots<In, Out>(out, y32, rows, a, opens, n, H);
 }
 
 // dst = acc in Out's type.

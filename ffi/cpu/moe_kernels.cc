@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/moe_slots.h"
+#include "core/registry.h"
 #include "core/rendezvous.h"
 #include "cpu/launch.h"
 #include "cpu/moe_convert.h"
@@ -146,6 +147,7 @@ class CombineSlots {
 // NumPy reference's and the CUDA kernel's.
 void RunReduce(const MoePlan& p, const std::vector<Peer>& peers, int r) {
   const int64_t out_item = RealBytes(p.out);
+  const bool f16c = HasF16cKernels() && Registry::Get().cpu_f16c();
   CombineSlots slots(p.K);
   WithReal(p.src, [&](auto in) {
     WithReal(p.out, [&](auto o) {
@@ -161,7 +163,7 @@ void RunReduce(const MoePlan& p, const std::vector<Peer>& peers, int r) {
           std::memset(out, 0, static_cast<size_t>(p.H * out_item));  // +0.0 in every type
           continue;
         }
-        SumSlots<In, Out>(out, y32.data(), slots.rows(), slots.weights(), slots.opens(), slots.n(), p.H);
+        SumSlots<In, Out>(out, y32.data(), slots.rows(), slots.weights(), slots.opens(), slots.n(), p.H, f16c);
         if constexpr (!kStoresDirect<In, Out>) StoreRow<Out>(out, y32.data(), p.H);
       }
     });
@@ -261,6 +263,14 @@ ffi::Future MoeTransportSend(InstructionState* st, ffi::RunId run, int32_t ordin
 }
 
 }  // namespace
+
+bool HasF16cKernels() {
+#if JAXCOMM_F16C_KERNELS
+  return HasF16c();
+#else
+  return false;
+#endif
+}
 
 bool AsReal(ffi::DataType t, Real* r) {
   switch (t) {

@@ -160,6 +160,10 @@ _VARIABLES = (
              "``1``: a cross-process call whose group has one rank per process, all on one host, "
              "runs on its device thread (no hand-off) from its second round; ``0``: never.",
              AT_START, "cpu", _flag, native=True),
+    Variable("JAXCOMM_CPU_F16C", "flag", "1",
+             "``1``: the host MoE combine converts float16 rows and results with the CPU's F16C "
+             "instructions where it has them (x86-64 with AVX2); ``0``: always the portable "
+             "kernels, which give the same bits.", AT_START, "cpu", _flag, native=True),
     Variable("JAXCOMM_MISMATCH_GRACE_S", "seconds", "3",
              "Ranks of a group that wait in different collectives (another op or call site, "
              "programs dispatched in different orders), each waiting for the other, fail after "
