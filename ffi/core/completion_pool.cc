@@ -37,9 +37,15 @@ void CompletionPool::PostAll(std::vector<std::function<void()>> tasks) {
       Worker();
     }).detach();
   }
-  // One wake per task: waking every sleeper for one task made them preempt the poster,
-  // which then waited a time slice on its own core while the other core idled.
-  for (size_t i = 0; i < tasks_posted; ++i) cv_.notify_one();
+  // One task (a round's helper) wakes one sleeper: waking them all made them preempt the
+  // poster, which then waited a time slice on its own core while the other core idled.
+  // Several (a round's completions) wake all at once: one notify_one per task took a
+  // 4-byte all_reduce over 8 devices from 20-27 to 40-48 us.
+  if (tasks_posted == 1) {
+    cv_.notify_one();
+  } else {
+    cv_.notify_all();
+  }
 }
 
 void CompletionPool::Worker() {
