@@ -157,7 +157,7 @@ NB_MODULE(_jaxcomm, m) {
         "Whether the host MoE combine may convert float16 with the CPU's F16C instructions.");
   m.def("set_cpu_f16c", [](bool on) { jaxcomm::Registry::Get().set_cpu_f16c(on); }, nb::arg("on"),
         "Sets cpu_f16c (JAXCOMM_CPU_F16C); off: the portable float16 kernels.");
-  m.def("has_f16c_kernels", [] { return jaxcomm::cpu::HasF16cKernels(); },
+  m.def("has_f16c_kernels", [] { return jaxcomm::cpu::HasF16c(); },
         "Whether this build and CPU have the F16C float16 combine kernels (JAXCOMM_CPU_F16C).");
   m.def("nontemporal_bytes", [] { return jaxcomm::Registry::Get().nontemporal_bytes(); },
         "Results of at least this many bytes are written with non-temporal stores (0: never).");

@@ -100,10 +100,11 @@ def _half_case(dtype, case):
     return ids, x, w, E, T, H
 
 
-def _dispatch_combine(E):
+def _dispatch_combine(E, expert_dtype=None):
+    """dispatch then combine; the expert rows cast to `expert_dtype` first when given."""
     def f(x, ids, w):
         ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
-        return ex, jaxcomm.moe.combine(ex, h, w)
+        return ex, jaxcomm.moe.combine(ex if expert_dtype is None else ex.astype(expert_dtype), h, w)
     return f
 
 
@@ -155,11 +156,8 @@ def test_float16_combine_same_bits_with_and_without_f16c(cpu_f16c, tokens, case)
     suite's other float16 cases run whichever this CPU takes (F16C on x86-64 with AVX2)."""
     from jaxcomm import _jaxcomm
     ids, x, w, E, T, H = _half_case(tokens, case)
-    f = _dispatch_combine(E)
-    if tokens == jnp.float32:  # float32 tokens, float16 expert outputs combined
-        def f(x, ids, w):
-            ex, _, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
-            return ex, jaxcomm.moe.combine(ex.astype(jnp.float16), h, w)
+    # float32 tokens: float16 expert outputs combined into float32 results
+    f = _dispatch_combine(E, jnp.float16 if tokens == jnp.float32 else None)
     got = {}
     for on in (True, False):
         cpu_f16c(on)

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <type_traits>
 
+// GCC on x86-64: the row kernels get CPU-specific builds (JAXCOMM_ROW_KERNEL, the f16c
+// namespace below).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #include <immintrin.h>
 #define JAXCOMM_F16C_KERNELS 1
@@ -29,12 +31,12 @@ inline int RealBytes(Real t) { return t == Real::kF32 ? 4 : t == Real::kE4M3 ? 1
 // below are templates over them, so that each instantiation is one straight loop the
 // compiler vectorises.
 
-// The combine's row kernels (SumSlots, StoreRow) are built twice on x86-64 with GCC, for
+// The combine's portable row kernels (portable::SumSlots, StoreRow) are built twice, for
 // the baseline (SSE2: an 8-lane vector is two registers) and for AVX2 (one register), the
 // one the CPU runs chosen when the module loads (an ifunc). AVX2 only, not FMA:
 // contracting a * x + y would change the rounding (the build also passes
 // -ffp-contract=off).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#if JAXCOMM_F16C_KERNELS
 #define JAXCOMM_ROW_KERNEL __attribute__((target_clones("avx2", "default")))
 #else
 #define JAXCOMM_ROW_KERNEL
@@ -148,12 +150,18 @@ namespace f16c {
 }  // namespace f16c
 #pragma GCC pop_options
 
-// Whether this CPU can run the f16c kernels.
+#endif
+
+// Whether this build has the f16c kernels and this CPU can run them (JAXCOMM_CPU_F16C
+// decides whether they are used).
 inline bool HasF16c() {
+#if JAXCOMM_F16C_KERNELS
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   return has;
-}
+#else
+  return false;
 #endif
+}
 
 // The combine of one token (see moe_sum_rows.inc): the f16c kernel for float16 rows or
 // results where `use_f16c` (which only HasF16c() may turn on), else the portable one.

@@ -147,7 +147,7 @@ class CombineSlots {
 // NumPy reference's and the CUDA kernel's.
 void RunReduce(const MoePlan& p, const std::vector<Peer>& peers, int r) {
   const int64_t out_item = RealBytes(p.out);
-  const bool f16c = HasF16cKernels() && Registry::Get().cpu_f16c();
+  const bool f16c = HasF16c() && Registry::Get().cpu_f16c();
   CombineSlots slots(p.K);
   WithReal(p.src, [&](auto in) {
     WithReal(p.out, [&](auto o) {
@@ -263,14 +263,6 @@ ffi::Future MoeTransportSend(InstructionState* st, ffi::RunId run, int32_t ordin
 }
 
 }  // namespace
-
-bool HasF16cKernels() {
-#if JAXCOMM_F16C_KERNELS
-  return HasF16c();
-#else
-  return false;
-#endif
-}
 
 bool AsReal(ffi::DataType t, Real* r) {
   switch (t) {

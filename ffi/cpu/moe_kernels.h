@@ -10,10 +10,6 @@ namespace jaxcomm::cpu {
 // The host kernels' element type of a float32, bfloat16 or float16 buffer; false for others.
 bool AsReal(xla::ffi::DataType t, Real* r);
 
-// Whether this build has the combine's F16C kernels and this CPU runs them
-// (moe_convert.h); JAXCOMM_CPU_F16C decides whether they are used.
-bool HasF16cKernels();
-
 // The expert-parallel transports, fused with the local expand/reduce: every rank
 // reads its peers' rows in place (one address space) instead of packing, sending and
 // unpacking them. Operands: src, dest s32[T, K] (destination rank of each slot, or -1),
