@@ -7,6 +7,9 @@ test environment's Python, where mpi4py and mpi4jax need not be installed.
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import statistics
 import os
 import subprocess
 import sys
@@ -151,6 +154,50 @@ def test_one_process_measures_jaxcomm_xla_and_a_plain_jit_alike():
     assert " target " not in text
     checked = "\n".join(report.report_lines(records, targets=True))
     assert "[one process] target met: " in checked or "[one process] target MISSED: " in checked
+
+
+def test_combine_ratio_line_alternates_its_blocks_and_states_their_spread(monkeypatch, capsys):
+    """The bfloat16/float32 combine line takes RATIO_ROUNDS alternated blocks whatever
+    --iters says, and its quartiles bracket the blocks' ratios."""
+    from jaxcomm.bench import moe
+    seen = []
+
+    def spy(jc, base, per_block, rounds):
+        blocks = real(jc, base, per_block, rounds)
+        seen.append(blocks)
+        return blocks
+
+    real = moe._pair_blocks
+    monkeypatch.setattr(moe, "_pair_blocks", spy)
+    moe._print_combine_ratios(moe._parse(["--tokens", "8", "--hidden", "64", "--topk", "2", "--experts", "8",
+                                          "--devices", "4", "--dtype", "float32,bfloat16", "--iters", "1"]))
+    line = capsys.readouterr().out.strip()
+    [blocks] = seen
+    assert len(blocks) == moe.RATIO_ROUNDS
+    assert all(len(h) == len(f) == moe.RATIO_PER_BLOCK for h, f in blocks)
+    m = re.fullmatch(r"combine bfloat16 vs float32, alternated in one run: ([\d.]+) ms vs ([\d.]+) ms = "
+                     r"([\d.]+)x \(blocks ([\d.]+)-([\d.]+)x, 10 of 4 calls a side\); load average .+", line)
+    assert m, line
+    th = statistics.median(t for h, _ in blocks for t in h)
+    tf = statistics.median(t for _, f in blocks for t in f)
+    assert m.group(1, 2, 3) == (f"{th * 1e3:.2f}", f"{tf * 1e3:.2f}", f"{th / tf:.2f}")
+    q1, q3 = float(m.group(4)), float(m.group(5))
+    block_ratios = sorted(statistics.median(h) / statistics.median(f) for h, f in blocks)
+    assert block_ratios[0] - 0.006 <= q1 <= q3 <= block_ratios[-1] + 0.006  # printed to two places
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_combine_rows_bench_builds_and_runs(tmp_path):
+    """scripts/combine_rows_bench.cc (docs/benchmarks.md) builds against the kernels as they
+    are and times both dtypes."""
+    repo = os.path.dirname(HERE)
+    exe = tmp_path / "crb"
+    subprocess.run(["g++", "-O1", "-std=c++17", "-ffp-contract=off", "-I", os.path.join(repo, "ffi"),
+                    "-pthread", os.path.join(repo, "scripts", "combine_rows_bench.cc"), "-o", str(exe)],
+                   check=True, capture_output=True, timeout=240)
+    out = subprocess.run([str(exe)], env=dict(os.environ, T="4", H="100", E="16", N="3"), check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert re.fullmatch(r"T=4 H=100 E=16, 2 threads: bfloat16 [\d.]+ ms, float32 [\d.]+ ms, ratio [\d.]+\n", out), out
 
 
 # ------------------------------------------------------------------------ command line

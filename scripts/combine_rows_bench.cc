@@ -1,0 +1,135 @@
+// The MoE host combine's row loop (SumSlots, ffi/cpu/moe_sum_rows.inc) alone, outside XLA
+// and jaxcomm's runtime: bfloat16 rows against float32 rows on the same routing, calls of
+// the two alternated, rows in memory (not cache). It separates what the kernel costs from
+// what a call around it costs (docs/benchmarks.md, 2026-12-02 09:20).
+//
+// Routing as `python -m jaxcomm.bench moe` draws it: every token of every rank picks K
+// distinct experts out of E, uniformly; each rank's expert rows are ordered by (local
+// expert, source rank, token), as the dispatch writes them. The threads split the ranks'
+// tokens in contiguous blocks (with 2 threads, 4 ranks each, as jaxcomm's parts do).
+//
+//   g++ -O3 -std=c++17 -ffp-contract=off -Iffi -pthread scripts/combine_rows_bench.cc -o /tmp/crb
+//   T=128 H=7168 E=256 /tmp/crb      # decode size
+//   T=4096 H=1024 E=64 /tmp/crb      # training size
+//
+// Environment: T tokens per rank, H columns, E experts (8 ranks, top-8), NT threads (2),
+// N timed calls of each dtype (40). Prints the medians and their ratio.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "cpu/moe_convert.h"
+
+namespace {
+
+using jaxcomm::BF16T;
+using jaxcomm::F32T;
+
+constexpr int kRanks = 8, kTopK = 8;
+
+int EnvInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : fallback;
+}
+
+struct Routing {
+  std::vector<int> expert;  // [R * T * K], ascending within a token
+  std::vector<int> row;     // the slot's row on its expert's rank
+  std::vector<int> rows;    // rows per rank
+};
+
+Routing Draw(int T, int E) {
+  const int el = E / kRanks, slots = kRanks * T * kTopK;
+  Routing r{std::vector<int>(slots), std::vector<int>(slots), std::vector<int>(kRanks, 0)};
+  std::mt19937 gen(1);
+  std::vector<int> all(E);
+  for (int t = 0; t < kRanks * T; ++t) {
+    std::iota(all.begin(), all.end(), 0);
+    for (int j = 0; j < kTopK; ++j) std::swap(all[j], all[j + gen() % (E - j)]);
+    std::sort(all.begin(), all.begin() + kTopK);
+    std::copy(all.begin(), all.begin() + kTopK, r.expert.begin() + static_cast<size_t>(t) * kTopK);
+  }
+  // Slots in (source, token) order, so each expert's rows follow that order.
+  std::vector<int> count(E, 0), first(E, 0), filled(E, 0);
+  for (int e : r.expert) ++count[e];
+  for (int e = 0; e < E; ++e) first[e] = e % el == 0 ? 0 : first[e - 1] + count[e - 1];
+  for (int i = 0; i < slots; ++i) {
+    const int e = r.expert[i];
+    r.row[i] = first[e] + filled[e]++;
+    r.rows[e / el] = std::max(r.rows[e / el], r.row[i] + 1);
+  }
+  return r;
+}
+
+// One timed combine of every rank's tokens over In's rows; returns milliseconds.
+template <typename In>
+std::function<double()> Combine(const Routing& routing, int T, int H, int E, int threads) {
+  using S = typename In::Storage;
+  struct Token {
+    const void* rows[kTopK];
+    float weights[kTopK];
+    bool opens[kTopK];
+  };
+  const int el = E / kRanks;
+  auto peers = std::make_shared<std::vector<std::vector<S>>>(kRanks);
+  for (int r = 0; r < kRanks; ++r) (*peers)[r].assign(static_cast<size_t>(routing.rows[r]) * H, In::Store(0.5f));
+  auto tokens = std::make_shared<std::vector<Token>>(kRanks * T);
+  for (int t = 0; t < kRanks * T; ++t) {
+    for (int j = 0; j < kTopK; ++j) {
+      const size_t i = static_cast<size_t>(t) * kTopK + j;
+      const int d = routing.expert[i] / el;
+      Token& tok = (*tokens)[t];
+      tok.rows[j] = (*peers)[d].data() + static_cast<size_t>(routing.row[i]) * H;
+      tok.weights[j] = 0.1f;
+      tok.opens[j] = j == 0 || d != routing.expert[i - 1] / el;
+    }
+  }
+  auto out = std::make_shared<std::vector<std::vector<S>>>(threads, std::vector<S>(static_cast<size_t>(T) * H));
+  return [peers, tokens, out, T, H, threads] {  // peers: the rows the tokens point into
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> pool;
+    for (int w = 0; w < threads; ++w) {
+      pool.emplace_back([&, w] {
+        const int begin = kRanks * T * w / threads, end = kRanks * T * (w + 1) / threads;
+        for (int t = begin; t < end; ++t) {
+          const Token& tok = (*tokens)[t];
+          S* y = (*out)[w].data() + static_cast<size_t>(t % T) * H;
+          jaxcomm::cpu::SumSlots<In, In>(y, nullptr, tok.rows, tok.weights, tok.opens, kTopK, H, false);
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main() {
+  const int T = EnvInt("T", 128), H = EnvInt("H", 7168), E = EnvInt("E", 256);
+  const int threads = EnvInt("NT", 2), n = EnvInt("N", 40);
+  const Routing routing = Draw(T, E);
+  auto bf16 = Combine<BF16T>(routing, T, H, E, threads);
+  auto f32 = Combine<F32T>(routing, T, H, E, threads);
+  bf16();
+  f32();
+  std::vector<double> tb, tf;
+  for (int i = 0; i < n; ++i) {
+    tb.push_back(bf16());
+    tf.push_back(f32());
+  }
+  std::printf("T=%d H=%d E=%d, %d threads: bfloat16 %.2f ms, float32 %.2f ms, ratio %.3f\n", T, H, E, threads,
+              Median(tb), Median(tf), Median(tb) / Median(tf));
+}
