@@ -7,10 +7,10 @@ test environment's Python, where mpi4py and mpi4jax need not be installed.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import statistics
-import os
 import subprocess
 import sys
 
