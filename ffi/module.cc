@@ -14,7 +14,7 @@
 #include "core/cpu_affinity.h"
 #include "core/registry.h"
 #include "core/rendezvous.h"
-#include "cpu/moe_kernels.h"
+#include "cpu/moe_convert.h"  // HasF16c
 #include "cpu/world.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -1,6 +1,5 @@
 #include "cpu/world.h"
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -55,13 +54,13 @@ void PeerSpin::Step() {
   // Only where each process can have a core: with more processes than cores, sharing one is
   // unavoidable and the yield hands it over soonest.
   static const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int cpu = mine_ != nullptr && Registry::Get().host_processes() <= cores ? sched_getcpu() : -1;
+  const int cpu = mine_ != nullptr && Registry::Get().host_processes() <= cores ? CurrentCore() : -1;
   if (cpu >= 0) {
     mine_->spinning_cpu.store(cpu + 1, std::memory_order_relaxed);
     shown_ = true;
     if (shares_core_ && shares_core_(cpu) && LeaveCore(cpu)) {
       // At once, or the peer could take the stale core for this one's and follow it.
-      mine_->spinning_cpu.store(sched_getcpu() + 1, std::memory_order_relaxed);
+      mine_->spinning_cpu.store(CurrentCore() + 1, std::memory_order_relaxed);
       Registry::Get().core_moves.fetch_add(1, std::memory_order_relaxed);
       return;
     }
