@@ -13,11 +13,15 @@
 //   T=4096 H=1024 E=64 /tmp/crb      # training size
 //
 // Environment: T tokens per rank, H columns, E experts (8 ranks, top-8), NT threads (2),
-// N timed calls of each dtype (40). Prints the medians and their ratio.
+// N timed calls of each dtype (40). Prints the medians and their ratio, then the rows'
+// bytes per second: the kernel's, and those of the same loads in the same order without the
+// arithmetic (the memory's speed for this access pattern, in the same run: the kernel's
+// ceiling).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -68,9 +72,25 @@ Routing Draw(int T, int E) {
   return r;
 }
 
-// One timed combine of every rank's tokens over In's rows; returns milliseconds.
+// Timed passes over one dtype's rows, each returning milliseconds: `combine`, every rank's
+// tokens summed; `read`, the same rows loaded in the same order and nothing computed.
+struct Passes {
+  std::function<double()> combine, read;
+  double row_bytes;  // what each pass reads
+};
+
+// Runs fn(w) on `threads` threads; returns the milliseconds until the last finished.
+template <typename Fn>
+double TimeThreads(int threads, const Fn& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int w = 0; w < threads; ++w) pool.emplace_back([&fn, w] { fn(w); });
+  for (auto& th : pool) th.join();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
 template <typename In>
-std::function<double()> Combine(const Routing& routing, int T, int H, int E, int threads) {
+Passes Combine(const Routing& routing, int T, int H, int E, int threads) {
   using S = typename In::Storage;
   struct Token {
     const void* rows[kTopK];
@@ -92,22 +112,43 @@ std::function<double()> Combine(const Routing& routing, int T, int H, int E, int
     }
   }
   auto out = std::make_shared<std::vector<std::vector<S>>>(threads, std::vector<S>(static_cast<size_t>(T) * H));
-  return [peers, tokens, out, T, H, threads] {  // peers: the rows the tokens point into
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<std::thread> pool;
-    for (int w = 0; w < threads; ++w) {
-      pool.emplace_back([&, w] {
-        const int begin = kRanks * T * w / threads, end = kRanks * T * (w + 1) / threads;
-        for (int t = begin; t < end; ++t) {
-          const Token& tok = (*tokens)[t];
-          S* y = (*out)[w].data() + static_cast<size_t>(t % T) * H;
-          jaxcomm::cpu::SumSlots<In, In>(y, nullptr, tok.rows, tok.weights, tok.opens, kTopK, H, false);
-        }
-      });
-    }
-    for (auto& th : pool) th.join();
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  Passes passes;
+  passes.combine = [peers, tokens, out, T, H, threads] {  // peers: the rows the tokens point into
+    return TimeThreads(threads, [&](int w) {
+      const int begin = kRanks * T * w / threads, end = kRanks * T * (w + 1) / threads;
+      for (int t = begin; t < end; ++t) {
+        const Token& tok = (*tokens)[t];
+        S* y = (*out)[w].data() + static_cast<size_t>(t % T) * H;
+        jaxcomm::cpu::SumSlots<In, In>(y, nullptr, tok.rows, tok.weights, tok.opens, kTopK, H, false);
+      }
+    });
   };
+  // The same loads in the same order, XORed into eight accumulators in place of the
+  // conversions and sums.
+  for (const auto& rows : *peers) passes.row_bytes += static_cast<double>(rows.size() * sizeof(S));
+  auto sink = std::make_shared<std::vector<uint64_t>>(threads);
+  passes.read = [peers, tokens, sink, T, H, threads] {
+    const size_t words = static_cast<size_t>(H) * sizeof(S) / 8;
+    return TimeThreads(threads, [&](int w) {
+      const int begin = kRanks * T * w / threads, end = kRanks * T * (w + 1) / threads;
+      uint64_t acc[8] = {};
+      for (int t = begin; t < end; ++t) {
+        const Token& tok = (*tokens)[t];
+        for (size_t i = 0; i + 8 <= words; i += 8) {
+          for (int j = 0; j < kTopK; ++j) {
+            const char* x = static_cast<const char*>(tok.rows[j]) + 8 * i;
+            for (int k = 0; k < 8; ++k) {
+              uint64_t word;  // rows start wherever H puts them: copied, not dereferenced
+              std::memcpy(&word, x + 8 * k, sizeof word);
+              acc[k] ^= word;
+            }
+          }
+        }
+      }
+      (*sink)[w] = acc[0] ^ acc[1] ^ acc[2] ^ acc[3] ^ acc[4] ^ acc[5] ^ acc[6] ^ acc[7];
+    });
+  };
+  return passes;
 }
 
 double Median(std::vector<double> v) {
@@ -121,15 +162,21 @@ int main() {
   const int T = EnvInt("T", 128), H = EnvInt("H", 7168), E = EnvInt("E", 256);
   const int threads = EnvInt("NT", 2), n = EnvInt("N", 40);
   const Routing routing = Draw(T, E);
-  auto bf16 = Combine<BF16T>(routing, T, H, E, threads);
-  auto f32 = Combine<F32T>(routing, T, H, E, threads);
-  bf16();
-  f32();
-  std::vector<double> tb, tf;
-  for (int i = 0; i < n; ++i) {
-    tb.push_back(bf16());
-    tf.push_back(f32());
+  const Passes bf16 = Combine<BF16T>(routing, T, H, E, threads);
+  const Passes f32 = Combine<F32T>(routing, T, H, E, threads);
+  bf16.combine();
+  f32.combine();
+  std::vector<double> tb, tf, rb, rf;
+  for (int i = 0; i < n; ++i) {  // the four passes alternated: the same load falls on each
+    tb.push_back(bf16.combine());
+    rb.push_back(bf16.read());
+    tf.push_back(f32.combine());
+    rf.push_back(f32.read());
   }
+  const auto gbs = [](double bytes, double ms) { return bytes / ms / 1e6; };
   std::printf("T=%d H=%d E=%d, %d threads: bfloat16 %.2f ms, float32 %.2f ms, ratio %.3f\n", T, H, E, threads,
               Median(tb), Median(tf), Median(tb) / Median(tf));
+  std::printf("rows read, GB/s: bfloat16 %.1f (loads alone %.1f, %.0f%%), float32 %.1f (loads alone %.1f, %.0f%%)\n",
+              gbs(bf16.row_bytes, Median(tb)), gbs(bf16.row_bytes, Median(rb)), 100 * Median(rb) / Median(tb),
+              gbs(f32.row_bytes, Median(tf)), gbs(f32.row_bytes, Median(rf)), 100 * Median(rf) / Median(tf));
 }

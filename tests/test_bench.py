@@ -189,7 +189,7 @@ def test_combine_ratio_line_alternates_its_blocks_and_states_their_spread(monkey
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_combine_rows_bench_builds_and_runs(tmp_path):
     """scripts/combine_rows_bench.cc (docs/benchmarks.md) builds against the kernels as they
-    are and times both dtypes."""
+    are and times both dtypes, each beside its loads alone."""
     repo = os.path.dirname(HERE)
     exe = tmp_path / "crb"
     subprocess.run(["g++", "-O1", "-std=c++17", "-ffp-contract=off", "-I", os.path.join(repo, "ffi"),
@@ -197,7 +197,9 @@ def test_combine_rows_bench_builds_and_runs(tmp_path):
                    check=True, capture_output=True, timeout=240)
     out = subprocess.run([str(exe)], env=dict(os.environ, T="4", H="100", E="16", N="3"), check=True,
                          capture_output=True, text=True, timeout=60).stdout
-    assert re.fullmatch(r"T=4 H=100 E=16, 2 threads: bfloat16 [\d.]+ ms, float32 [\d.]+ ms, ratio [\d.]+\n", out), out
+    assert re.fullmatch(r"T=4 H=100 E=16, 2 threads: bfloat16 [\d.]+ ms, float32 [\d.]+ ms, ratio [\d.]+\n"
+                        r"rows read, GB/s: bfloat16 [\d.]+ \(loads alone [\d.]+, \d+%\), "
+                        r"float32 [\d.]+ \(loads alone [\d.]+, \d+%\)\n", out), out
 
 
 # ------------------------------------------------------------------------ command line
