@@ -13,7 +13,9 @@
 //   T=4096 H=1024 E=64 /tmp/crb      # training size
 //
 // Environment: T tokens per rank, H columns, E experts (8 ranks, top-8), NT threads (2),
-// N timed calls of each dtype (40). Prints the medians and their ratio, then the rows'
+// N timed calls of each dtype (40), STREAM_FROM the result bytes a rank from which results
+// are written in streaming stores (4 MiB, JAXCOMM_NONTEMPORAL_BYTES's default; 0: never).
+// Prints whether each dtype's results stream, the medians and their ratio, then the rows'
 // bytes per second: the kernel's, and those of the same loads in the same order without the
 // arithmetic (the memory's speed for this access pattern, in the same run: the kernel's
 // ceiling).
@@ -30,6 +32,7 @@
 #include <vector>
 
 #include "cpu/moe_convert.h"
+#include "cpu/result_stores.h"
 
 namespace {
 
@@ -76,7 +79,8 @@ Routing Draw(int T, int E) {
 // tokens summed; `read`, the same rows loaded in the same order and nothing computed.
 struct Passes {
   std::function<double()> combine, read;
-  double row_bytes;  // what each pass reads
+  double row_bytes = 0;  // what each pass reads
+  bool streams = false;   // whether `combine` writes its results in streaming stores
 };
 
 // Runs fn(w) on `threads` threads; returns the milliseconds until the last finished.
@@ -90,7 +94,7 @@ double TimeThreads(int threads, const Fn& fn) {
 }
 
 template <typename In>
-Passes Combine(const Routing& routing, int T, int H, int E, int threads) {
+Passes Combine(const Routing& routing, int T, int H, int E, int threads, int64_t stream_from) {
   using S = typename In::Storage;
   struct Token {
     const void* rows[kTopK];
@@ -111,16 +115,21 @@ Passes Combine(const Routing& routing, int T, int H, int E, int threads) {
       tok.opens[j] = j == 0 || d != routing.expert[i - 1] / el;
     }
   }
-  auto out = std::make_shared<std::vector<std::vector<S>>>(threads, std::vector<S>(static_cast<size_t>(T) * H));
+  // One result per rank, reused by every call (in memory, as XLA's reused results are):
+  // written in streaming stores from `stream_from` bytes a rank, as jaxcomm writes them
+  // (JAXCOMM_NONTEMPORAL_BYTES).
+  auto out = std::make_shared<std::vector<std::vector<S>>>(kRanks, std::vector<S>(static_cast<size_t>(T) * H));
   Passes passes;
-  passes.combine = [peers, tokens, out, T, H, threads] {  // peers: the rows the tokens point into
+  passes.streams = stream_from > 0 && static_cast<int64_t>(T) * H * static_cast<int64_t>(sizeof(S)) >= stream_from;
+  passes.combine = [peers, tokens, out, T, H, threads, stream = passes.streams] {  // peers: the rows read
     return TimeThreads(threads, [&](int w) {
       const int begin = kRanks * T * w / threads, end = kRanks * T * (w + 1) / threads;
       for (int t = begin; t < end; ++t) {
         const Token& tok = (*tokens)[t];
-        S* y = (*out)[w].data() + static_cast<size_t>(t % T) * H;
-        jaxcomm::cpu::SumSlots<In, In>(y, nullptr, tok.rows, tok.weights, tok.opens, kTopK, H, false);
+        S* y = (*out)[t / T].data() + static_cast<size_t>(t % T) * H;
+        jaxcomm::cpu::SumSlots<In, In>(y, nullptr, tok.rows, tok.weights, tok.opens, kTopK, H, false, stream);
       }
+      if (stream) jaxcomm::cpu::FenceStreamingStores();
     });
   };
   // The same loads in the same order, XORed into eight accumulators in place of the
@@ -162,8 +171,9 @@ int main() {
   const int T = EnvInt("T", 128), H = EnvInt("H", 7168), E = EnvInt("E", 256);
   const int threads = EnvInt("NT", 2), n = EnvInt("N", 40);
   const Routing routing = Draw(T, E);
-  const Passes bf16 = Combine<BF16T>(routing, T, H, E, threads);
-  const Passes f32 = Combine<F32T>(routing, T, H, E, threads);
+  const int64_t stream_from = EnvInt("STREAM_FROM", 4 << 20);
+  const Passes bf16 = Combine<BF16T>(routing, T, H, E, threads, stream_from);
+  const Passes f32 = Combine<F32T>(routing, T, H, E, threads, stream_from);
   bf16.combine();
   f32.combine();
   std::vector<double> tb, tf, rb, rf;
@@ -174,8 +184,10 @@ int main() {
     rf.push_back(f32.read());
   }
   const auto gbs = [](double bytes, double ms) { return bytes / ms / 1e6; };
-  std::printf("T=%d H=%d E=%d, %d threads: bfloat16 %.2f ms, float32 %.2f ms, ratio %.3f\n", T, H, E, threads,
-              Median(tb), Median(tf), Median(tb) / Median(tf));
+  const auto yes = [](bool b) { return b ? "yes" : "no"; };
+  std::printf("T=%d H=%d E=%d, %d threads, streaming stores (STREAM_FROM=%ld): bfloat16 %s, float32 %s\n", T, H, E,
+              threads, static_cast<long>(stream_from), yes(bf16.streams), yes(f32.streams));
+  std::printf("bfloat16 %.2f ms, float32 %.2f ms, ratio %.3f\n", Median(tb), Median(tf), Median(tb) / Median(tf));
   std::printf("rows read, GB/s: bfloat16 %.1f (loads alone %.1f, %.0f%%), float32 %.1f (loads alone %.1f, %.0f%%)\n",
               gbs(bf16.row_bytes, Median(tb)), gbs(bf16.row_bytes, Median(rb)), 100 * Median(rb) / Median(tb),
               gbs(f32.row_bytes, Median(tf)), gbs(f32.row_bytes, Median(rf)), 100 * Median(rf) / Median(tf));

@@ -96,6 +96,16 @@ def mesh2x4():
 
 
 @pytest.fixture
+def streaming_stores():
+    """Every result written with non-temporal stores (as JAXCOMM_NONTEMPORAL_BYTES=1)."""
+    from jaxcomm import _jaxcomm
+    before = _jaxcomm.nontemporal_bytes()
+    _jaxcomm.set_nontemporal_bytes(1)
+    yield
+    _jaxcomm.set_nontemporal_bytes(before)
+
+
+@pytest.fixture
 def x64():
     """Enables 64-bit types for the duration of one test."""
     with jax.enable_x64(True):

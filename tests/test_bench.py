@@ -189,17 +189,26 @@ def test_combine_ratio_line_alternates_its_blocks_and_states_their_spread(monkey
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_combine_rows_bench_builds_and_runs(tmp_path):
     """scripts/combine_rows_bench.cc (docs/benchmarks.md) builds against the kernels as they
-    are and times both dtypes, each beside its loads alone."""
+    are and times both dtypes, each beside its loads alone, with the results in ordinary
+    or streaming stores as STREAM_FROM says."""
     repo = os.path.dirname(HERE)
     exe = tmp_path / "crb"
     subprocess.run(["g++", "-O1", "-std=c++17", "-ffp-contract=off", "-I", os.path.join(repo, "ffi"),
                     "-pthread", os.path.join(repo, "scripts", "combine_rows_bench.cc"), "-o", str(exe)],
                    check=True, capture_output=True, timeout=240)
-    out = subprocess.run([str(exe)], env=dict(os.environ, T="4", H="100", E="16", N="3"), check=True,
-                         capture_output=True, text=True, timeout=60).stdout
-    assert re.fullmatch(r"T=4 H=100 E=16, 2 threads: bfloat16 [\d.]+ ms, float32 [\d.]+ ms, ratio [\d.]+\n"
-                        r"rows read, GB/s: bfloat16 [\d.]+ \(loads alone [\d.]+, \d+%\), "
-                        r"float32 [\d.]+ \(loads alone [\d.]+, \d+%\)\n", out), out
+    number = r"[\d.]+"
+    line = (rf"T=4 H=100 E=16, 2 threads, streaming stores \(STREAM_FROM={{from_}}\): bfloat16 {{bf16}}, "
+            rf"float32 {{f32}}\nbfloat16 {number} ms, float32 {number} ms, ratio {number}\n"
+            rf"rows read, GB/s: bfloat16 {number} \(loads alone {number}, \d+%\), "
+            rf"float32 {number} \(loads alone {number}, \d+%\)\n")
+    # A rank's results: 800 B of bfloat16, 1600 B of float32.
+    for from_, bf16, f32 in [("4194304", "no", "no"), ("1000", "no", "yes"), ("1", "yes", "yes")]:
+        env = dict(os.environ, T="4", H="100", E="16", N="3")
+        env.pop("STREAM_FROM", None)  # the default first
+        if from_ != "4194304":
+            env["STREAM_FROM"] = from_
+        out = subprocess.run([str(exe)], env=env, check=True, capture_output=True, text=True, timeout=60).stdout
+        assert re.fullmatch(line.format(from_=from_, bf16=bf16, f32=f32), out), out
 
 
 # ------------------------------------------------------------------------ command line

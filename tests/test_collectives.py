@@ -669,16 +669,6 @@ def test_large_all_reduce_narrow_types(mesh8, dt):
 
 
 
-@pytest.fixture
-def streaming_stores():
-    """Every result written with non-temporal stores (as JAXCOMM_NONTEMPORAL_BYTES=1)."""
-    from jaxcomm import _jaxcomm
-    before = _jaxcomm.nontemporal_bytes()
-    _jaxcomm.set_nontemporal_bytes(1)
-    yield
-    _jaxcomm.set_nontemporal_bytes(before)
-
-
 @pytest.mark.parametrize("name", list(_large_cases(1024)))
 def test_streaming_stores_give_the_same_results(mesh8, streaming_stores, name):
     # Rows of 67 float32s: results start and end off the stores' 16-byte alignment.

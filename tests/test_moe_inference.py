@@ -141,6 +141,25 @@ def test_combine_accumulates_half_precision_in_float32(dtype, case, form):
     np.testing.assert_array_equal(y.view(bits)[~nan], want.view(bits)[~nan])
 
 
+@pytest.mark.parametrize("case", ["small", "special", "many_slots"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_combine_in_streaming_stores_gives_the_same_bits(streaming_stores, dtype, case):
+    """The combine written past the caches (the host kernel's streaming stores, which large
+    results already in memory get) gives the NumPy reference's bits. Rows of 37 columns
+    start off the stores' 16-byte alignment and take ordinary stores; of 4100, float32's all
+    start on it and half precision's every other one."""
+    ids, x, w, E, T, H = _half_case(dtype, case)
+    y = np.asarray(run("shard_map", _dispatch_combine(E), x, ids, w)[1])
+    want_ex, _, row_of, _ = np_dispatch(x, ids, E)
+    with np.errstate(invalid="ignore"):  # inf * 0 in the special case
+        want = np_combine_f32(want_ex, row_of, w, T, H, dtype)
+    bits = np.uint16 if np.dtype(dtype).itemsize == 2 else np.uint32
+    nan = np.isnan(want.astype(np.float32))
+    assert nan.any() == (case == "special")
+    np.testing.assert_array_equal(np.isnan(y.astype(np.float32)), nan)
+    np.testing.assert_array_equal(y.view(bits)[~nan], want.view(bits)[~nan])
+
+
 @pytest.fixture
 def cpu_f16c():
     """Sets JAXCOMM_CPU_F16C for one test (jaxcomm._jaxcomm.set_cpu_f16c)."""

@@ -20,6 +20,14 @@
 
 #include "core/number_formats.h"
 
+// Streaming stores of the combine's results (SSE2: every x86-64 CPU).
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#define JAXCOMM_STREAM_STORES 1
+#else
+#define JAXCOMM_STREAM_STORES 0
+#endif
+
 namespace jaxcomm::cpu {
 
 // Element types of the transports' float operands and results.
@@ -123,6 +131,27 @@ constexpr bool kStoresDirect =
 // float32's within noise; 8 lines ahead, or the next token's first lines, did no better.
 constexpr int kSumPrefetchBytes = 256;
 
+// Copies kBytes (a multiple of 16) of a line's sums into the result; with `stream`, whose
+// caller has checked that dst is 16-byte aligned, in streaming stores, which it fences
+// when the result is complete (cpu/result_stores.h says when results are written so, and
+// why). SSE2 only, so that both builds of the kernels inline it.
+template <size_t kBytes>
+inline void StoreLineBytes(void* dst, const void* src, bool stream) {
+  static_assert(kBytes % 16 == 0);
+#if JAXCOMM_STREAM_STORES
+  if (stream) {
+    for (size_t i = 0; i < kBytes; i += 16) {
+      __m128i v;
+      std::memcpy(&v, static_cast<const char*>(src) + i, sizeof v);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<char*>(dst) + i), v);
+    }
+    return;
+  }
+#endif
+  (void)stream;
+  std::memcpy(dst, src, kBytes);
+}
+
 // The combine's row kernels (RowLine, StoreLine, SumSlots: moe_sum_rows.inc), built
 // twice: portable (the baseline and AVX2 clones above), and, on x86-64 with GCC, for
 // CPUs with AVX2 and F16C, whose float16 lines convert in one instruction per eight
@@ -165,16 +194,19 @@ inline bool HasF16c() {
 
 // The combine of one token (see moe_sum_rows.inc): the f16c kernel for float16 rows or
 // results where `use_f16c` (which only HasF16c() may turn on), else the portable one.
+// `stream`: the lines written straight into `out` go in streaming stores (StoreLineBytes),
+// only where `out` is 16-byte aligned.
 template <typename In, typename Out>
 void SumSlots(void* out, float* y32, const void* const* rows, const float* a, const bool* opens, int n,
-              int64_t H, bool use_f16c) {
+              int64_t H, bool use_f16c, bool stream) {
+  stream = stream && reinterpret_cast<uintptr_t>(out) % 16 == 0;
 #if JAXCOMM_F16C_KERNELS
   if constexpr (std::is_same_v<In, F16T> || std::is_same_v<Out, F16T>) {
-    if (use_f16c) return f16c::SumSlots<In, Out>(out, y32, rows, a, opens, n, H);
+    if (use_f16c) return f16c::SumSlots<In, Out>(out, y32, rows, a, opens, n, H, stream);
   }
 #endif
   (void)use_f16c;
-  portable::SumSlots<In, Out>(out, y32, rows, a, opens, n, H);
+  portable::SumSlots<In, Out>(out, y32, rows, a, opens, n, H, stream);
 }
 
 // dst = acc in Out's type.

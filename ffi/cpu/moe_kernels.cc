@@ -21,6 +21,7 @@
 #include "cpu/launch.h"
 #include "cpu/moe_convert.h"
 #include "cpu/moe_split.h"
+#include "cpu/result_stores.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cpu {
@@ -148,6 +149,9 @@ class CombineSlots {
 void RunReduce(const MoePlan& p, const std::vector<Peer>& peers, int r) {
   const int64_t out_item = RealBytes(p.out);
   const bool f16c = HasF16c() && Registry::Get().cpu_f16c();
+  // As the collectives' results (cpu/result_stores.h): large ones already in memory are
+  // written past the caches.
+  const bool stream = StreamsResult(peers[r].out, static_cast<size_t>(p.T * p.H * out_item));
   CombineSlots slots(p.K);
   WithReal(p.src, [&](auto in) {
     WithReal(p.out, [&](auto o) {
@@ -163,11 +167,13 @@ void RunReduce(const MoePlan& p, const std::vector<Peer>& peers, int r) {
           std::memset(out, 0, static_cast<size_t>(p.H * out_item));  // +0.0 in every type
           continue;
         }
-        SumSlots<In, Out>(out, y32.data(), slots.rows(), slots.weights(), slots.opens(), slots.n(), p.H, f16c);
+        SumSlots<In, Out>(out, y32.data(), slots.rows(), slots.weights(), slots.opens(), slots.n(), p.H, f16c,
+                          stream);
         if constexpr (!kStoresDirect<In, Out>) StoreRow<Out>(out, y32.data(), p.H);
       }
     });
   });
+  if (stream) FenceStreamingStores();
 }
 
 // Rank s: out[t, k] = <g_s[t], src_d[pos_s[t, k]]> for d = dest_s[t, k], else 0.

@@ -52,9 +52,7 @@ void Stream(char* dst, const char* src, size_t n) {
   } else {
     std::memcpy(dst + i, src + i, n - i);
   }
-  // Streaming stores are weakly ordered: without the fence a reader that learns of the
-  // result through an atomic could still miss some of them.
-  _mm_sfence();
+  FenceStreamingStores();
 }
 #endif
 

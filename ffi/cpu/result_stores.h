@@ -7,6 +7,10 @@
 
 #include <cstddef>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#endif
+
 namespace jaxcomm::cpu {
 
 // Whether a result (one rank's) is written with streaming stores: from
@@ -24,5 +28,17 @@ void StoreResult(void* dst, const void* src, size_t n, bool streaming);
 
 // memset(dst, 0, n) into a result, likewise.
 void ZeroResult(void* dst, size_t n, bool streaming);
+
+// Orders the streaming stores this thread has made before its later stores, as
+// StoreResult does before it returns: for kernels that write a result in streaming stores
+// of their own (the MoE combine's, StoreLineBytes in cpu/moe_convert.h), once the result
+// is written.
+inline void FenceStreamingStores() {
+#if defined(__x86_64__) || defined(_M_X64)
+  // Streaming stores are weakly ordered: without the fence a reader that learns of the
+  // result through an atomic could still miss some of them.
+  _mm_sfence();
+#endif
+}
 
 }  // namespace jaxcomm::cpu
