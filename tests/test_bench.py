@@ -158,13 +158,17 @@ def test_one_process_measures_jaxcomm_xla_and_a_plain_jit_alike():
 
 def test_combine_ratio_line_alternates_its_blocks_and_states_their_spread(monkeypatch, capsys):
     """The bfloat16/float32 combine line takes RATIO_ROUNDS alternated blocks whatever
-    --iters says, and its quartiles bracket the blocks' ratios."""
+    --iters says, its quartiles bracket the blocks' ratios, and it counts each side's page
+    faults over every call it made."""
     from jaxcomm.bench import moe
     seen = []
+
+    counted = []
 
     def spy(jc, base, per_block, rounds):
         blocks = real(jc, base, per_block, rounds)
         seen.append(blocks)
+        counted.append((jc, base))
         return blocks
 
     real = moe._pair_blocks
@@ -176,7 +180,8 @@ def test_combine_ratio_line_alternates_its_blocks_and_states_their_spread(monkey
     assert len(blocks) == moe.RATIO_ROUNDS
     assert all(len(h) == len(f) == moe.RATIO_PER_BLOCK for h, f in blocks)
     m = re.fullmatch(r"combine bfloat16 vs float32, alternated in one run: ([\d.]+) ms vs ([\d.]+) ms = "
-                     r"([\d.]+)x \(blocks ([\d.]+)-([\d.]+)x, 10 of 4 calls a side\); load average .+", line)
+                     r"([\d.]+)x \(blocks ([\d.]+)-([\d.]+)x, 10 of 4 calls a side\); "
+                     r"page faults per call (\d+) vs (\d+); load average .+", line)
     assert m, line
     th = statistics.median(t for h, _ in blocks for t in h)
     tf = statistics.median(t for _, f in blocks for t in f)
@@ -184,6 +189,10 @@ def test_combine_ratio_line_alternates_its_blocks_and_states_their_spread(monkey
     q1, q3 = float(m.group(4)), float(m.group(5))
     block_ratios = sorted(statistics.median(h) / statistics.median(f) for h, f in blocks)
     assert block_ratios[0] - 0.006 <= q1 <= q3 <= block_ratios[-1] + 0.006  # printed to two places
+    # Each side's calls: RATIO_ROUNDS blocks of an untimed call and RATIO_PER_BLOCK timed ones.
+    [(half, f32)] = counted
+    assert half.calls == f32.calls == moe.RATIO_ROUNDS * (moe.RATIO_PER_BLOCK + 1)
+    assert (m.group(6), m.group(7)) == (f"{half.per_call():.0f}", f"{f32.per_call():.0f}")
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")

@@ -190,10 +190,34 @@ def main(argv: list[str]) -> None:
 RATIO_ROUNDS, RATIO_PER_BLOCK = 10, 4
 
 
+class _FaultCounter:
+    """A call that counts the process's minor page faults while it runs to completion:
+    results that come back from the allocator as fresh memory fault in every call, which
+    can cost one side of a comparison more than the work it measures."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn, self.calls, self.faults = fn, 0, 0
+
+    def __call__(self) -> Any:
+        import resource
+
+        import jax
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        out = jax.block_until_ready(self.fn())
+        self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        self.calls += 1
+        return out
+
+    def per_call(self) -> float:
+        return self.faults / max(self.calls, 1)
+
+
 def _print_combine_ratios(args: argparse.Namespace) -> None:
     """The half precision combine against float32's, alternated in one run, on the same
     routing and capacity (half the bytes: at best about 0.5x): the ratio of the medians,
-    and the lower and upper quartiles of the blocks' ratios."""
+    the lower and upper quartiles of the blocks' ratios, and each side's page faults per
+    call (the page faults of results the allocator hands out fresh fall on the float32
+    side at some sizes and not at others, and move the ratio by 0.05-0.1)."""
     import jax
 
     import jaxcomm
@@ -207,13 +231,15 @@ def _print_combine_ratios(args: argparse.Namespace) -> None:
     for d in args.dtypes:
         if d == "float32":
             continue
-        blocks = _pair_blocks(calls[d], calls["float32"], RATIO_PER_BLOCK, RATIO_ROUNDS)
+        half, f32 = _FaultCounter(calls[d]), _FaultCounter(calls["float32"])
+        blocks = _pair_blocks(half, f32, RATIO_PER_BLOCK, RATIO_ROUNDS)
         th = statistics.median(t for b in blocks for t in b[0])
         tf = statistics.median(t for b in blocks for t in b[1])
         q1, _, q3 = statistics.quantiles([statistics.median(h) / statistics.median(f) for h, f in blocks], n=4)
         print(f"combine {d} vs float32, alternated in one run: {th * 1e3:.2f} ms vs {tf * 1e3:.2f} ms "
               f"= {th / tf:.2f}x (blocks {q1:.2f}-{q3:.2f}x, {RATIO_ROUNDS} of {RATIO_PER_BLOCK} calls a "
-              f"side); load average {load}")
+              f"side); page faults per call {half.per_call():.0f} vs {f32.per_call():.0f}; "
+              f"load average {load}")
 
 
 class _Bench:
