@@ -19,14 +19,7 @@
 #endif
 
 #include "core/number_formats.h"
-
-// Streaming stores of the combine's results (SSE2: every x86-64 CPU).
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#define JAXCOMM_STREAM_STORES 1
-#else
-#define JAXCOMM_STREAM_STORES 0
-#endif
+#include "cpu/result_stores.h"
 
 namespace jaxcomm::cpu {
 
@@ -141,7 +134,7 @@ constexpr int kSumPrefetchBytes = 256;
 template <size_t kBytes, bool kStream>
 inline void StoreLineBytes(void* dst, const void* src) {
   static_assert(kBytes % 16 == 0);
-#if JAXCOMM_STREAM_STORES
+#ifdef JAXCOMM_STREAMING_STORES
   if constexpr (kStream) {
     for (size_t i = 0; i < kBytes; i += 16) {
       __m128i v;

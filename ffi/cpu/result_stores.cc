@@ -9,11 +9,6 @@
 
 #include "core/registry.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <emmintrin.h>
-#define JAXCOMM_STREAMING_STORES 1
-#endif
-
 namespace jaxcomm::cpu {
 namespace {
 

@@ -7,8 +7,11 @@
 
 #include <cstddef>
 
+// Whether this CPU has streaming stores that the host kernels use (SSE2's, in every
+// x86-64 CPU); elsewhere results take ordinary stores.
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
+#define JAXCOMM_STREAMING_STORES 1
 #endif
 
 namespace jaxcomm::cpu {
@@ -34,7 +37,7 @@ void ZeroResult(void* dst, size_t n, bool streaming);
 // of their own (the MoE combine's, StoreLineBytes in cpu/moe_convert.h), once the result
 // is written.
 inline void FenceStreamingStores() {
-#if defined(__x86_64__) || defined(_M_X64)
+#ifdef JAXCOMM_STREAMING_STORES
   // Streaming stores are weakly ordered: without the fence a reader that learns of the
   // result through an atomic could still miss some of them.
   _mm_sfence();
