@@ -161,9 +161,7 @@ def test_combine_ratio_line_alternates_its_blocks_and_states_their_spread(monkey
     --iters says, its quartiles bracket the blocks' ratios, and it counts each side's page
     faults over every call it made."""
     from jaxcomm.bench import moe
-    seen = []
-
-    counted = []
+    seen, counted = [], []
 
     def spy(jc, base, per_block, rounds):
         blocks = real(jc, base, per_block, rounds)

@@ -53,6 +53,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -195,12 +196,10 @@ class _FaultCounter:
     results that come back from the allocator as fresh memory fault in every call, which
     can cost one side of a comparison more than the work it measures."""
 
-    def __init__(self, fn: Callable[[], Any]):
+    def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn, self.calls, self.faults = fn, 0, 0
 
     def __call__(self) -> Any:
-        import resource
-
         import jax
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         out = jax.block_until_ready(self.fn())
