@@ -20,6 +20,7 @@
 // arithmetic (the memory's speed for this access pattern, in the same run: the kernel's
 // ceiling).
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -83,12 +84,16 @@ struct Passes {
   bool streams = false;   // whether `combine` writes its results in streaming stores
 };
 
-// Runs fn(w) on `threads` threads; returns the milliseconds until the last finished.
+// Runs fn(begin, end) on `threads` threads, thread w taking tokens [begin, end) of the
+// ranks' kRanks * T in a contiguous block (as jaxcomm's parts do); returns the
+// milliseconds until the last finished.
 template <typename Fn>
-double TimeThreads(int threads, const Fn& fn) {
+double TimeThreads(int threads, int T, const Fn& fn) {
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::thread> pool;
-  for (int w = 0; w < threads; ++w) pool.emplace_back([&fn, w] { fn(w); });
+  for (int w = 0; w < threads; ++w) {
+    pool.emplace_back([&fn, w, threads, T] { fn(kRanks * T * w / threads, kRanks * T * (w + 1) / threads); });
+  }
   for (auto& th : pool) th.join();
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -122,8 +127,7 @@ Passes Combine(const Routing& routing, int T, int H, int E, int threads, int64_t
   Passes passes;
   passes.streams = stream_from > 0 && static_cast<int64_t>(T) * H * static_cast<int64_t>(sizeof(S)) >= stream_from;
   passes.combine = [peers, tokens, out, T, H, threads, stream = passes.streams] {  // peers: the rows read
-    return TimeThreads(threads, [&](int w) {
-      const int begin = kRanks * T * w / threads, end = kRanks * T * (w + 1) / threads;
+    return TimeThreads(threads, T, [&](int begin, int end) {
       for (int t = begin; t < end; ++t) {
         const Token& tok = (*tokens)[t];
         S* y = (*out)[t / T].data() + static_cast<size_t>(t % T) * H;
@@ -135,11 +139,10 @@ Passes Combine(const Routing& routing, int T, int H, int E, int threads, int64_t
   // The same loads in the same order, XORed into eight accumulators in place of the
   // conversions and sums.
   for (const auto& rows : *peers) passes.row_bytes += static_cast<double>(rows.size() * sizeof(S));
-  auto sink = std::make_shared<std::vector<uint64_t>>(threads);
+  auto sink = std::make_shared<std::atomic<uint64_t>>(0);  // keeps the loads from being dropped
   passes.read = [peers, tokens, sink, T, H, threads] {
     const size_t words = static_cast<size_t>(H) * sizeof(S) / 8;
-    return TimeThreads(threads, [&](int w) {
-      const int begin = kRanks * T * w / threads, end = kRanks * T * (w + 1) / threads;
+    return TimeThreads(threads, T, [&](int begin, int end) {
       uint64_t acc[8] = {};
       for (int t = begin; t < end; ++t) {
         const Token& tok = (*tokens)[t];
@@ -154,7 +157,7 @@ Passes Combine(const Routing& routing, int T, int H, int E, int threads, int64_t
           }
         }
       }
-      (*sink)[w] = acc[0] ^ acc[1] ^ acc[2] ^ acc[3] ^ acc[4] ^ acc[5] ^ acc[6] ^ acc[7];
+      sink->fetch_xor(acc[0] ^ acc[1] ^ acc[2] ^ acc[3] ^ acc[4] ^ acc[5] ^ acc[6] ^ acc[7]);
     });
   };
   return passes;

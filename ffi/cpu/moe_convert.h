@@ -135,14 +135,7 @@ template <size_t kBytes, bool kStream>
 inline void StoreLineBytes(void* dst, const void* src) {
   static_assert(kBytes % 16 == 0);
 #ifdef JAXCOMM_STREAMING_STORES
-  if constexpr (kStream) {
-    for (size_t i = 0; i < kBytes; i += 16) {
-      __m128i v;
-      std::memcpy(&v, static_cast<const char*>(src) + i, sizeof v);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<char*>(dst) + i), v);
-    }
-    return;
-  }
+  if constexpr (kStream) return StreamAligned(dst, src, kBytes);
 #endif
   std::memcpy(dst, src, kBytes);
 }

@@ -18,34 +18,16 @@ namespace {
 template <bool kZero>
 void Stream(char* dst, const char* src, size_t n) {
   const size_t head = std::min(n, static_cast<size_t>((16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16));
+  const size_t body = (n - head) / 16 * 16, tail = head + body;
   if (kZero) {
     std::memset(dst, 0, head);
+    const __m128i zero = _mm_setzero_si128();
+    for (size_t i = head; i < tail; i += 16) _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), zero);
+    std::memset(dst + tail, 0, n - tail);
   } else {
     std::memcpy(dst, src, head);
-  }
-  size_t i = head;
-  const __m128i zero = _mm_setzero_si128();
-  for (; i + 64 <= n; i += 64) {
-    __m128i* d = reinterpret_cast<__m128i*>(dst + i);
-    if (kZero) {
-      _mm_stream_si128(d, zero);
-      _mm_stream_si128(d + 1, zero);
-      _mm_stream_si128(d + 2, zero);
-      _mm_stream_si128(d + 3, zero);
-    } else {
-      const __m128i* s = reinterpret_cast<const __m128i*>(src + i);
-      const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
-      const __m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
-      _mm_stream_si128(d, a);
-      _mm_stream_si128(d + 1, b);
-      _mm_stream_si128(d + 2, c);
-      _mm_stream_si128(d + 3, e);
-    }
-  }
-  if (kZero) {
-    std::memset(dst + i, 0, n - i);
-  } else {
-    std::memcpy(dst + i, src + i, n - i);
+    StreamAligned(dst + head, src + head, body);
+    std::memcpy(dst + tail, src + tail, n - tail);
   }
   FenceStreamingStores();
 }

@@ -32,6 +32,19 @@ void StoreResult(void* dst, const void* src, size_t n, bool streaming);
 // memset(dst, 0, n) into a result, likewise.
 void ZeroResult(void* dst, size_t n, bool streaming);
 
+#ifdef JAXCOMM_STREAMING_STORES
+// Copies n bytes (a multiple of 16) from src to dst (16-byte aligned) in streaming stores,
+// unfenced (FenceStreamingStores): the body of StoreResult's copies, and the MoE combine's
+// lines (StoreLineBytes in cpu/moe_convert.h), where it inlines into both builds of the
+// row kernels (SSE2 only).
+inline void StreamAligned(void* dst, const void* src, size_t n) {
+  for (size_t i = 0; i < n; i += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const char*>(src) + i));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<char*>(dst) + i), v);
+  }
+}
+#endif
+
 // Orders the streaming stores this thread has made before its later stores, as
 // StoreResult does before it returns: for kernels that write a result in streaming stores
 // of their own (the MoE combine's, StoreLineBytes in cpu/moe_convert.h), once the result
