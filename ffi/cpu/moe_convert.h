@@ -5,6 +5,7 @@
 // took 4.3x as long as float32's through XLA's conversions.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -210,17 +211,24 @@ JAXCOMM_ROW_KERNEL void StoreRow(void* dst, const float* __restrict acc, int64_t
   auto* __restrict out = static_cast<typename Out::Storage*>(dst);
   for (int64_t h = 0; h < n; ++h) out[h] = Out::Store(acc[h]);
 }
-// dst = a * x, converted from In's type to Out's (a transport's scaled gather row).
+// dst = a * x, converted from In's type to Out's: the loop inlined into the row kernels
+// below, so that each of their CPU-specific builds vectorises it for its own instructions.
 template <typename In, typename Out>
-void ConvertRow(void* dst, const void* x, float a, int64_t n) {
+inline void ScaleConvert(void* dst, const void* x, float a, int64_t n) {
   const auto* __restrict in = static_cast<const typename In::Storage*>(x);
   auto* __restrict out = static_cast<typename Out::Storage*>(dst);
   for (int64_t h = 0; h < n; ++h) out[h] = Out::Store(a * In::Load(in[h]));
 }
+// A transport's scaled gather row: dst[n] = a * x[n], from In's type to Out's.
+template <typename In, typename Out>
+JAXCOMM_ROW_KERNEL void ConvertRow(void* dst, const void* x, float a, int64_t n) {
+  ScaleConvert<In, Out>(dst, x, a, n);
+}
 // sum_h x[h] * y[h] in float32, with eight independent partial sums (one accumulator is a
-// dependency chain the compiler may not reorder into vectors).
+// dependency chain the compiler may not reorder into vectors). Every build sums the same
+// lanes in the same order, so the bits do not depend on the CPU.
 template <typename X, typename Y>
-float DotRow(const void* xv, const void* yv, int64_t n) {
+JAXCOMM_ROW_KERNEL float DotRow(const void* xv, const void* yv, int64_t n) {
   const auto* __restrict x = static_cast<const typename X::Storage*>(xv);
   const auto* __restrict y = static_cast<const typename Y::Storage*>(yv);
   float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -236,7 +244,7 @@ float DotRow(const void* xv, const void* yv, int64_t n) {
 
 // The integer maximum of a block's MagnitudeBits (core/number_formats.h).
 template <typename In>
-uint32_t BlockAmaxBits(const void* xv, int64_t n) {
+inline uint32_t BlockAmaxBits(const void* xv, int64_t n) {
   const auto* __restrict x = static_cast<const typename In::Storage*>(xv);
   uint32_t amax_bits = 0;
   for (int64_t h = 0; h < n; ++h) {
@@ -248,24 +256,41 @@ uint32_t BlockAmaxBits(const void* xv, int64_t n) {
 
 // Quantizes one token row x[H] (In's type) into jaxcomm's FP8 format
 // (core/number_formats.h): q[H] codes and scales[Fp8Blocks(H)].
+// Built for AVX2 too (JAXCOMM_ROW_KERNEL): the conversions are integer and select
+// operations, 2.4x as fast eight lanes wide as four (0.49 against 1.19 ns an element,
+// docs/benchmarks.md, 2026-12-07).
 template <typename In>
-void QuantizeRowE4M3(const void* xv, int64_t H, uint8_t* q, float* scales) {
+JAXCOMM_ROW_KERNEL void QuantizeRowE4M3(const void* xv, int64_t H, uint8_t* q, float* scales) {
   const auto* x = static_cast<const typename In::Storage*>(xv);
   for (int64_t b = 0, h0 = 0; h0 < H; ++b, h0 += kFp8Block) {
     const int64_t n = H - h0 < kFp8Block ? H - h0 : kFp8Block;
     const Fp8BlockScale s = Fp8ScaleOf(BlockAmaxBits<In>(x + h0, n));
-    ConvertRow<In, E4M3T>(q + h0, x + h0, s.multiplier, n);
+    ScaleConvert<In, E4M3T>(q + h0, x + h0, s.multiplier, n);
     scales[b] = s.scale;
   }
 }
 
+// E4M3ToF32 of every code, built from it once: the dequantizing loop looks codes up (one
+// gather for eight) where converting them takes a dozen vector operations: 0.33 against
+// 0.55 ns an element with AVX2, and the same bits (docs/benchmarks.md, 2026-12-07).
+inline const float* E4M3Values() {
+  static const std::array<float, 256> values = [] {
+    std::array<float, 256> v{};
+    for (int c = 0; c < 256; ++c) v[c] = E4M3ToF32(static_cast<uint8_t>(c));
+    return v;
+  }();
+  return values.data();
+}
+
 // dst[H] (Out's type) = e4m3 row q * its block scales.
 template <typename Out>
-void DequantizeRowE4M3(void* dst, const uint8_t* q, const float* scales, int64_t H) {
-  auto* out = static_cast<typename Out::Storage*>(dst);
+JAXCOMM_ROW_KERNEL void DequantizeRowE4M3(void* dst, const uint8_t* q, const float* scales, int64_t H) {
+  auto* __restrict out = static_cast<typename Out::Storage*>(dst);
+  const float* __restrict value = E4M3Values();
   for (int64_t b = 0, h0 = 0; h0 < H; ++b, h0 += kFp8Block) {
-    const int64_t n = H - h0 < kFp8Block ? H - h0 : kFp8Block;
-    ConvertRow<E4M3T, Out>(out + h0, q + h0, scales[b], n);
+    const int64_t end = H - h0 < kFp8Block ? H : h0 + kFp8Block;
+    const float scale = scales[b];
+    for (int64_t h = h0; h < end; ++h) out[h] = Out::Store(MulRn(scale, value[q[h]]));
   }
 }
 
