@@ -329,6 +329,45 @@ def test_fp8_dispatch_matches_numpy_quantization(dtype, layout, form):
     assert (err <= bound).all()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_dispatch_of_non_finite_tokens_matches_numpy(dtype):
+    """A block holding a NaN or an infinity quantizes as NumPy's formula does (its amax is
+    not finite): NaN codes (0x7F, 0xFF) and a NaN or infinite scale, dequantized to NaN;
+    the token's other blocks, and signed zeros, stay exact. Covers the NaN entries of the
+    dequantizing lookup and the quantizer's saturation and NaN paths."""
+    T, K, E, H = 3, 2, 16, 384  # three full scale blocks
+    ids = routing(T, K, E, seed=63, p_none=0.0)
+    x = np.random.default_rng(64).normal(size=(R, T, H)).astype(np.float32)
+    x[:, 0, 5] = np.nan          # token 0, block 0
+    x[:, 1, 200] = np.inf        # token 1, block 1
+    x[:, 1, 300] = -np.inf       # token 1, block 2
+    x[:, 2, :128] = 0.0          # token 2, block 0: zeros of both signs, amax at its floor
+    x[:, 2, 1:128:2] = -0.0
+    x = x.astype(dtype)
+
+    def f(x, ids):
+        (q, s), _, _ = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep", fp8="raw")
+        deq, _, _ = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep", fp8="dequantize")
+        return q.view(jnp.uint8), s, deq
+
+    q, s, deq = run("shard_map", f, x, ids)
+    with np.errstate(invalid="ignore"):  # inf * 0 and NaN * x: the cases under test
+        ref_q, ref_s = np_quantize_fp8(x.astype(np.float32))
+        want_q, _, _, _ = np_dispatch(ref_q.view(np.uint8), ids, E)
+        want_s, _, _, _ = np_dispatch(ref_s, ids, E)
+        want_deq = np_dequantize_fp8(want_q.view(ml_dtypes.float8_e4m3fn), want_s, dtype)
+    bits = np.uint16 if jnp.dtype(dtype).itemsize == 2 else np.uint32
+    nan_codes = (want_q & 0x7F) == 0x7F
+    assert nan_codes.any() and np.isnan(want_deq.astype(np.float32)).any()
+    np.testing.assert_array_equal(q, want_q)  # NaN codes are bytes: compared as they are
+    np.testing.assert_array_equal(np.isnan(s), np.isnan(want_s))
+    np.testing.assert_array_equal(s[~np.isnan(s)], want_s[~np.isnan(want_s)])
+    nan = np.isnan(want_deq.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(deq.astype(np.float32)), nan)
+    np.testing.assert_array_equal(deq.view(bits)[~nan], want_deq.view(bits)[~nan])
+    assert np.signbit(want_deq[~nan][want_deq[~nan] == 0]).any()
+
+
 def test_fp8_gradient_is_the_combine_of_the_cotangent():
     """Straight through: the FP8 dispatch's VJP and JVP equal the unquantized dispatch's."""
     T, K, E, H = 4, 2, 16, 130
