@@ -10,16 +10,8 @@
 #include <cstring>
 #include <type_traits>
 
-// GCC on x86-64: the row kernels get CPU-specific builds (JAXCOMM_ROW_KERNEL, the f16c
-// namespace below).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#include <immintrin.h>
-#define JAXCOMM_F16C_KERNELS 1
-#else
-#define JAXCOMM_F16C_KERNELS 0
-#endif
-
 #include "core/number_formats.h"
+#include "cpu/cpu_clones.h"
 #include "cpu/result_stores.h"
 
 namespace jaxcomm::cpu {
@@ -33,16 +25,9 @@ inline int RealBytes(Real t) { return t == Real::kF32 ? 4 : t == Real::kE4M3 ? 1
 // below are templates over them, so that each instantiation is one straight loop the
 // compiler vectorises.
 
-// The combine's portable row kernels (portable::SumSlots, StoreRow) are built twice, for
-// the baseline (SSE2: an 8-lane vector is two registers) and for AVX2 (one register), the
-// one the CPU runs chosen when the module loads (an ifunc). AVX2 only, not FMA:
-// contracting a * x + y would change the rounding (the build also passes
-// -ffp-contract=off).
-#if JAXCOMM_F16C_KERNELS
-#define JAXCOMM_ROW_KERNEL __attribute__((target_clones("avx2", "default")))
-#else
-#define JAXCOMM_ROW_KERNEL
-#endif
+// The combine's portable row kernels (portable::SumSlots, StoreRow) and the conversion
+// rows below are JAXCOMM_ROW_KERNELs (cpu/cpu_clones.h): built for the baseline and for
+// AVX2 (this file's users are also built with -ffp-contract=off).
 
 // Calls f(tag) with the tag type of `t`: f(F32T{}), f(BF16T{}), ...
 template <typename F>
