@@ -127,8 +127,8 @@ inline void StoreLineBytes(void* dst, const void* src) {
 }
 
 // The combine's row kernels (RowLine, StoreLine, SumSlots: moe_sum_rows.inc), built
-// twice: portable (the baseline and AVX2 clones above), and, on x86-64 with GCC, for
-// CPUs with AVX2 and F16C, whose float16 lines convert in one instruction per eight
+// twice: portable (the baseline and AVX2 clones of cpu/cpu_clones.h), and, on x86-64 with
+// GCC, for CPUs with AVX2 and F16C, whose float16 lines convert in one instruction per eight
 // columns (vcvtph2ps, vcvtps2ph) where the portable kernels take about twenty integer
 // operations. GCC 12 converts _Float16 vectors one element at a time, and an intrinsic
 // inlines only into a function built for its instructions, so the whole kernel is built a
