@@ -16,16 +16,17 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Half precision as its 16 bits, summed in float32 and rounded once (to nearest even, NaN
-// kept quiet), through core/number_formats.h's branch-free conversions: loops the
-// compiler vectorises. (A `_Float16` cast is a library call per element in GCC 12 without
-// F16C: a float16 all_reduce took 1.8x XLA's time.)
-struct BF16 {
+// Half precision as its 16 bits (a type of its own, apart from uint16_t), summed in
+// float32 and rounded once (to nearest even, NaN kept quiet) by its element tag's
+// branch-free conversions (core/number_formats.h): loops the compiler vectorises. (A
+// `_Float16` cast is a library call per element in GCC 12 without F16C: a float16
+// all_reduce took 1.8x XLA's time.)
+template <typename Tag>
+struct Half {
   uint16_t bits;
 };
-struct F16 {
-  uint16_t bits;
-};
+using BF16 = Half<BF16T>;
+using F16 = Half<F16T>;
 
 template <typename T>
 struct Acc {
@@ -33,17 +34,11 @@ struct Acc {
   static type Load(T v) { return v; }
   static T Store(type v) { return v; }
 };
-template <>
-struct Acc<BF16> {
+template <typename Tag>
+struct Acc<Half<Tag>> {
   using type = float;
-  static float Load(BF16 v) { return Bf16ToF32(v.bits); }
-  static BF16 Store(float v) { return BF16{F32ToBf16(v)}; }
-};
-template <>
-struct Acc<F16> {
-  using type = float;
-  static float Load(F16 v) { return F16ToF32(v.bits); }
-  static F16 Store(float v) { return F16{F32ToF16(v)}; }
+  static float Load(Half<Tag> v) { return Tag::Load(v.bits); }
+  static Half<Tag> Store(float v) { return Half<Tag>{Tag::Store(v)}; }
 };
 
 template <typename A>
@@ -168,7 +163,7 @@ __attribute__((always_inline)) inline void ReduceBlocks(const std::vector<const 
   }
 }
 
-// The same for other group sizes.
+// Half precision over groups of other sizes than ReduceRegister's, built for AVX2 too.
 template <typename T, template <typename> class Op>
 JAXCOMM_ROW_KERNEL void ReduceWidened(const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
                                       size_t begin, size_t end, bool streaming) {
