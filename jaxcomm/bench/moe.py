@@ -28,6 +28,10 @@ With float32 and a half precision dtype in ``--dtype`` (and the normal mode), a 
 times the half precision combine against float32's, alternated in one run: 10 blocks of 4
 calls a side whatever ``--iters`` says, with the quartiles of the blocks' ratios.
 
+``faults/call`` is each side's minor page faults per call (jaxcomm/baseline): XLA:CPU
+hands out its large results and temporaries as fresh memory, which the kernel zeroes as
+they are first written, and at some sizes that is most of a side's time.
+
 ``local`` is a program with no communication that moves the same rows in every device at
 once: a gather of the rank's own token rows into as many expert rows (dispatch) and their
 weighted sum back (combine), in XLA. Every implementation moves at least these bytes; it
@@ -57,7 +61,7 @@ import resource
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from jaxcomm.bench import method
 from jaxcomm.bench.common import set_host_device_count
@@ -117,13 +121,49 @@ def _pair_blocks(jc: Callable[[], Any], base: Callable[[], Any], per_block: int,
     return blocks
 
 
+class _FaultCounter:
+    """A call that counts the process's minor page faults while it runs to completion:
+    results that come back from the allocator as fresh memory fault in every call, which
+    can cost one side of a comparison more than the work it measures."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.calls, self.faults = fn, 0, 0
+
+    def __call__(self) -> Any:
+        import jax
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        out = jax.block_until_ready(self.fn())
+        self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        self.calls += 1
+        return out
+
+    def per_call(self) -> float:
+        return self.faults / max(self.calls, 1)
+
+
+class _Pair(NamedTuple):
+    """jaxcomm's and the baseline's median seconds a call, and each side's minor page
+    faults per call (all its calls, untimed ones included)."""
+    tj: float
+    tb: float
+    faults_j: float
+    faults_b: float
+
+
 def _time_pair(jc: Callable[[], Any], base: Callable[[], Any], iters: int,
-               rounds: int = 2) -> tuple[float, float]:
-    """Median seconds of jaxcomm's and the baseline's call, over ``rounds`` alternating
-    blocks of about ``iters / rounds`` calls each (_pair_blocks)."""
-    blocks = _pair_blocks(jc, base, max(1, -(-iters // rounds)), rounds)
-    return (statistics.median(t for b in blocks for t in b[0]),
-            statistics.median(t for b in blocks for t in b[1]))
+               rounds: int = 2) -> _Pair:
+    """Both sides over ``rounds`` alternating blocks of about ``iters / rounds`` calls each
+    (_pair_blocks). The page faults are counted because XLA:CPU's large results come from
+    glibc as fresh memory (docs/benchmarks.md, 2026-12-07 14:53): zeroing it is most of
+    the baseline's time at decode size, and about half the dispatch's at the training
+    size. A first call of each side, uncounted, compiles it."""
+    import jax
+    jax.block_until_ready(jc())
+    jax.block_until_ready(base())
+    fj, fb = _FaultCounter(jc), _FaultCounter(base)
+    blocks = _pair_blocks(fj, fb, max(1, -(-iters // rounds)), rounds)
+    return _Pair(statistics.median(t for b in blocks for t in b[0]),
+                 statistics.median(t for b in blocks for t in b[1]), fj.per_call(), fb.per_call())
 
 
 def _time_one(fn: Callable[[], Any], iters: int) -> float:
@@ -138,22 +178,24 @@ def _time_one(fn: Callable[[], Any], iters: int) -> float:
 
 
 class _Row:
-    """One table row: jaxcomm's and the baseline's seconds, the bytes moved, the local
-    reference's seconds (or None) and a note."""
+    """One table row: both sides' timing, the bytes moved, the local reference's seconds
+    (or None) and a note."""
 
-    def __init__(self, name: str, tj: float, tb: float | None, moved: float | None,
-                 local: float | None = None, note: str = ""):
-        self.name, self.tj, self.tb, self.moved, self.local, self.note = name, tj, tb, moved, local, note
+    def __init__(self, name: str, pair: _Pair, moved: float | None, local: float | None = None,
+                 note: str = ""):
+        self.name, self.pair, self.moved, self.local, self.note = name, pair, moved, local, note
 
     def format(self) -> str:
+        tj, tb = self.pair.tj, self.pair.tb
         bw = lambda t: f"{self.moved / t / 1e9:>9.2f}" if self.moved and t else f"{'':>9}"  # noqa: E731
-        base = f"{self.tb * 1e3:>13.2f}{bw(self.tb)}{self.tb / self.tj:>8.2f}x" if self.tb else f"{'':>31}"
         local = f"{self.local * 1e3:>10.2f}" if self.local else f"{'':>10}"
-        return f"{self.name:<34}{self.tj * 1e3:>12.2f}{bw(self.tj)}{base}{local}  {self.note}".rstrip()
+        faults = f"{self.pair.faults_j:.0f}/{self.pair.faults_b:.0f}"
+        return (f"{self.name:<34}{tj * 1e3:>12.2f}{bw(tj)}{tb * 1e3:>13.2f}{bw(tb)}{tb / tj:>8.2f}x"
+                f"{local}{faults:>16}  {self.note}").rstrip()
 
 
 HEADER = (f"{'op':<34}{'jaxcomm ms':>12}{'GB/s':>9}{'baseline ms':>13}{'GB/s':>9}{'speedup':>9}"
-          f"{'local ms':>10}")
+          f"{'local ms':>10}{'faults/call':>16}")
 
 
 def main(argv: list[str]) -> None:
@@ -191,26 +233,6 @@ def main(argv: list[str]) -> None:
 RATIO_ROUNDS, RATIO_PER_BLOCK = 10, 4
 
 
-class _FaultCounter:
-    """A call that counts the process's minor page faults while it runs to completion:
-    results that come back from the allocator as fresh memory fault in every call, which
-    can cost one side of a comparison more than the work it measures."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn, self.calls, self.faults = fn, 0, 0
-
-    def __call__(self) -> Any:
-        import jax
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        out = jax.block_until_ready(self.fn())
-        self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        self.calls += 1
-        return out
-
-    def per_call(self) -> float:
-        return self.faults / max(self.calls, 1)
-
-
 def _print_combine_ratios(args: argparse.Namespace) -> None:
     """The half precision combine against float32's, alternated in one run, on the same
     routing and capacity (half the bytes: at best about 0.5x): the ratio of the medians,
@@ -226,6 +248,7 @@ def _print_combine_ratios(args: argparse.Namespace) -> None:
         b = _Bench(args, jax.numpy.dtype(d))
         ex, _, handle = jax.jit(b.jc_disp)(b.xs, b.ids)
         calls[d] = (lambda e=ex, h=handle, w=b.ws: combine(e, h, w))
+        jax.block_until_ready(calls[d]())  # compiled before any page faults are counted
     load = method.load_average()
     for d in args.dtypes:
         if d == "float32":
@@ -367,9 +390,9 @@ class _Bench:
         if "normal" in args.modes:
             jd = self.smap(lambda x, ids: self.jc_disp(x, ids)[0], 2)
             bd = self.smap(lambda x, ids: self.base_dispatch(x, ids)[0], 2)
-            tj, tb = _time_pair(lambda: jd(xs, idss), lambda: bd(xs, idss), it)
+            pair = _time_pair(lambda: jd(xs, idss), lambda: bd(xs, idss), it)
             t_ldisp = _time_one(self._local_dispatch(), it)
-            rows.append(_Row("dispatch", tj, tb, self.nbytes, t_ldisp))
+            rows.append(_Row("dispatch", pair, self.nbytes, t_ldisp))
             # combine only: inputs prepared by a dispatch outside the timed region (global
             # view: the mesh comes from the arrays' sharding)
             ex, _, handle = jax.jit(self.jc_disp)(xs, idss)
@@ -377,15 +400,15 @@ class _Bench:
             jc_c = jax.jit(jaxcomm.moe.combine)
             buf, slot = self.smap(self.base_dispatch, 2)(xs, idss)
             bc = self.smap(self.base_combine, 3)
-            tj, tb = _time_pair(lambda: jc_c(ex, handle, ws), lambda: bc(buf, slot, ws), it)
-            rows.append(_Row("combine", tj, tb, self.nbytes))
+            pair = _time_pair(lambda: jc_c(ex, handle, ws), lambda: bc(buf, slot, ws), it)
+            rows.append(_Row("combine", pair, self.nbytes))
             del ex, handle, buf, slot
             jl = self.smap(self.jc_layer, 3)
-            tj, tb = _time_pair(lambda: jl(xs, idss, ws), lambda: bl(xs, idss, ws), it)
-            rows.append(_Row("dispatch+combine", tj, tb, 2 * self.nbytes, t_local))
+            pair = _time_pair(lambda: jl(xs, idss, ws), lambda: bl(xs, idss, ws), it)
+            rows.append(_Row("dispatch+combine", pair, 2 * self.nbytes, t_local))
             jg, bg = self.smap(self.grad_of(self.jc_layer), 4), self.smap(self.grad_of(self.base_layer), 4)
-            tj, tb = _time_pair(lambda: jg(xs, idss, ws, ct), lambda: bg(xs, idss, ws, ct), it)
-            rows.append(_Row("dispatch+combine fwd+bwd", tj, tb, 4 * self.nbytes))
+            pair = _time_pair(lambda: jg(xs, idss, ws, ct), lambda: bg(xs, idss, ws, ct), it)
+            rows.append(_Row("dispatch+combine fwd+bwd", pair, 4 * self.nbytes))
             # correctness of the two sides against each other, once
             np.testing.assert_allclose(np.asarray(jl(xs, idss, ws), np.float32),
                                        np.asarray(bl(xs, idss, ws), np.float32), rtol=2e-2, atol=2e-2)
@@ -393,16 +416,16 @@ class _Bench:
             ll = self.smap(self.ll_layer, 3)
             np.testing.assert_allclose(np.asarray(ll(xs, idss, ws), np.float32),
                                        np.asarray(bl(xs, idss, ws), np.float32), rtol=2e-2, atol=2e-2)
-            tj, tb = _time_pair(lambda: ll(xs, idss, ws), lambda: bl(xs, idss, ws), it)
-            rows.append(_Row("low-latency dispatch+combine", tj, tb, 2 * self.nbytes, t_local,
+            pair = _time_pair(lambda: ll(xs, idss, ws), lambda: bl(xs, idss, ws), it)
+            rows.append(_Row("low-latency dispatch+combine", pair, 2 * self.nbytes, t_local,
                              f"[E_local, R*T, H] = [{self.El}, {self.R * self.T}, {self.H}]"))
             del ll
         if "fp8" in args.modes and jax.numpy.issubdtype(self.dtype, jax.numpy.floating):
             f8 = self.smap(self.fp8_layer, 3)
             want = np.asarray(bl(xs, idss, ws), np.float32)
             err = np.abs(np.asarray(f8(xs, idss, ws), np.float32) - want).max() / max(np.abs(want).max(), 1e-30)
-            tj, tb = _time_pair(lambda: f8(xs, idss, ws), lambda: bl(xs, idss, ws), it)
-            rows.append(_Row("FP8 dispatch+combine", tj, tb, self.nbytes + self.fp8_bytes, t_local,
+            pair = _time_pair(lambda: f8(xs, idss, ws), lambda: bl(xs, idss, ws), it)
+            rows.append(_Row("FP8 dispatch+combine", pair, self.nbytes + self.fp8_bytes, t_local,
                              f"max error {err:.3f} of max |y|"))
         if "overlap" in args.modes:
             rows.extend(self._overlap())
@@ -459,12 +482,13 @@ class _Bench:
         args = (self.xs, self.ids, self.ws, w1, w2)
         np.testing.assert_allclose(np.asarray(ss(*args), np.float32), np.asarray(fs(*args), np.float32),
                                    rtol=1e-6, atol=1e-6)
-        t_split, t_fused = _time_pair(lambda: ss(*args), lambda: fs(*args), self.args.iters)
+        pair = _time_pair(lambda: ss(*args), lambda: fs(*args), self.args.iters)
+        t_split, t_fused = pair.tj, pair.tb
         jl = self.smap(self.jc_layer, 3)
         t_comm = _time_one(lambda: jl(self.xs, self.ids, self.ws), self.args.iters)
         t_shared = _time_one(lambda: sh_only(*args), self.args.iters)
         hidden = (t_fused - t_split) / min(t_comm, t_shared)
-        return [_Row("overlap step: split vs fused", t_split, t_fused, None, None,
+        return [_Row("overlap step: split vs fused", pair, None, None,
                      f"shared expert (F={F}) alone {t_shared * 1e3:.2f} ms, MoE alone {t_comm * 1e3:.2f} ms; "
                      f"saved {(t_fused - t_split) * 1e3:.2f} ms = {100 * hidden:.0f}% of the shorter "
                      f"(baseline column: fused calls)")]
@@ -539,8 +563,8 @@ class _Bench:
         for k in params:
             np.testing.assert_allclose(np.asarray(gj[k]), np.asarray(gb[k]), rtol=2e-2, atol=2e-4,
                                        err_msg=f"layer gradient of {k}")
-        tj, tb = _time_pair(lambda: js(xs, target, params), lambda: bs(xs, target, params), args.iters)
-        return _Row("MoE layer train step", tj, tb, None, None,
+        pair = _time_pair(lambda: js(xs, target, params), lambda: bs(xs, target, params), args.iters)
+        return _Row("MoE layer train step", pair, None, None,
                     f"F={F}; jaxcomm slabs of {slab} rows per expert, baseline R*cap = {R * cap}")
 
 
