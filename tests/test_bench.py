@@ -376,4 +376,4 @@ def test_docs_tables_are_commands_their_benchmark_accepts(quick, tmp_path):
         else:
             assert argv[0] == "moe" and "--json" not in argv, argv
             args = moe._parse(argv[1:])
-            assert args.iters == (2 if quick else 5), table.name
+            assert (args.iters, args.warmup) == ((2, 1) if quick else (5, 3)), table.name

@@ -80,7 +80,7 @@ TABLES: tuple[Table, ...] = (
           minutes=6, records=False),
 )
 QUICK = ("--rounds", "3", "--lengths", "1,10,100")
-QUICK_MOE = ("--iters", "2")
+QUICK_MOE = ("--iters", "2", "--warmup", "1")
 
 
 def command(table: Table, quick: bool, out_dir: str) -> list[str]:

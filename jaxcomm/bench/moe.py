@@ -86,6 +86,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="expert FFN width (F) of the layer step (default hidden // 4)")
     p.add_argument("--iters", type=int, default=5,
                    help="timed iterations of each side, in two alternating blocks (median reported)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed calls of each side before its timed ones (the first compiles; on a "
+                        "VM the first touches of memory the host took back cost up to 10x a later call)")
     p.add_argument("--skip-layer", action="store_true", help="leave out the MoE layer step")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and the data (default 0)")
     args = p.parse_args(argv)
@@ -150,25 +153,31 @@ class _Pair(NamedTuple):
     faults_b: float
 
 
-def _time_pair(jc: Callable[[], Any], base: Callable[[], Any], iters: int,
+def _warm(fn: Callable[[], Any], calls: int) -> None:
+    """``calls`` untimed calls of ``fn`` (at least one, which compiles it)."""
+    import jax
+    for _ in range(max(1, calls)):
+        jax.block_until_ready(fn())
+
+
+def _time_pair(jc: Callable[[], Any], base: Callable[[], Any], iters: int, warmup: int,
                rounds: int = 2) -> _Pair:
     """Both sides over ``rounds`` alternating blocks of about ``iters / rounds`` calls each
     (_pair_blocks). The page faults are counted because XLA:CPU's large results come from
     glibc as fresh memory (docs/benchmarks.md, 2026-12-07 14:53): zeroing it is most of
     the baseline's time at decode size, and about half the dispatch's at the training
-    size. A first call of each side, uncounted, compiles it."""
-    import jax
-    jax.block_until_ready(jc())
-    jax.block_until_ready(base())
+    size. ``warmup`` calls of each side come first, neither timed nor counted."""
+    _warm(jc, warmup)
+    _warm(base, warmup)
     fj, fb = _FaultCounter(jc), _FaultCounter(base)
     blocks = _pair_blocks(fj, fb, max(1, -(-iters // rounds)), rounds)
     return _Pair(statistics.median(t for b in blocks for t in b[0]),
                  statistics.median(t for b in blocks for t in b[1]), fj.per_call(), fb.per_call())
 
 
-def _time_one(fn: Callable[[], Any], iters: int) -> float:
+def _time_one(fn: Callable[[], Any], iters: int, warmup: int) -> float:
     import jax
-    jax.block_until_ready(fn())
+    _warm(fn, warmup)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -248,7 +257,7 @@ def _print_combine_ratios(args: argparse.Namespace) -> None:
         b = _Bench(args, jax.numpy.dtype(d))
         ex, _, handle = jax.jit(b.jc_disp)(b.xs, b.ids)
         calls[d] = (lambda e=ex, h=handle, w=b.ws: combine(e, h, w))
-        jax.block_until_ready(calls[d]())  # compiled before any page faults are counted
+        _warm(calls[d], args.warmup)  # compiled and settled before anything is counted
     load = method.load_average()
     for d in args.dtypes:
         if d == "float32":
@@ -381,17 +390,17 @@ class _Bench:
     def run(self) -> list[_Row]:
         import jax
         import numpy as np
-        args, it = self.args, self.args.iters
+        args, it, wu = self.args, self.args.iters, self.args.warmup
         xs, idss, ws, ct = self.xs, self.ids, self.ws, self.ct
         rows: list[_Row] = []
         bl = self.smap(self.base_layer, 3)
         loc = self.smap(self.local_layer, 3)
-        t_local = _time_one(lambda: loc(xs, idss, ws), it)
+        t_local = _time_one(lambda: loc(xs, idss, ws), it, wu)
         if "normal" in args.modes:
             jd = self.smap(lambda x, ids: self.jc_disp(x, ids)[0], 2)
             bd = self.smap(lambda x, ids: self.base_dispatch(x, ids)[0], 2)
-            pair = _time_pair(lambda: jd(xs, idss), lambda: bd(xs, idss), it)
-            t_ldisp = _time_one(self._local_dispatch(), it)
+            pair = _time_pair(lambda: jd(xs, idss), lambda: bd(xs, idss), it, wu)
+            t_ldisp = _time_one(self._local_dispatch(), it, wu)
             rows.append(_Row("dispatch", pair, self.nbytes, t_ldisp))
             # combine only: inputs prepared by a dispatch outside the timed region (global
             # view: the mesh comes from the arrays' sharding)
@@ -400,14 +409,14 @@ class _Bench:
             jc_c = jax.jit(jaxcomm.moe.combine)
             buf, slot = self.smap(self.base_dispatch, 2)(xs, idss)
             bc = self.smap(self.base_combine, 3)
-            pair = _time_pair(lambda: jc_c(ex, handle, ws), lambda: bc(buf, slot, ws), it)
+            pair = _time_pair(lambda: jc_c(ex, handle, ws), lambda: bc(buf, slot, ws), it, wu)
             rows.append(_Row("combine", pair, self.nbytes))
             del ex, handle, buf, slot
             jl = self.smap(self.jc_layer, 3)
-            pair = _time_pair(lambda: jl(xs, idss, ws), lambda: bl(xs, idss, ws), it)
+            pair = _time_pair(lambda: jl(xs, idss, ws), lambda: bl(xs, idss, ws), it, wu)
             rows.append(_Row("dispatch+combine", pair, 2 * self.nbytes, t_local))
             jg, bg = self.smap(self.grad_of(self.jc_layer), 4), self.smap(self.grad_of(self.base_layer), 4)
-            pair = _time_pair(lambda: jg(xs, idss, ws, ct), lambda: bg(xs, idss, ws, ct), it)
+            pair = _time_pair(lambda: jg(xs, idss, ws, ct), lambda: bg(xs, idss, ws, ct), it, wu)
             rows.append(_Row("dispatch+combine fwd+bwd", pair, 4 * self.nbytes))
             # correctness of the two sides against each other, once
             np.testing.assert_allclose(np.asarray(jl(xs, idss, ws), np.float32),
@@ -416,7 +425,7 @@ class _Bench:
             ll = self.smap(self.ll_layer, 3)
             np.testing.assert_allclose(np.asarray(ll(xs, idss, ws), np.float32),
                                        np.asarray(bl(xs, idss, ws), np.float32), rtol=2e-2, atol=2e-2)
-            pair = _time_pair(lambda: ll(xs, idss, ws), lambda: bl(xs, idss, ws), it)
+            pair = _time_pair(lambda: ll(xs, idss, ws), lambda: bl(xs, idss, ws), it, wu)
             rows.append(_Row("low-latency dispatch+combine", pair, 2 * self.nbytes, t_local,
                              f"[E_local, R*T, H] = [{self.El}, {self.R * self.T}, {self.H}]"))
             del ll
@@ -424,7 +433,7 @@ class _Bench:
             f8 = self.smap(self.fp8_layer, 3)
             want = np.asarray(bl(xs, idss, ws), np.float32)
             err = np.abs(np.asarray(f8(xs, idss, ws), np.float32) - want).max() / max(np.abs(want).max(), 1e-30)
-            pair = _time_pair(lambda: f8(xs, idss, ws), lambda: bl(xs, idss, ws), it)
+            pair = _time_pair(lambda: f8(xs, idss, ws), lambda: bl(xs, idss, ws), it, wu)
             rows.append(_Row("FP8 dispatch+combine", pair, self.nbytes + self.fp8_bytes, t_local,
                              f"max error {err:.3f} of max |y|"))
         if "overlap" in args.modes:
@@ -482,11 +491,11 @@ class _Bench:
         args = (self.xs, self.ids, self.ws, w1, w2)
         np.testing.assert_allclose(np.asarray(ss(*args), np.float32), np.asarray(fs(*args), np.float32),
                                    rtol=1e-6, atol=1e-6)
-        pair = _time_pair(lambda: ss(*args), lambda: fs(*args), self.args.iters)
+        pair = _time_pair(lambda: ss(*args), lambda: fs(*args), self.args.iters, self.args.warmup)
         t_split, t_fused = pair.tj, pair.tb
         jl = self.smap(self.jc_layer, 3)
-        t_comm = _time_one(lambda: jl(self.xs, self.ids, self.ws), self.args.iters)
-        t_shared = _time_one(lambda: sh_only(*args), self.args.iters)
+        t_comm = _time_one(lambda: jl(self.xs, self.ids, self.ws), self.args.iters, self.args.warmup)
+        t_shared = _time_one(lambda: sh_only(*args), self.args.iters, self.args.warmup)
         hidden = (t_fused - t_split) / min(t_comm, t_shared)
         return [_Row("overlap step: split vs fused", pair, None, None,
                      f"shared expert (F={F}) alone {t_shared * 1e3:.2f} ms, MoE alone {t_comm * 1e3:.2f} ms; "
@@ -563,7 +572,8 @@ class _Bench:
         for k in params:
             np.testing.assert_allclose(np.asarray(gj[k]), np.asarray(gb[k]), rtol=2e-2, atol=2e-4,
                                        err_msg=f"layer gradient of {k}")
-        pair = _time_pair(lambda: js(xs, target, params), lambda: bs(xs, target, params), args.iters)
+        pair = _time_pair(lambda: js(xs, target, params), lambda: bs(xs, target, params), args.iters,
+                          args.warmup)
         return _Row("MoE layer train step", pair, None, None,
                     f"F={F}; jaxcomm slabs of {slab} rows per expert, baseline R*cap = {R * cap}")
 
