@@ -87,8 +87,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5,
                    help="timed iterations of each side, in two alternating blocks (median reported)")
     p.add_argument("--warmup", type=int, default=3,
-                   help="untimed calls of each side before its timed ones (the first compiles; on a "
-                        "VM the first touches of memory the host took back cost up to 10x a later call)")
+                   help="untimed calls of each side before its timed ones (the first compiles; on the "
+                        "development VM the first calls after start took up to 15x a later one)")
     p.add_argument("--skip-layer", action="store_true", help="leave out the MoE layer step")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and the data (default 0)")
     args = p.parse_args(argv)
