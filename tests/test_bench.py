@@ -193,6 +193,28 @@ def test_combine_ratio_line_alternates_its_blocks_and_states_their_spread(monkey
     assert (m.group(6), m.group(7)) == (f"{half.per_call():.0f}", f"{f32.per_call():.0f}")
 
 
+def test_moe_pairs_time_after_the_warmup_and_count_faults_per_counted_call():
+    """_time_pair makes `warmup` untimed, uncounted calls of each side first, then times
+    both sides in alternated blocks; each row prints both sides' page faults per call."""
+    import jax.numpy as jnp
+    from jaxcomm.bench import moe
+    calls = {"jc": 0, "base": 0}
+
+    def side(name):
+        def call():
+            calls[name] += 1
+            return jnp.zeros(4) + calls[name]
+        return call
+
+    pair = moe._time_pair(side("jc"), side("base"), iters=4, warmup=3)
+    # 3 warm-up calls, then 2 rounds of an untimed call and 2 timed ones, for each side.
+    assert calls == {"jc": 3 + 2 * 3, "base": 3 + 2 * 3}
+    assert pair.tj > 0 and pair.tb > 0 and pair.faults_j >= 0 and pair.faults_b >= 0
+    row = moe._Row("dispatch", moe._Pair(0.002, 0.01, 12.4, 3456.0), moved=2e6).format()
+    assert row.split() == ["dispatch", "2.00", "1.00", "10.00", "0.20", "5.00x", "12/3456"], row
+    assert moe.HEADER.split()[-1] == "faults/call"
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_combine_rows_bench_builds_and_runs(tmp_path):
     """scripts/combine_rows_bench.cc (docs/benchmarks.md) builds against the kernels as they
