@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-shot check of the CUDA backend on a lent GPU machine (one H200, no network),
+# The one-shot check of the CUDA backend on a lent GPU machine (one H100 or H200, no network),
 # run as one device command of at most 600 s:
 #
 #   scripts/gpu_check.sh [OUT_DIR]      (default: $OUT, else ./gpu_check_out)
