@@ -41,6 +41,11 @@ struct Acc<Half<Tag>> {
   static Half<Tag> Store(float v) { return Half<Tag>{Tag::Store(v)}; }
 };
 
+// Whether T is summed in a wider type (half precision in float32): its loops convert every
+// element, and get the AVX2 build too (the *Widened kernels below).
+template <typename T>
+constexpr bool kWidened = !std::is_same_v<typename Acc<T>::type, T>;
+
 template <typename A>
 constexpr bool kIsFloating = std::is_floating_point_v<A>;
 
@@ -103,8 +108,7 @@ JAXCOMM_ROW_KERNEL void ReduceFixedWidened(const std::vector<const void*>& input
 }
 
 template <typename T, template <typename> class Op, int N>
-constexpr auto kReduceFixed =
-    std::is_same_v<typename Acc<T>::type, T> ? ReduceFixed<T, Op, N> : ReduceFixedWidened<T, Op, N>;
+constexpr auto kReduceFixed = kWidened<T> ? ReduceFixedWidened<T, Op, N> : ReduceFixed<T, Op, N>;
 
 template <typename T, template <typename> class Op>
 bool ReduceRegister(const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
@@ -142,7 +146,7 @@ __attribute__((always_inline)) inline void ReduceBlocks(const std::vector<const 
   using A = typename Acc<T>::type;
   constexpr size_t kBlock = 2048;
   A acc[kBlock];
-  T rounded[std::is_same_v<A, T> ? 1 : kBlock];
+  T rounded[kWidened<T> ? kBlock : 1];
   const size_t n_in = inputs.size();
   for (size_t b = begin; b < end; b += kBlock) {
     const size_t n = std::min(kBlock, end - b);
@@ -153,7 +157,7 @@ __attribute__((always_inline)) inline void ReduceBlocks(const std::vector<const 
       for (size_t i = 0; i < n; ++i) acc[i] = Op<A>::Apply(acc[i], Acc<T>::Load(s[i]));
     }
     const T* block;
-    if constexpr (std::is_same_v<A, T>) {
+    if constexpr (!kWidened<T>) {
       block = acc;
     } else {
       for (size_t i = 0; i < n; ++i) rounded[i] = Acc<T>::Store(acc[i]);
@@ -176,10 +180,10 @@ void ReduceTyped(const std::vector<const void*>& inputs, const std::vector<void*
   // Each element of outputs[0] is written after every input's element was read, and the
   // other outputs are written after the whole range: safe for in-place calls.
   if (ReduceRegister<T, Op>(inputs, outputs, begin, end, streaming)) return;
-  if constexpr (std::is_same_v<typename Acc<T>::type, T>) {
-    ReduceBlocks<T, Op>(inputs, outputs, begin, end, streaming);
-  } else {
+  if constexpr (kWidened<T>) {
     ReduceWidened<T, Op>(inputs, outputs, begin, end, streaming);
+  } else {
+    ReduceBlocks<T, Op>(inputs, outputs, begin, end, streaming);
   }
 }
 

@@ -146,7 +146,8 @@ class _FaultCounter:
 
 class _Pair(NamedTuple):
     """jaxcomm's and the baseline's median seconds a call, and each side's minor page
-    faults per call (all its calls, untimed ones included)."""
+    faults per call (over its timed calls and each block's untimed first call; not over
+    the warm-up calls)."""
     tj: float
     tb: float
     faults_j: float
