@@ -324,7 +324,11 @@ std::string World::Pull(const StreamSpec& s, const StreamConsume& consume, bool*
       if (got == static_cast<ssize_t>(bytes)) continue;
       const int err = errno;
       const std::string at = " (chunk " + std::to_string(c) + " of " + std::to_string(chunks) + ")";
-      if (std::string gone = src.shm->Failure(); !gone.empty()) {
+      std::string gone = src.shm->Failure();
+      // ESRCH while the pid still answers kill(): the process is exiting (its memory is
+      // gone before it becomes a zombie), which ProcessGone cannot see yet.
+      if (gone.empty() && got < 0 && err == ESRCH) gone = "it exited";
+      if (!gone.empty()) {
         error = src.desc + " failed: " + gone + " while this call read its operands from its memory" + at;
       } else {
         error = "reading the operands of " + src.desc + " from its memory (process_vm_readv)" + at + ": " +
