@@ -7,7 +7,7 @@ MISMATCH error naming both sides (ffi/core/mismatch.h), instead of at the deadli
 * Across processes, over shared memory and over TCP (one job per transport, both at
   once): a different op at the same step, then two jitted programs dispatched in
   opposite orders, then two programs that call one helper collective (one call site) in
-  opposite orders; every process fails with a MISMATCH error naming both call sites (and
+  opposite orders, then two such programs that differ only in a literal; every process fails with a MISMATCH error naming both call sites (and
   programs) and the processes on each side, and the flight recorder's verdict is MISMATCH
   with both call sites. Programs compiled in opposite orders still pair (after the one
   above, each process has compiled only one of its two programs). Then a process that is merely late (asleep in Python, in no collective)
@@ -214,6 +214,12 @@ one = smap(lambda v: helper(v))
 ten = smap(lambda v: helper(v * 10))
 same_site = [lambda: one(x), lambda: ten(x)]
 report("SAME-SITE", same_site if RANK == 0 else same_site[::-1])
+# Two programs that differ only in a literal's value (the program digest counts it), in
+# opposite orders: their calls must not pair either.
+four = smap(lambda v: helper(v * 4))
+six = smap(lambda v: helper(v * 6))
+literal = [lambda: four(x), lambda: six(x)]
+report("LITERAL", literal if RANK == 0 else literal[::-1])
 # Compiled in opposite orders, run in one order: they pair, each with itself (v * 3 has the
 # structure of ten, compiled by process 1 only).
 def total_of(r):
@@ -237,8 +243,12 @@ JOBS = {"auto": 2, "tcp": 1}
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """Both transports' jobs, run at once: {transport: (LaunchResult, trace dir)}."""
+    # The directories first, in this thread: the first mktemp of a worker also creates
+    # pytest's base directory, and two threads doing that at once raced (FileExistsError).
+    traces = {t: tmp_path_factory.mktemp(f"mismatch-{t}") for t in JOBS}
+
     def run(transport):
-        trace = tmp_path_factory.mktemp(f"mismatch-{transport}")
+        trace = traces[transport]
         res = launch_script(SCRIPT, 2, JOBS[transport], timeout_s=240, grace_s=10,
                             env={"JAXCOMM_TRANSPORT": transport, "JAXCOMM_TRACE_DIR": str(trace),
                                  "JAXCOMM_MISMATCH_GRACE_S": str(GRACE_S)})
@@ -290,14 +300,17 @@ def test_processes_in_different_collectives_fail_within_the_grace_period(jobs, t
         blamed = {(b.process, b.call_site) for b in causes.blames(_tagged(res, 0, tag)["outcomes"][0])}
         assert {(p, site.split(" in jit_")[0]) for p, site in blamed} == {
             (0, f"{_site(mine)} (<lambda>)"), (1, f"{_site(theirs)} (<lambda>)")}, blamed
-    # One helper's call site in two programs: each side names its program, and they differ.
+    # One helper's call site in two programs (also two that differ only in a literal):
+    # each side names its program, and they differ.
     helper = f"{_site('# HELPER')} (helper) in "
     for rank in range(2):
-        got = _tagged(res, rank, "SAME-SITE")
-        assert got["elapsed"] < DEADLINE_S and all("MISMATCH: " in o for o in got["outcomes"]), got
-        programs = re.findall("waits in all_reduce at " + re.escape(helper) + r"(jit_\S+#[0-9a-f]{8})",
-                              got["outcomes"][0])
-        assert len(programs) == 2 and programs[0] != programs[1], got["outcomes"][0]
+        for tag in ("SAME-SITE", "LITERAL"):
+            got = _tagged(res, rank, tag)
+            assert got["elapsed"] < DEADLINE_S and all("MISMATCH: " in o for o in got["outcomes"]), (
+                tag, got)
+            programs = re.findall("waits in all_reduce at " + re.escape(helper) + r"(jit_\S+#[0-9a-f]{8})",
+                                  got["outcomes"][0])
+            assert len(programs) == 2 and programs[0] != programs[1], (tag, got["outcomes"][0])
     # Compiled in opposite orders, the programs still pair with themselves: sums of
     # x + 1 and of 3 x over every rank (x = process index + 1 on each of its ranks).
     for rank in range(2):
@@ -311,8 +324,9 @@ def test_processes_in_different_collectives_fail_within_the_grace_period(jobs, t
     report = analyzer.analyze(trace)
     assert report.kind == "mismatch", report.text()
     faults = [f for f in report.findings if f.kind != "straggler"]
-    assert [f.kind for f in faults] == ["mismatch", "mismatch", "mismatch"], report.text()
-    for f, (a, b) in zip(faults, [("OP-A", "OP-B"), ("ORDER-F", "ORDER-G"), ("HELPER", "HELPER")]):
+    assert [f.kind for f in faults] == ["mismatch"] * 4, report.text()
+    for f, (a, b) in zip(faults, [("OP-A", "OP-B"), ("ORDER-F", "ORDER-G"), ("HELPER", "HELPER"),
+                                  ("HELPER", "HELPER")]):
         ranks = lambda r: ", ".join(str(r * local + k) for k in range(local))
         assert f"ranks [{ranks(0)}] (process 0) wait in " in f.summary, f.summary
         assert f"ranks [{ranks(1)}] (process 1) wait in " in f.summary, f.summary
