@@ -6,10 +6,8 @@ Every case traces ``jit(shard_map(f))`` without compiling or running it
 
 from __future__ import annotations
 
-import os
+import logging
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomm
 from conftest import per_device
+from fresh_util import Command, run_fresh
 
 N = 8
 
@@ -255,58 +254,79 @@ def test_complex_min_max_rejected(mesh8, op, dtype):
             trace(lambda v: jaxcomm.reduce_scatter(v, "x", op=op), mesh8, (N,), dtype)
 
 
+# One rule for what jaxcomm has no kernel for (README, "Dtypes"): jax.lax computes it and
+# the jaxcomm logger says so (a WARNING, once per op and reason); JAXCOMM_BACKEND=jaxcomm
+# makes it a TypeError naming the op.
+
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_reduction_dtype_without_kernel(mesh8, dtype):
-    # The host kernels (ffi/cpu/kernels.cc) reduce a fixed list of dtypes. For others,
-    # jaxcomm must either compute psum's result or refuse while tracing, naming the
-    # dtype -- not fail at run time with a message that names no dtype.
-    x = (np.arange(N * 4).reshape(N, 4) % 3).astype(jnp.dtype(dtype))
-    try:
+def test_reduction_dtype_without_kernel_is_computed_by_lax(mesh8, dtype, caplog, monkeypatch):
+    from jaxcomm._src import runtime
+    runtime.log_fallback_once.cache_clear()  # said once per process: say it again here
+    x = (np.arange(N * 8).reshape(N, 8) % 3).astype(jnp.dtype(dtype))
+    with caplog.at_level(logging.WARNING, logger="jaxcomm"):
+        got_ar, got_rs = per_device(lambda v: (jaxcomm.all_reduce(v, "x"),
+                                               jaxcomm.reduce_scatter(v, "x", tiled=True)), mesh8, x)
+    want_ar, want_rs = per_device(lambda v: (jax.lax.psum(v, "x"),
+                                             jax.lax.psum_scatter(v, "x", tiled=True)), mesh8, x)
+    np.testing.assert_array_equal(got_ar.astype(np.float32), want_ar.astype(np.float32))
+    np.testing.assert_array_equal(got_rs.astype(np.float32), want_rs.astype(np.float32))
+    for op in ("all_reduce", "reduce_scatter"):
+        assert (f"jaxcomm.{op} lowers to its jax.lax equivalent: no host kernel reduces {dtype}"
+                in caplog.text), caplog.text
+    # Moving float8 needs no kernel of its own: jaxcomm's, no note.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxcomm"):
+        traced = trace(lambda v: jaxcomm.all_gather(v, "x"), mesh8, (4,), dtype)
+    assert "jaxcomm_all_gather" in str(traced.jaxpr) and caplog.text == "", caplog.text
+    monkeypatch.setenv("JAXCOMM_BACKEND", "jaxcomm")
+    with pytest.raises(TypeError, match=re.escape(
+            f"jaxcomm.all_reduce: dtype {dtype} has no host reduction kernel; supported: ")):
         trace(lambda v: jaxcomm.all_reduce(v, "x"), mesh8, (4,), dtype)
-    except TypeError as e:
-        assert dtype in str(e) and "jaxcomm.all_reduce" in str(e), str(e)
-        return
-    got = per_device(lambda v: jaxcomm.all_reduce(v, "x"), mesh8, x)
-    want = per_device(lambda v: jax.lax.psum(v, "x"), mesh8, x)
-    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
 
 
 # The child inherits the session's 8 CPU devices (tests/conftest.py sets XLA_FLAGS).
 _SUBBYTE_CHILD = """
+import logging, os
 import numpy as np, jax, jax.numpy as jnp, jaxcomm
 from jax.sharding import NamedSharding, PartitionSpec as P
+logging.basicConfig(format="LOG %(message)s")
 mesh = jax.make_mesh((8,), ("x",))
 x = jax.device_put((np.arange(8 * 64).reshape(8, 64) % 7).astype(jnp.int4),
                    NamedSharding(mesh, P("x")))
 run = lambda f: np.asarray(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"),
                                                  out_specs=P("x")))(x)).astype(np.int32)
-want = run(lambda v: jax.lax.all_gather(v[0], "x")[None])
+cases = {
+    "all_gather": (lambda v: jax.lax.all_gather(v[0], "x")[None],
+                   lambda v: jaxcomm.all_gather(v[0], "x")[None]),
+    "all_reduce": (lambda v: jax.lax.psum(v, "x"), lambda v: jaxcomm.all_reduce(v, "x")),
+    "ppermute": (lambda v: jax.lax.ppermute(v, "x", [(0, 1)]),
+                 lambda v: jaxcomm.ppermute(v, "x", [(0, 1)])),
+}
+for name, (lax_f, jaxcomm_f) in cases.items():
+    np.testing.assert_array_equal(run(jaxcomm_f), run(lax_f))
+    print("EQUAL", name, flush=True)
+os.environ["JAXCOMM_BACKEND"] = "jaxcomm"
 try:
-    got = run(lambda v: jaxcomm.all_gather(v[0], "x")[None])
+    run(cases["all_gather"][1])
 except TypeError as e:
-    print("REFUSED:", e)
-else:
-    np.testing.assert_array_equal(got, want)
-    print("EQUAL")
+    print("REFUSED:", e, flush=True)
 """
 
 
-def test_subbyte_dtype_all_gather():
+def test_subbyte_dtypes_are_computed_by_lax():
     # int4 operands: XLA:CPU packs two per byte, while the FFI buffer reports one byte per
-    # element (xla/ffi/api/ffi.h ByteWidth). Either gather correctly or refuse at trace
-    # time with a TypeError -- never copy past the end of the buffers. In a child process:
-    # a heap overflow aborts it.
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    # cwd: not the repository root, whose jaxcomm/ (no extension built in place) would
-    # shadow the installed package for `python -c`.
-    proc = subprocess.run([sys.executable, "-c", _SUBBYTE_CHILD], env=env,
-                          capture_output=True, text=True, timeout=240,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-    assert proc.returncode == 0, f"rc={proc.returncode}: {tail}"
-    assert "EQUAL" in proc.stdout or "REFUSED: jaxcomm" in proc.stdout, tail
+    # element (xla/ffi/api/ffi.h ByteWidth). jax.lax computes them (never a copy past the
+    # end of the buffers), or with JAXCOMM_BACKEND=jaxcomm the call is refused while
+    # tracing. In a child process: a heap overflow aborts it.
+    done = run_fresh({"int4": Command(code=_SUBBYTE_CHILD)})["int4"]
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    for op in ("all_gather", "all_reduce", "ppermute"):
+        assert f"EQUAL {op}" in done.stdout, out[-3000:]
+        assert f"LOG jaxcomm.{op} lowers to its jax.lax equivalent: sub-byte dtype int4" in done.stderr, (
+            out[-3000:])
+    assert ("REFUSED: jaxcomm.all_gather: no jaxcomm kernel takes the sub-byte dtype int4 "
+            "(JAXCOMM_BACKEND=jaxcomm refuses to hand it to jax.lax)") in done.stdout, out[-3000:]
 
 
 # ----------------------------------------------------------------------------- broadcast
@@ -341,8 +361,32 @@ def test_broadcast_numpy_integer_root(mesh8):
 
 # ------------------------------------------------------------------------------- timeout
 
-@pytest.mark.parametrize("timeout_s", [0, -1.5])
-def test_timeout_must_be_positive(mesh8, timeout_s):
-    with pytest.raises(ValueError, match=exact(
-            f"the collective timeout must be positive, got {timeout_s} s")):
-        trace(lambda v: jaxcomm.all_reduce(v, "x", timeout_s=timeout_s), mesh8, (3,))
+TIMED_OPS = {
+    "all_reduce": lambda v, t: jaxcomm.all_reduce(v, "x", timeout_s=t),
+    "all_gather": lambda v, t: jaxcomm.all_gather(v, "x", timeout_s=t),
+    "reduce_scatter": lambda v, t: jaxcomm.reduce_scatter(v, "x", timeout_s=t),
+    "all_to_all": lambda v, t: jaxcomm.all_to_all(v, "x", 0, 0, timeout_s=t),
+    "ppermute": lambda v, t: jaxcomm.ppermute(v, "x", [(0, 1)], timeout_s=t),
+    "broadcast": lambda v, t: jaxcomm.broadcast(v, "x", timeout_s=t),
+    "ft.all_reduce": lambda v, t: jaxcomm.ft.all_reduce(v, "x", timeout_s=t)[0],
+}
+
+
+@pytest.mark.parametrize("op", sorted(TIMED_OPS))
+def test_timeout_must_be_positive_and_finite(mesh8, op):
+    for timeout_s in (0, -1.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=exact(
+                f"jaxcomm.{op}: timeout_s must be a positive, finite number of seconds, "
+                f"got {timeout_s!r}")):
+            trace(lambda v: TIMED_OPS[op](v, timeout_s), mesh8, (N,))
+
+
+@pytest.mark.parametrize("op", sorted(TIMED_OPS))
+def test_timeout_must_be_a_number(mesh8, op):
+    for timeout_s in ("5", True, [5]):
+        with pytest.raises(TypeError, match=exact(
+                f"jaxcomm.{op}: timeout_s must be a number of seconds, got {timeout_s!r}")):
+            trace(lambda v: TIMED_OPS[op](v, timeout_s), mesh8, (N,))
+    # Numbers of other types are seconds too: the call traces.
+    for timeout_s in (5, 2.5, np.float32(0.5), np.int64(3)):
+        trace(lambda v: TIMED_OPS[op](v, timeout_s), mesh8, (N,))

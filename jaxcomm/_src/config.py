@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 from typing import Any, Callable, Mapping
 
@@ -310,13 +311,22 @@ def raise_native_errors(errors: list[str]) -> None:
 
 # ------------------------------------------------------------------------ named helpers
 
-def timeout_ms(timeout_s: float | None = None) -> int:
-    """The collective deadline in milliseconds: the argument, else JAXCOMM_TIMEOUT_S."""
+def timeout_ms(timeout_s: float | None = None, op: str = "") -> int:
+    """The collective deadline in milliseconds: the argument, else JAXCOMM_TIMEOUT_S
+    (validated when read). A bad ``timeout_s`` raises an error naming ``jaxcomm.<op>``:
+    a TypeError for what is not a number, a ValueError for what is not positive and finite
+    (every wait has a deadline)."""
     if timeout_s is None:
         timeout_s = get("JAXCOMM_TIMEOUT_S")
-    if not timeout_s > 0:
-        raise ValueError(f"the collective timeout must be positive, got {timeout_s} s")
-    return max(1, int(round(timeout_s * 1000)))
+    else:
+        who = f"jaxcomm.{op}: " if op else ""
+        # Strings have no __float__; numpy and concrete jax scalars do.
+        if isinstance(timeout_s, (bool, complex)) or not hasattr(timeout_s, "__float__"):
+            raise TypeError(f"{who}timeout_s must be a number of seconds, got {timeout_s!r}")
+        if not 0 < float(timeout_s) < math.inf:
+            raise ValueError(f"{who}timeout_s must be a positive, finite number of seconds, "
+                             f"got {timeout_s!r}")
+    return max(1, int(round(float(timeout_s) * 1000)))
 
 
 def seconds(name: str, env: Env | None = None) -> int:

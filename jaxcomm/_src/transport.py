@@ -150,7 +150,7 @@ def rejoin(timeout_s: float | None = None) -> None:
     import time
 
     me = jax.process_index()
-    timeout_ms = config.timeout_ms(timeout_s)
+    timeout_ms = config.timeout_ms(timeout_s, "ft.rejoin")
     unreachable: list[str] = []
     with _lock:
         mine = _endpoint()

@@ -40,7 +40,7 @@ def prepare(op: str, x: Any, axis_name: Any, timeout_s: float | None,
         axes=axes,
         axis_index_groups=index_groups,
         call_site=callsite.user_call_site(),
-        timeout_ms=config.timeout_ms(timeout_s),
+        timeout_ms=config.timeout_ms(timeout_s, op),
         vma_checked=vma_checked,
     )
     return x, params
@@ -61,16 +61,23 @@ def bit_width(dtype: Any) -> int:
 def use_xla(op: str, dtype: Any = None, group_size: int | None = None) -> bool:
     """Whether ``op`` lowers to its jax.lax equivalent in the program being traced.
 
-    Besides JAXCOMM_BACKEND and the platform, sub-byte dtypes (int4, float4, ...) go to
-    jax.lax: XLA packs them two per byte, which the host kernels do not address. So do
-    the calls the platform's backend does not serve (``Backend.fallback_reason``: e.g.
-    dtypes NCCL cannot reduce, group sizes a handler does not take).
+    The rule for what jaxcomm has no kernel for: jax.lax computes it, and the jaxcomm
+    logger says so once per op and reason (a WARNING); JAXCOMM_BACKEND=jaxcomm makes it a
+    TypeError naming the op instead. Besides JAXCOMM_BACKEND and the platform, that is
+    sub-byte dtypes (int4, float4, ...): XLA packs them two per byte, which no kernel of
+    jaxcomm's addresses; and the calls the platform's backend does not serve
+    (``Backend.fallback_reason``: dtypes its kernels cannot reduce, such as float8 on the
+    host or int16 with NCCL, group sizes a handler does not take).
     """
     choice = config.backend()
     if choice == "xla":
         runtime.log_fallback_once(op, "JAXCOMM_BACKEND=xla")
         return True
     if dtype is not None and bit_width(dtype) < 8:
+        if choice == "jaxcomm":
+            raise TypeError(f"jaxcomm.{op}: no jaxcomm kernel takes the sub-byte dtype "
+                            f"{np.dtype(dtype).name} (JAXCOMM_BACKEND=jaxcomm refuses to hand it "
+                            f"to jax.lax)")
         runtime.log_fallback_once(op, f"sub-byte dtype {np.dtype(dtype).name}")
         return True
     if choice == "jaxcomm":

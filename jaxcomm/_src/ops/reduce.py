@@ -15,14 +15,13 @@ import jax.numpy as jnp
 from jax._src.interpreters import ad
 
 from jaxcomm._src import compat, groups, primitive
+from jaxcomm._src.backends import cpu
 from jaxcomm._src.ops import common, gather, table
 from jaxcomm._src.ops.gather import all_gather_p
 
 REDUCE_OPS = table.REDUCE_OPS  # {"sum": 0, "prod": 1, "min": 2, "max": 3}
-# The dtypes ffi/cpu/kernels.cc reduces (bool sums are taken as int32, as psum does).
-REDUCIBLE_DTYPES = frozenset(np.dtype(d) for d in (
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-    jnp.float16, jnp.bfloat16, np.float32, np.float64, np.complex64, np.complex128))
+# The dtypes ffi/cpu/kernels.cc reduces; the others go to jax.lax (common.use_xla).
+REDUCIBLE_DTYPES = cpu.REDUCIBLE_DTYPES
 ALL_REDUCE_OPS = (*REDUCE_OPS, "mean")
 
 
@@ -33,10 +32,11 @@ def _check_op(name: str, op: str, dtype: np.dtype, allowed: tuple[str, ...]) -> 
         raise TypeError(f"jaxcomm.{name}: op={op!r} is not defined for complex dtype {dtype}")
     if not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
         raise TypeError(f"jaxcomm.{name}: dtype {dtype} is not supported")
+    # Reached with JAXCOMM_BACKEND=jaxcomm (otherwise use_xla hands such a dtype to jax.lax).
     if np.dtype(dtype) not in REDUCIBLE_DTYPES and not common.use_xla(name, dtype):
         raise TypeError(f"jaxcomm.{name}: dtype {np.dtype(dtype).name} has no host reduction kernel; "
-                        f"supported: {sorted(d.name for d in REDUCIBLE_DTYPES)} (or set "
-                        f"JAXCOMM_BACKEND=xla)")
+                        f"supported: {sorted(d.name for d in REDUCIBLE_DTYPES)} (JAXCOMM_BACKEND="
+                        f"jaxcomm refuses to hand it to jax.lax)")
 
 
 # ------------------------------------------------------------------------------ all_reduce
