@@ -67,7 +67,8 @@ def dispatch(x: jax.Array, expert_ids: jax.Array, *, num_experts: int, axis_name
     """Sends each token to the ranks owning its experts and packs rows by local expert.
 
     Args:
-      x: [T, H] this rank's tokens, any float dtype.
+      x: [T, H] this rank's tokens, any floating-point dtype (integer tokens are a
+        TypeError: combine sums them, weighted).
       expert_ids: [T, K] integers (int32 or int64), each in [0, num_experts) or -1 (no
         expert). Other values count in ``handle.invalid`` and are treated as -1, or raise
         with ``check_ids=True``.

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomm
 from conftest import per_device
-from moe_reference import R, np_combine, np_dispatch, routing, tagged_x
+from moe_reference import R, np_combine, np_combine_f32, np_dispatch, routing, tagged_x
 
 
 def _mesh(r=R):
@@ -40,15 +40,19 @@ def run_moe(x, ids, w, E, capacity=None, padded=False, ey_fn=lambda e: 2.0 * e +
 
 # ---------------------------------------------------------------------------- tests
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_dispatch_combine_match_numpy(padded):
+def test_dispatch_combine_match_numpy(padded, dtype):
     T, K, E, H = 6, 3, 16, 5
     ids = routing(T, K, E, seed=1)
     ids[2, 1, 0] = 99   # out of range: counted, treated as -1
     ids[5, 0, 2] = -7
-    x = tagged_x(T, H)
+    x = tagged_x(T, H).astype(jnp.dtype(dtype))
     w = np.random.default_rng(2).normal(size=(R, T, K)).astype(np.float32)
-    ex, sizes, y, dropped, invalid, recv_dropped = run_moe(x, ids, w, E, padded=padded)
+    # bfloat16: the expert is the identity, so that the reference has no bfloat16
+    # arithmetic of XLA's to repeat.
+    ey_fn = (lambda e: 2.0 * e + 1.0) if dtype == "float32" else (lambda e: e)
+    ex, sizes, y, dropped, invalid, recv_dropped = run_moe(x, ids, w, E, padded=padded, ey_fn=ey_fn)
     clean = np.where((ids >= 0) & (ids < E), ids, -1)
     want_ex, want_sizes, row_of, want_dropped = np_dispatch(x, clean, E, padded=padded)
     np.testing.assert_array_equal(ex, want_ex)
@@ -58,8 +62,13 @@ def test_dispatch_combine_match_numpy(padded):
     np.testing.assert_array_equal(dropped, 0)
     np.testing.assert_array_equal(recv_dropped, 0)
     np.testing.assert_array_equal(invalid, [0, 0, 1, 0, 0, 1, 0, 0])
-    want_y = np_combine(2.0 * want_ex + 1.0, row_of, w, T, H)
-    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    if dtype == "float32":
+        want_y = np_combine(2.0 * want_ex + 1.0, row_of, w, T, H)
+        np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    else:
+        # Summed in float32 in the kernel's order, rounded once to bfloat16: the same bits.
+        assert y.dtype == x.dtype
+        np.testing.assert_array_equal(y, np_combine_f32(want_ex, row_of, w, T, H, dtype=x.dtype))
 
 
 def test_rows_identify_source_and_order():
@@ -79,14 +88,18 @@ def test_rows_identify_source_and_order():
         assert not ex[d, start:].any(), "rows past the total are zero"
 
 
-def test_combine_of_dispatch_is_weighted_x():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_combine_of_dispatch_is_weighted_x(dtype):
     T, K, E, H = 7, 4, 32, 3
     ids = routing(T, K, E, seed=4, p_none=0.3)
-    x = tagged_x(T, H, seed=5)
+    x = tagged_x(T, H, seed=5).astype(jnp.dtype(dtype))
     w = np.random.default_rng(6).random((R, T, K)).astype(np.float32)
     *_, y, _, _, _ = run_moe(x, ids, w, E, ey_fn=lambda e: e)
-    want = x * np.where(ids >= 0, w, 0).sum(-1, keepdims=True)
-    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    want = x.astype(np.float64) * np.where(ids >= 0, w, 0).sum(-1, keepdims=True)
+    assert y.dtype == x.dtype
+    # bfloat16: one rounding of the float32 sum (2^-8 relative), of values up to ~10.
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(y.astype(np.float64), want, rtol=tol, atol=tol)
 
 
 def test_small_capacity_drops_are_accounted():
@@ -285,13 +298,14 @@ def test_two_axis_mesh_over_ep():
 def test_trace_time_errors():
     mesh = _mesh()
 
-    def call(E=16, ids_dtype=np.int32, ids_shape=(2, 2), w_dtype=np.float32, capacity=None):
+    def call(E=16, ids_dtype=np.int32, ids_shape=(2, 2), w_dtype=np.float32, capacity=None,
+             x_dtype=np.float32, dispatch=jaxcomm.moe.dispatch):
         def body(x):
             ids = jnp.zeros(ids_shape, ids_dtype)
-            ex, _, h = jaxcomm.moe.dispatch(x[0], ids, num_experts=E, axis_name="ep", capacity=capacity)
-            return jaxcomm.moe.combine(ex, h, jnp.ones((2, 2), w_dtype))[None]
+            ex, _, h = dispatch(x[0], ids, num_experts=E, axis_name="ep", capacity=capacity)
+            return jaxcomm.moe.combine(ex, h, jnp.ones((2, 2), w_dtype))[None].astype(jnp.float32)
         g = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-        return g(jax.device_put(np.zeros((R, 2, 3), np.float32), NamedSharding(mesh, P("ep"))))
+        return g(jax.device_put(np.zeros((R, 2, 3), x_dtype), NamedSharding(mesh, P("ep"))))
 
     with pytest.raises(ValueError, match="not divisible"):
         call(E=12)
@@ -303,6 +317,21 @@ def test_trace_time_errors():
         call(w_dtype=np.int32)
     with pytest.raises(ValueError, match="capacity"):
         call(capacity=0)
+    # Tokens are floats (combine sums them, weighted): integer tokens are refused, in
+    # every layout and call form.
+    for x_dtype in (np.int32, np.uint8, np.bool_):
+        with pytest.raises(TypeError, match=re.escape(
+                f"jaxcomm.moe.dispatch: x (the tokens) must be floating point, got {np.dtype(x_dtype).name}")):
+            call(x_dtype=x_dtype)
+    with pytest.raises(TypeError, match=re.escape(
+            "jaxcomm.moe.dispatch_padded: x (the tokens) must be floating point, got int32")):
+        call(x_dtype=np.int32, dispatch=lambda *a, capacity, **k: jaxcomm.moe.dispatch_padded(*a, **k))
+    sh = NamedSharding(mesh, P("ep"))
+    with pytest.raises(TypeError, match=re.escape(
+            "jaxcomm.moe.dispatch: x (the tokens) must be floating point, got int32")):
+        jax.jit(lambda x, ids: jaxcomm.moe.dispatch(x, ids, num_experts=16, axis_name="ep")[0])(
+            jax.device_put(np.zeros((R * 2, 3), np.int32), sh),
+            jax.device_put(np.zeros((R * 2, 2), np.int32), sh))
 
 
 def test_global_view_under_jit():
