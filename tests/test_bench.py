@@ -108,6 +108,27 @@ def test_saved_records_are_fitted_again_from_their_medians(tmp_path):
     assert back["jaxcomm_best_per_collective_us"] == pytest.approx(1.0)
 
 
+def test_sizes_below_an_ops_smallest_are_rounded_up_and_said_so():
+    # 4B of float32 is one element: too few for 8 devices' blocks (all_gather,
+    # reduce_scatter, all_to_all), enough for all_reduce. Every case asked for is measured
+    # or named: none dropped without a word.
+    from jaxcomm.bench import collectives
+    notes: list[str] = []
+    cases = collectives.plan(["all_reduce", "all_gather", "reduce_scatter", "all_to_all"],
+                             [4, 16, 64], 8, 4, notes)
+    assert cases == [("all_reduce", 4, 1), ("all_reduce", 16, 4), ("all_reduce", 64, 16)] + [
+        (op, b, b // 4) for op in ("all_gather", "reduce_scatter", "all_to_all") for b in (32, 64)]
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert (f"{op} 4B: measured at 32B, its smallest size (one element of 4 B per device, "
+                f"8 devices)") in notes, notes
+        assert f"{op} 16B: the same case as 4B after rounding (32B), measured once" in notes, notes
+    assert len(notes) == 6, notes
+    # Nothing to say when every size fits.
+    quiet: list[str] = []
+    collectives.plan(["all_gather"], [32, 64], 8, 4, quiet)
+    assert quiet == []
+
+
 # ----------------------------------------------------------------------- measuring
 
 def test_a_side_with_a_wrong_result_is_flagged_and_a_failing_one_dropped():
@@ -399,3 +420,44 @@ def test_docs_tables_are_commands_their_benchmark_accepts(quick, tmp_path):
             assert argv[0] == "moe" and "--json" not in argv, argv
             args = moe._parse(argv[1:])
             assert (args.iters, args.warmup) == ((2, 1) if quick else (5, 3)), table.name
+
+
+def _record(op: str, nbytes: int, ours: float, theirs: float) -> dict:
+    return {"op": op, "bytes": nbytes, "devices": 8, "processes": 1, "dtype": "float32",
+            "bind": "process", "hosts": 1, "hugetlb": False, "error": None, "match": {"xla": True},
+            "sides": {"jaxcomm": {}, "xla": {}, "plain": {}}, "jaxcomm_per_collective_us": ours,
+            "xla_per_collective_us": theirs, "plain_per_collective_us": 1.0}
+
+
+def test_plot_panels_have_labelled_ticks_and_room_around_their_points():
+    pytest.importorskip("matplotlib")
+    import math
+    # Many sizes for all_reduce; one size for the others, 1.3x apart (a one-point panel on
+    # log axes had no tick labels, and its points sat on the panel's edges).
+    records = [_record("all_reduce", n, us, us * 10) for n, us in
+               [(4, 12.0), (4096, 14.0), (1 << 20, 180.0), (16 << 20, 2600.0)]]
+    records += [_record(op, 1 << 20, 150.0, 195.0) for op in ("all_gather", "reduce_scatter", "all_to_all")]
+    fig = report.figure(records)
+    fig.canvas.draw()
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+
+    def labelled(ticks, labels, lo, hi):
+        return [t.get_text() for v, t in zip(ticks, labels) if lo <= v <= hi and t.get_text()]
+
+    for ax in panels:
+        (xlo, xhi), (ylo, yhi) = ax.get_xlim(), ax.get_ylim()
+        assert len(labelled(ax.get_xticks(), ax.get_xticklabels(), xlo, xhi)) >= 2, ax.get_title()
+        assert len(labelled(ax.get_yticks(), ax.get_yticklabels(), ylo, yhi)) >= 2, ax.get_title()
+        # A decade at least, and every point away from the edges (in log space).
+        assert yhi / ylo >= 10, (ax.get_title(), ylo, yhi)
+        for line in ax.get_lines():
+            for x, y in zip(line.get_xdata(), line.get_ydata()):
+                fx = math.log(x / xlo) / math.log(xhi / xlo)
+                fy = math.log(y / ylo) / math.log(yhi / ylo)
+                assert 0.05 <= fx <= 0.95 and 0.05 <= fy <= 0.95, (ax.get_title(), x, y, fx, fy)
+    # The title says what is plotted and for whom; the legend names each side.
+    assert fig.get_suptitle().startswith("Bus bandwidth per collective"), fig.get_suptitle()
+    assert "one process, 8 devices, float32" in fig.get_suptitle().replace("\n", " ")
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["jaxcomm", "XLA's own (jax.lax, one process)"]

@@ -12,8 +12,10 @@ Conventions (those of nccl-tests):
   all_gather: the *output* size (each device contributes size/n). reduce_scatter: the
   *input* size (each device keeps size/n). all_to_all: the input (= output) size, of
   which size/n goes to each peer. Where the op needs the element count to be a multiple
-  of the device count n, the count is rounded down to one, as nccl-tests does; sizes
-  that round to zero elements, or to a size already measured, are skipped.
+  of the device count n, the count is rounded down to one, as nccl-tests does; a size
+  below one element per device is rounded up to it (the smallest size the op has), and a
+  size that rounds to one already measured is measured once. Each such change is said on
+  stderr before the run (:func:`plan`'s notes).
 * **ratio** = peer's time / jaxcomm's time: above 1 means jaxcomm is faster.
 
 The sides, all in ``jit(shard_map(...))`` over a one-axis mesh of the devices, each a
@@ -235,25 +237,49 @@ def _same_on_devices(tol: tuple[float, float] | None) -> Callable[[Any, Any], bo
 
 # ----------------------------------------------------------------------------------- run
 
-def plan(ops: Sequence[str], sizes: Sequence[int], n: int, itemsize: int
-         ) -> list[tuple[str, int, int]]:
+def plan(ops: Sequence[str], sizes: Sequence[int], n: int, itemsize: int,
+         notes: list[str] | None = None) -> list[tuple[str, int, int]]:
     """The (op, bytes, count) cases to measure, nccl-tests rounding applied.
 
-    ``count`` is the number of elements behind ``bytes`` (see the module docstring).
-    Sizes that round to 0 elements or to an already planned size are dropped.
+    ``count`` is the number of elements behind ``bytes`` (see the module docstring). A
+    size under the op's smallest (one element, or one per device where the op splits its
+    operand into n blocks) is measured at that smallest size; sizes that round to one
+    already planned are planned once. Each such change is appended to ``notes``.
+
+    Example: ``plan(["all_gather"], [4, 64], 8, 4, notes)`` gives
+    ``[("all_gather", 32, 8), ("all_gather", 64, 16)]`` and a note that 4B is measured
+    as 32B.
     """
     cases: list[tuple[str, int, int]] = []
     for op in ops:
-        seen: set[int] = set()
+        planned: dict[int, int] = {}  # count -> the size first asked for it
         for size in sizes:
             count = size // itemsize
+            smallest = n if OPS[op].whole_blocks else 1
             if OPS[op].whole_blocks:
                 count -= count % n
-            if count <= 0 or count in seen:
+            raised = count < smallest
+            count = max(count, smallest)
+            said = f"{op} {common.format_bytes(size)}"
+            if count in planned:
+                if planned[count] != size:
+                    _note(notes, f"{said}: the same case as {common.format_bytes(planned[count])} "
+                                 f"after rounding ({common.format_bytes(count * itemsize)}), "
+                                 f"measured once")
                 continue
-            seen.add(count)
+            if raised:
+                why = f"one element of {itemsize} B" + (
+                    f" per device, {n} devices" if OPS[op].whole_blocks else "")
+                _note(notes, f"{said}: measured at {common.format_bytes(count * itemsize)}, its "
+                             f"smallest size ({why})")
+            planned[count] = size
             cases.append((op, count * itemsize, count))
     return cases
+
+
+def _note(notes: list[str] | None, text: str) -> None:
+    if notes is not None:
+        notes.append(text)
 
 
 def run(ops: Sequence[str] = ALL_OPS,
@@ -331,7 +357,10 @@ def run(ops: Sequence[str] = ALL_OPS,
     hugetlb = common.hugetlb_enabled()
     compare = _same_on_devices(tolerance(dtype)) if check else None
     steps = mesh_steps(mesh)
-    cases = plan(ops, list(sizes), n, dtype.itemsize)
+    notes: list[str] = []
+    cases = plan(ops, list(sizes), n, dtype.itemsize, notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     records = []
     with common.ProgressDisplay(len(cases), title=title, enabled=progress) as bar:
         for op, nbytes, count in cases:

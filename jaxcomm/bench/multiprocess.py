@@ -179,8 +179,11 @@ def worker(args: argparse.Namespace) -> int:
     def compare(a: Any, b: Any) -> bool:
         return a.shape == b.shape and bool(np.allclose(a, b, rtol=rtol, atol=atol))
     records = []
+    notes: list[str] = []
     cases = col.plan(options.op_list(args), common.parse_sizes(args.sizes, args.factor), n,
-                     dtype.itemsize)
+                     dtype.itemsize, notes)
+    for note in notes if rank == 0 else ():
+        print(f"note: {note}", file=sys.stderr, flush=True)
     with common.ProgressDisplay(len(cases), title=f"{procs} processes",
                                 enabled=args.progress and rank == 0) as bar:
         for op, nbytes, count in cases:

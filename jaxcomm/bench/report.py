@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import textwrap
 from typing import Any, Callable, Iterable, Sequence
 
 from jaxcomm.bench import common, method
@@ -209,10 +210,35 @@ def busbw_gbps(rec: Record, side: str) -> float | None:
     return rec["bytes"] / (b * 1e-6) / 1e9 * bus_factor(rec["op"], rec["devices"])
 
 
+#: What each side's line is, for the plot's legend.
+SIDE_LABELS = {"jaxcomm": "jaxcomm", "xla": "XLA's own (jax.lax, one process)",
+               "gloo": "gloo (jax.lax across processes)", "mpi4jax": "mpi4jax (Open MPI)"}
+
+
+def _padded_limits(values: Sequence[float], factor: float, min_span: float) -> tuple[float, float]:
+    """Log-axis limits around ``values``: ``factor`` (or 6% of their span, if more) beyond
+    the extremes, and at least ``min_span`` (a ratio) wide, so that points never sit on
+    the panel's edges and a small gap between two lines does not fill a panel."""
+    lo, hi = min(values), max(values)
+    pad = math.exp(max(math.log(factor), 0.06 * math.log(hi / lo)))
+    lo, hi = lo / pad, hi * pad
+    if hi / lo < min_span:
+        middle = math.sqrt(lo * hi)
+        lo, hi = middle / math.sqrt(min_span), middle * math.sqrt(min_span)
+    return lo, hi
+
+
 def plot(records: Sequence[Record], path: str) -> None:
+    """Writes :func:`figure` of ``records`` to ``path`` (a PNG)."""
+    figure(records).savefig(path, dpi=110)
+
+
+def figure(records: Sequence[Record]) -> Any:
     """Bus bandwidth per collective against size, every side but plain, one log-log
-    subplot per op; line styles tell jobs (placements, hugetlb) apart. Uses the Agg
-    canvas directly, so it needs no display and leaves pyplot's backend alone."""
+    subplot per op; line styles tell jobs (placements, hugetlb) apart. Every panel has
+    labelled ticks on both axes and limits with room around its points (a panel of one
+    point too). Uses the Agg canvas directly, so it needs no display and leaves pyplot's
+    backend alone. Returns the matplotlib Figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -221,12 +247,14 @@ def plot(records: Sequence[Record], path: str) -> None:
     jobs = list(dict.fromkeys(job_key(r) for r in records))
     ncols = min(3, len(ops))
     nrows = math.ceil(len(ops) / ncols)
-    fig = Figure(figsize=(5.2 * ncols, 4.0 * nrows), layout="constrained")
+    fig = Figure(figsize=(5.2 * ncols, 4.2 * nrows + 0.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     styles = ["-", "--", ":", "-."]
     colors = {s: f"C{i}" for i, s in enumerate(SIDES)}
     for ax, op in zip(axes, ops):
+        xs_all: list[float] = []
+        ys_all: list[float] = []
         for j, key in enumerate(jobs):
             recs = sorted((r for r in records if r["op"] == op and job_key(r) == key),
                           key=lambda r: r["bytes"])
@@ -240,26 +268,62 @@ def plot(records: Sequence[Record], path: str) -> None:
                 pts = [(x, y) for x, y in pts if y]
                 if pts:
                     xs, ys = zip(*pts)
-                    ax.plot(xs, ys, linestyle=styles[j % len(styles)], marker="o", markersize=3.5,
-                            color=colors[side], label=f"{side} {label}".strip())
+                    xs_all += xs
+                    ys_all += ys
+                    ax.plot(xs, ys, linestyle=styles[j % len(styles)], marker="o", markersize=4,
+                            color=colors[side], label=f"{SIDE_LABELS.get(side, side)} {label}".strip())
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        # Plain numbers ("0.01", "2") read faster than 10^k powers; minor labels would crowd.
+        if xs_all:
+            # A factor of 2 beyond the sizes (4 on each side of a lone one): whole
+            # powers of 4 in view, so the size axis always has labelled ticks.
+            ax.set_xlim(*_padded_limits(xs_all, 2.0, 64.0))
+            # Bandwidth spans decades: at least one in view, so that a small gap looks small.
+            lo, hi = _padded_limits(ys_all, 1.6, 10.0)
+            ax.set_ylim(lo, hi)
+        else:
+            lo, hi = 1.0, 10.0
+        # Labelled ticks at 1, 2 and 5 of each decade where few decades show (one-point
+        # panels included), at the decades alone where many do. Plain numbers ("0.01",
+        # "2") read faster than 10^k powers.
+        subs = (1.0, 2.0, 5.0) if math.log10(hi / lo) <= 2.5 else (1.0,)
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs, numticks=9))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.xaxis.set_major_locator(LogLocator(base=4))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: common.format_bytes(int(v)) if v >= 1 else ""))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.tick_params(axis="x", labelrotation=45, labelsize=8)
+        ax.tick_params(axis="y", labelsize=8)
         ax.set_title(op)
-        ax.set_xlabel("size per device")
-        ax.set_ylabel("bus bandwidth per collective (GB/s)")
+        ax.set_xlabel("message size per device")
+        ax.set_ylabel("bus bandwidth (GB/s, higher is faster)")
         ax.grid(True, which="major", alpha=0.35)
         ax.grid(True, which="minor", alpha=0.1)
-        # Bandwidth rises with size, so the upper left corner is where the lines are not.
-        ax.legend(fontsize=7, loc="upper left")
     for ax in axes[len(ops):]:
         ax.set_visible(False)
+    # One legend for every panel (the sides and jobs are the same), below them: in a
+    # panel it would cover lines.
+    handles: dict[str, Any] = {}
+    for ax in axes[:len(ops)]:
+        for h, text in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(text, h)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center",
+               ncols=max(1, min(len(handles), 2 * ncols)), fontsize=8)
     first = records[0]
-    fig.suptitle(f"jaxcomm and its peers: {first.get('processes', 1)} process(es), "
-                 f"{first['devices']} devices, {first['dtype']}")
-    fig.savefig(path, dpi=110)
+    procs = first.get("processes", 1)
+    per = first["devices"] // procs
+    where = (f"{procs} processes x {per} device{'s' if per > 1 else ''}" if procs > 1
+             else f"one process, {first['devices']} devices")
+    title = [f"Bus bandwidth per collective (nccl-tests' definition, from the time per "
+             f"collective of loops of several lengths) against message size",
+             f"jaxcomm and {', '.join(SIDE_LABELS.get(s, s) for s in _peers_in(records))}; "
+             f"{where}, {first['dtype']}"]
+    # About 11 characters of an 11-point title per inch of figure.
+    width = int(11 * 5.2 * ncols)
+    fig.suptitle("\n".join(textwrap.fill(line, width) for line in title), fontsize=11)
+    return fig
+
+
+def _peers_in(records: Sequence[Record]) -> list[str]:
+    return [s for s in PEERS if any(s in r["sides"] for r in records)]
