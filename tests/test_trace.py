@@ -418,6 +418,9 @@ def test_injected_delay_names_the_straggler(children):
     cli = _cli("analyze", out)
     assert cli.returncode == 2
     assert cli.stdout.startswith("verdict: STRAGGLER: rank 5 arrived"), cli.stdout
+    # The fault's line says what its call=2 counted: calls of one op by one rank, not steps.
+    assert ("(call 2 counting rank 5's calls of all_gather at any call site since the process "
+            "started, calls not steps, at ") in proc.stderr, proc.stderr[-2000:]
 
 
 def test_rank_later_than_the_deadline_is_named(children):

@@ -28,6 +28,14 @@ bool ParseInt(const std::string& s, int64_t* v) {
   }
 }
 
+// What a fault's `call=` counts, in words: calls, not steps (a step that runs two
+// all_reduces counts two).
+std::string Counted(const std::string& op, const std::string& site, int64_t partition) {
+  std::string s = "rank " + std::to_string(partition) + "'s calls of " + (op.empty() ? "any op" : op);
+  s += site.empty() ? " at any call site" : " at call sites containing '" + site + "'";
+  return s + " since the process started, calls not steps";
+}
+
 }  // namespace
 
 std::string FaultInjector::Parse(const std::string& one, Fault* f) {
@@ -128,9 +136,9 @@ std::optional<xla::ffi::Future> FaultInjector::Apply(const CallContext& call, in
   const auto now_us = std::chrono::duration_cast<std::chrono::microseconds>(
                           std::chrono::system_clock::now().time_since_epoch())
                           .count();
-  std::string what = "jaxcomm: JAXCOMM_FAULT '" + fire->text + "' fired at " + where +
-                     " (this rank's call " + std::to_string(count) + " of the selected ones, at " +
-                     std::to_string(now_us) + " us)";
+  std::string what = "jaxcomm: JAXCOMM_FAULT '" + fire->text + "' fired at " + where + " (call " +
+                     std::to_string(count) + " counting " + Counted(fire->op, fire->site, call.partition) +
+                     ", at " + std::to_string(now_us) + " us)";
   switch (fire->action) {
     case Action::kDelay:
       std::fprintf(stderr, "%s: this rank joins the call %g s late\n", what.c_str(), fire->delay_s);

@@ -12,7 +12,8 @@
 //               ppermute, broadcast, ragged_all_to_all, moe_transport)
 //   site=TEXT   only calls whose call site ("file.py:12 (fn)") contains TEXT
 //   call=N      the rank's N-th matching call (1-based, counted per rank over the calls
-//               the other keys select); without it, every matching call
+//               the other keys select, from the process's start: calls, not steps; a
+//               step with two all_reduces counts two); without it, every matching call
 //   action=     hang: the rank never joins the call; its peers time out naming it, and
 //                     its own call fails one second after that deadline (nothing hangs
 //                     forever);
