@@ -1,11 +1,11 @@
 """Fault-tolerant data-parallel training: one of four processes dies, the others finish.
 
-    python examples/ft_training.py [--processes 4] [--steps 12] [--kill-rank 3] [--kill-step 5]
+    python examples/ft_training.py [--processes 4] [--steps 12] [--kill-process 3] [--kill-step 5]
 
 Starts itself as a 4-process job on this machine (jaxcomm.launch, with survivors kept
 running), one data-parallel replica of a linear-regression model per process. Each step
 computes the local gradient on the replica's own data and averages it over the replicas
-still alive with ``jaxcomm.ft.all_reduce``. Process ``--kill-rank`` is killed (SIGKILL)
+still alive with ``jaxcomm.ft.all_reduce``. Process ``--kill-process`` is killed (SIGKILL)
 just before step ``--kill-step``; the survivors notice within milliseconds, leave it out
 of that step and of the rest, and finish. Process 0 then checks its parameters against a
 NumPy replay of the same schedule (all replicas before the kill, the survivors after)
@@ -125,11 +125,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--processes", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--kill-rank", type=int, default=3)
+    p.add_argument("--kill-process", "--kill-rank", dest="kill_rank", type=int, default=3,
+                   help="the process (jax.process_index()) killed at --kill-step")
     p.add_argument("--kill-step", type=int, default=5)
     args = p.parse_args()
     if not 0 <= args.kill_rank < args.processes:
-        p.error("--kill-rank must name one of the processes (0 included: the launcher runs "
+        p.error("--kill-process must name one of the processes (0 included: the launcher runs "
                 "JAX's coordination service in a process of its own)")
     if "JAXCOMM_PROCESS_ID" in os.environ:
         worker(args)

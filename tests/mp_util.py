@@ -3,16 +3,16 @@
     from mp_util import run_script, assert_ok
 
     res = run_script('''
-        x = jnp.ones(3) * RANK
-        print("RESULT", RANK, float(x.sum()))
+        x = jnp.ones(3) * PROCESS
+        print("RESULT", PROCESS, float(x.sum()))
     ''', n=2, devices=2)
     assert_ok(res)                            # else fails with every rank's output
-    res.returncode, res.output[1]             # exit status, rank 1's stdout+stderr
+    res.returncode, res.output[1]             # exit status, process 1's stdout+stderr
 
 The body runs after :data:`PROLOGUE`, which imports numpy as np, jax, jax.numpy as jnp,
 NamedSharding, PartitionSpec as P, Mesh and jaxcomm, calls ``jaxcomm.init()`` and defines
-``RANK`` (``jax.process_index()``), ``NPROC`` (``jax.process_count()``) and ``LOCAL``
-(devices per process). Pass ``prologue=False`` for a script that must not import jax.
+``PROCESS`` (``jax.process_index()``; also ``RANK``, its name in older tests), ``NPROC``
+(``jax.process_count()``) and ``LOCAL`` (devices per process). Pass ``prologue=False`` for a script that must not import jax.
 
 Defaults keep a broken test short: the job is terminated after ``timeout_s`` (60 s),
 jaxcomm's collective deadline is ``JAXCOMM_TIMEOUT_S=20``, and the others get ``grace_s``
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxcomm
 jaxcomm.init()
-RANK = jax.process_index()
+PROCESS = RANK = jax.process_index()
 NPROC = jax.process_count()
 LOCAL = jax.local_device_count()
 """
@@ -48,9 +48,9 @@ DEFAULT_ENV = {"JAXCOMM_TIMEOUT_S": "20", "JAX_PLATFORMS": "cpu"}
 
 
 class MPResult(NamedTuple):
-    """``(returncode, output)``: the launcher's exit status and each rank's output.
+    """``(returncode, output)``: the launcher's exit status and each process's output.
 
-    ``output[r]`` is rank r's stdout and stderr lines as received (one string);
+    ``output[p]`` is process p's stdout and stderr lines as received (one string);
     ``output[-1]`` the launcher's own notes (failures, terminations, removed segments).
     ``launch`` is the full :class:`jaxcomm.launch.LaunchResult`.
     """
@@ -95,7 +95,7 @@ def run_script(body: str, n: int, devices: int = 1, **kwargs: object) -> MPResul
 
     Example::
 
-        code, out = run_script("print('hello from', RANK)", n=2)
+        code, out = run_script("print('hello from', PROCESS)", n=2)
         assert code == 0 and "hello from 1" in out[1]
     """
     res = launch_script(body, n, devices, **kwargs)  # type: ignore[arg-type]
@@ -106,15 +106,15 @@ def run_script(body: str, n: int, devices: int = 1, **kwargs: object) -> MPResul
 def assert_ok(res: MPResult) -> None:
     """Fails with every rank's output unless the job exited 0."""
     assert res.returncode == 0, (
-        f"multi-process job exited with status {res.returncode} (per rank: "
+        f"multi-process job exited with status {res.returncode} (per process: "
         f"{res.launch.returncodes}); its output:\n{res.format()}")
 
 
 def results(res: MPResult, tag: str = "RESULT") -> dict[int, Any]:
-    """Each rank's JSON value printed on a line ``<tag> <json>`` (the last one wins).
+    """Each process's JSON value printed on a line ``<tag> <json>`` (the last one wins).
 
-    Example: a rank printing ``RESULT {"sum": [12.0]}`` gives ``{rank: {"sum": [12.0]}}``;
-    ranks that printed none are missing.
+    Example: a process printing ``RESULT {"sum": [12.0]}`` gives ``{process: {"sum": [12.0]}}``;
+    processes that printed none are missing.
     """
     found: dict[int, Any] = {}
     for rank, text in res.output.items():

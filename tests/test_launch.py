@@ -169,39 +169,42 @@ def test_bad_bind_is_refused():
         launch.launch(["x.py"], 1, bind="all")
 
 
-def test_failing_rank_terminates_the_others_after_the_grace_period():
+def test_failing_process_terminates_the_others_after_the_grace_period():
     body = """
     import time
     if RANK == 1:
-        raise RuntimeError("rank 1 fails on purpose")
+        raise RuntimeError("process 1 fails on purpose")
     time.sleep(120)
     """
     res = run_script(body, 3, grace_s=1.0)
     job = res.launch
     assert res.returncode == 1, res.format()
-    assert job.failed_rank == 1 and not job.timed_out
+    assert job.failed_process == job.failed_rank == 1 and not job.timed_out
     assert job.terminated == [0, 2], res.format()
     assert all(job.returncodes[r] < 0 for r in (0, 2)), job.returncodes
-    assert "rank 1 fails on purpose" in res.output[1]
-    assert "rank 1 exited with status 1" in res.output[-1]
+    assert "process 1 fails on purpose" in res.output[1]
+    # The launcher's words: processes (a rank is a device's place in a collective).
+    assert "process 1 exited with status 1; giving processes [0, 2] 1 s to finish" in res.output[-1], (
+        res.format())
+    assert "terminated processes [0, 2]" in res.output[-1], res.format()
 
 
-def test_other_ranks_may_report_their_own_errors_within_the_grace_period():
+def test_other_processes_may_report_their_own_errors_within_the_grace_period():
     body = """
     import time
     if RANK == 1:
-        raise RuntimeError("rank 1 fails on purpose")
+        raise RuntimeError("process 1 fails on purpose")
     time.sleep(0.5)
-    raise RuntimeError(f"rank {RANK} reports its own error")
+    raise RuntimeError(f"process {RANK} reports its own error")
     """
     res = run_script(body, 2, grace_s=30.0)
     assert res.returncode == 1, res.format()
-    assert res.launch.failed_rank == 1
+    assert res.launch.failed_process == 1
     assert res.launch.terminated == [], res.format()
-    assert "rank 0 reports its own error" in res.output[0]
+    assert "process 0 reports its own error" in res.output[0]
 
 
-def test_rank_killed_by_a_signal():
+def test_process_killed_by_a_signal():
     body = """
     import signal, time
     if RANK == 1:
@@ -210,8 +213,8 @@ def test_rank_killed_by_a_signal():
     """
     res = run_script(body, 2, grace_s=1.0)
     assert res.returncode == 128 + signal.SIGKILL, res.format()
-    assert res.launch.failed_rank == 1
-    assert "rank 1 was killed by SIGKILL" in res.output[-1]
+    assert res.launch.failed_process == 1
+    assert "process 1 was killed by SIGKILL" in res.output[-1]
 
 
 def test_job_timeout():

@@ -205,7 +205,7 @@ def detected_cluster(env: dict[str, str] | None = None) -> str | None:
 def _set_parent_death_signal(launcher_pid: str | None) -> None:
     """Asks Linux to send SIGTERM to this process when its parent dies.
 
-    Without it, a launcher killed with SIGKILL leaves its ranks running, often blocked
+    Without it, a launcher killed with SIGKILL leaves its processes running, often blocked
     forever in a collective. The parent is the launcher, or a wrapper the launcher started
     (``bash run.sh``), whose death is as good a reason to stop. If the launcher died
     before this call, the signal would never come: stop now. Best effort, Linux only.

@@ -16,15 +16,17 @@ launcher's (:mod:`jaxcomm.launch.coordinator`), not in process 0: any process, p
 included, may die without JAX aborting the others, which then get jaxcomm's error naming
 it (and with ``keep_going``, ``jaxcomm.ft.all_reduce`` goes on without it).
 
-Every line a process prints is prefixed with its rank (``[1] ...``), on the stream it was
-printed to. When a process fails (non-zero exit or a signal), the others get a grace
-period to report their own errors, then are terminated (SIGTERM, then SIGKILL); with
-``JAXCOMM_TRACE_DIR`` set, each is first asked for its flight recorder dump (SIGUSR1)
-and given a moment to write it. The launcher exits with the status of the failing
-process the others' errors lead back to, else of the first to fail (128 + N for signal
-N), and ends with a summary: each failed process's jaxcomm
-error (without what JAX's dispatch wraps around it), the process those errors lead back
-to first, and under ``JAXCOMM_TRACE_DIR`` the flight recorder's verdict. Ctrl-C is
+Every line a process prints is prefixed with its process index (``[1] ...``), on the
+stream it was printed to. (jaxcomm's words: a *process* is one of the job's Python
+processes, numbered by ``jax.process_index()``; a *rank* is a device's place in a
+collective's group, as in jaxcomm's errors: ``ranks [4 5 6 7]``.) When a process fails
+(non-zero exit or a signal), the others get a grace period to report their own errors,
+then are terminated (SIGTERM, then SIGKILL); with ``JAXCOMM_TRACE_DIR`` set, each is first
+asked for its flight recorder dump (SIGUSR1) and given a moment to write it. The launcher
+exits with the status of the failing process the others' errors lead back to, else of
+the first to fail (128 + N for signal N), and ends with a summary: each failed process's
+jaxcomm error (without what JAX's dispatch wraps around it), the process those errors
+lead back to first, and under ``JAXCOMM_TRACE_DIR`` the flight recorder's verdict. Ctrl-C is
 forwarded to the processes (twice: they are killed). Afterwards, shared-memory segments
 ``/dev/shm/jaxcomm-<job id>-*`` left by the job are removed and reported.
 
@@ -33,7 +35,7 @@ From Python (the launcher itself never imports jax)::
     from jaxcomm import launch
     code = launch.run(["train.py", "--steps", "10"], 2, devices_per_process=4)
     res = launch.launch(["check.py"], 4, capture=True, timeout_s=60)
-    res.returncode, res.output(1)     # exit status, rank 1's lines
+    res.returncode, res.output(1)     # exit status, process 1's lines
 """
 
 from __future__ import annotations
@@ -84,26 +86,26 @@ class LaunchResult:
         of the failing process the others' jaxcomm errors lead back to (``cause``), or
         of the first to fail (128 + N if it died of signal N), 124 if the job ran past
         its timeout, 128 + N if the launcher was interrupted by signal N.
-      returncodes: each rank's ``Popen.returncode`` (negative: killed by that signal).
-      failed_rank: the failing rank the others' errors lead back to, else the first seen
-        to fail, or None.
-      terminated: ranks the launcher had to terminate.
+      returncodes: each process's ``Popen.returncode`` (negative: killed by that signal).
+      failed_process: the failing process the others' errors lead back to, else the first
+        seen to fail, or None (``failed_rank`` is the same, its former name).
+      terminated: the processes the launcher had to terminate.
       timed_out: the job ran past ``timeout_s``.
       removed_shm: leftover shared-memory files the launcher removed.
       job_id: the job's ``JAXCOMM_JOB_ID``.
-      lines: with ``capture=True``, every output line as (rank, "stdout"/"stderr", text),
-        in the order received; rank -1 holds the launcher's own notes.
-      errors: each failed rank's last jaxcomm error, cleaned (:func:`causes.clean`).
+      lines: with ``capture=True``, every output line as (process, "stdout"/"stderr",
+        text), in the order received; process -1 holds the launcher's own notes.
+      errors: each failed process's last jaxcomm error, cleaned (:func:`causes.clean`).
       cause: the processes those errors lead back to (:func:`causes.consequences`):
         those that failed first, not those that gave up on them.
       verdict: the flight recorder analyzer's verdict line over this job's records
         (``JAXCOMM_TRACE_DIR`` set and the job failed), else "".
-      exit_times: when each rank was seen to end (``time.monotonic()``).
+      exit_times: when each process was seen to end (``time.monotonic()``).
     """
 
     returncode: int
     returncodes: list[int | None]
-    failed_rank: int | None = None
+    failed_process: int | None = None
     terminated: list[int] = dataclasses.field(default_factory=list)
     timed_out: bool = False
     removed_shm: list[str] = dataclasses.field(default_factory=list)
@@ -114,10 +116,15 @@ class LaunchResult:
     verdict: str = ""
     exit_times: dict[int, float] = dataclasses.field(default_factory=dict)
 
-    def output(self, rank: int, stream: str | None = None) -> str:
-        """Rank ``rank``'s captured lines (both streams, or ``"stdout"``/``"stderr"``)."""
+    @property
+    def failed_rank(self) -> int | None:
+        """:attr:`failed_process`, by its former name (a process index, not a rank)."""
+        return self.failed_process
+
+    def output(self, process: int, stream: str | None = None) -> str:
+        """Process ``process``'s captured lines (both streams, or ``"stdout"``/``"stderr"``)."""
         return "".join(text + "\n" for r, s, text in self.lines
-                       if r == rank and (stream is None or s == stream))
+                       if r == process and (stream is None or s == stream))
 
     def format(self) -> str:
         """All captured output as the terminal would have shown it, for error messages."""
@@ -188,7 +195,7 @@ def _rank_env(base: dict[str, str], n: int, rank: int, devices: int, coordinator
 
 
 class _Output:
-    """Forwards the processes' output line by line, each line prefixed with its rank.
+    """Forwards the processes' output line by line, each prefixed with its process index.
 
     One reader thread per pipe; a line is written with a single write under a lock, so
     lines of different processes never interleave mid-line. A last line without a
@@ -199,7 +206,7 @@ class _Output:
         self.capture = capture
         self.sinks = {"stdout": stdout or sys.stdout, "stderr": stderr or sys.stderr}
         self.lines: list[tuple[int, str, str]] = []
-        self.errors: dict[int, str] = {}  # rank -> its last jaxcomm error line
+        self.errors: dict[int, str] = {}  # process -> its last jaxcomm error line
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
 
@@ -237,7 +244,7 @@ class _Output:
                 pass  # our own stdout went away (a closed pipe): keep running the job
 
     def note(self, text: str) -> None:
-        """A message of the launcher itself (stderr, or rank -1 when capturing)."""
+        """A message of the launcher itself (stderr, or process -1 when capturing)."""
         self.emit(-1, "stderr", text)
 
     def join(self, deadline: float) -> bool:
@@ -303,8 +310,8 @@ def _remove_shm(job_id: str) -> list[str]:
 class _Service:
     """JAX's coordination service for the job, in a process of its own (coordinator.py).
 
-    Started before the ranks, on the port given or a free one (retried if another
-    program takes a free one first), and stopped after every rank has ended: closing
+    Started before the processes, on the port given or a free one (retried if another
+    program takes a free one first), and stopped after every process has ended: closing
     its standard input stops it.
     """
 
@@ -490,10 +497,10 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
     try:
         for rank in range(n):
             if interrupts:
-                break  # interrupted while starting: the ranks started have the signal
+                break  # interrupted while starting: the processes started have the signal
             cores = rank_cores(rank, n) if bind == "cores" else None
             try:
-                # A session of its own: the launcher can signal everything a rank started,
+                # A session of its own: the launcher can signal everything a process started,
                 # and a terminal's Ctrl-C reaches the launcher only, which forwards it.
                 with _affinity(cores):
                     p = subprocess.Popen(cmd, env=_rank_env(base, n, rank, devices_per_process,
@@ -503,7 +510,7 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
                                          stderr=subprocess.PIPE, cwd=cwd, start_new_session=True)
             except OSError as exc:
                 _kill_all(procs)
-                raise RuntimeError(f"could not start rank {rank} of {n} "
+                raise RuntimeError(f"could not start process {rank} of {n} "
                                    f"({' '.join(cmd)}): {exc}") from exc
             procs.append(p)
             out.start(rank, "stdout", p.stdout)
@@ -517,7 +524,7 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
 
     drained = out.join(time.monotonic() + _DRAIN_TIMEOUT_S)
     if not drained:
-        # Something a rank started outlived it and holds its output pipe open.
+        # Something a process started outlived it and holds its output pipe open.
         for p in procs:
             _signal_group(p, signal.SIGKILL)
         drained = out.join(time.monotonic() + _DRAIN_TIMEOUT_S)
@@ -549,17 +556,16 @@ def _remove_partial_dumps(trace_dir: str, pids: list[int]) -> None:
 
 def _summarize(result: LaunchResult, out: _Output, procs: list[subprocess.Popen],
                trace_dir: str | None, interrupted: bool = False) -> None:
-    """Notes, after a failed job, each failed rank's jaxcomm error (cleaned), the
+    """Notes, after a failed job, each failed process's jaxcomm error (cleaned), the
     processes they lead back to first, and the flight recorder's verdict.
 
-    The process the errors lead back to becomes the failed rank whose status the
+    The process the errors lead back to becomes the failed process whose status the
     launcher exits with: the first process seen to exit is often one that gave up on it.
     """
     failed = [r for r, c in enumerate(result.returncodes) if c not in (0, None)]
     if not failed:
         return
     result.errors = {r: _causes.clean(out.errors[r]) for r in failed if r in out.errors}
-    # Ranks are processes here (one process per rank of the launcher).
     failures = [_causes.Failure(r, result.exit_times.get(r, 0.0), _causes.blames(text))
                 for r, text in result.errors.items()]
     secondary = _causes.consequences(failures)
@@ -569,8 +575,8 @@ def _summarize(result: LaunchResult, out: _Output, procs: list[subprocess.Popen]
                                                  result.exit_times.get(r, 0.0)))
     culprit = next((p for p in result.cause if p < len(procs)
                     and result.returncodes[p] not in (0, None)), None)
-    if culprit is not None and result.failed_rank is not None and not interrupted:
-        result.failed_rank = culprit
+    if culprit is not None and result.failed_process is not None and not interrupted:
+        result.failed_process = culprit
         result.returncode = _exit_status(result.returncodes[culprit])  # type: ignore[arg-type]
     if result.cause:
         what = []
@@ -584,7 +590,7 @@ def _summarize(result: LaunchResult, out: _Output, procs: list[subprocess.Popen]
             out.note(f"the failure starts at {', '.join(what)}: the other processes' errors "
                      f"lead back to it")
     for r in order:
-        out.note(f"rank {r}: {result.errors[r]}")
+        out.note(f"process {r}: {result.errors[r]}")
     if trace_dir:
         try:
             from jaxcomm.trace import analyzer
@@ -603,7 +609,7 @@ def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
     ``keep_going``: then it waits for the survivors)."""
     start = time.monotonic()
     # One waiter per process records when it ended: failures seen in one poll are told
-    # apart by when they happened, not by rank.
+    # apart by when they happened, not by process index.
     exit_times: dict[int, float] = {}
 
     def wait_for(rank: int, p: subprocess.Popen) -> None:
@@ -614,7 +620,7 @@ def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
         threading.Thread(target=wait_for, args=(rank, p), daemon=True,
                          name=f"jaxcomm-launch-wait-{rank}").start()
     job_deadline = start + timeout_s if timeout_s is not None else None
-    failed_rank: int | None = None
+    failed_process: int | None = None
     grace_deadline: float | None = None
     timed_out = False
     seen_interrupts = 0
@@ -627,16 +633,16 @@ def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
                      f"processes" + (" as SIGKILL" if seen_interrupts > 1 else ""))
         for rank in sorted(exit_times, key=exit_times.get):
             code = codes[rank]
-            if failed_rank is None and code is not None and code != 0:
-                failed_rank = rank
+            if failed_process is None and code is not None and code != 0:
+                failed_process = rank
                 running = [r for r, c in enumerate(codes) if c is None]
                 if keep_going:
-                    out.note(f"rank {rank} {_describe(code)}" + (
-                        f"; ranks {running} keep going" if running else ""))
+                    out.note(f"process {rank} {_describe(code)}" + (
+                        f"; processes {running} keep going" if running else ""))
                     continue
                 grace_deadline = now + grace_s
-                out.note(f"rank {rank} {_describe(code)}" + (
-                    f"; giving ranks {running} {grace_s:g} s to finish" if running else ""))
+                out.note(f"process {rank} {_describe(code)}" + (
+                    f"; giving processes {running} {grace_s:g} s to finish" if running else ""))
         if all(c is not None for c in codes):
             break
         if grace_deadline is not None and now >= grace_deadline:
@@ -651,21 +657,21 @@ def _supervise(procs: list[subprocess.Popen], out: _Output, grace_s: float,
     for rank, p in enumerate(procs):
         exit_times.setdefault(rank, time.monotonic())
     codes = [p.returncode for p in procs]
-    terminated_ranks = [procs.index(p) for p in terminated]
-    if terminated_ranks:
-        out.note(f"terminated ranks {terminated_ranks}")
+    terminated_processes = [procs.index(p) for p in terminated]
+    if terminated_processes:
+        out.note(f"terminated processes {terminated_processes}")
     if interrupts:
         status = 128 + interrupts[0]
-    elif failed_rank is not None:
-        status = _exit_status(codes[failed_rank])  # type: ignore[arg-type]
+    elif failed_process is not None:
+        status = _exit_status(codes[failed_process])  # type: ignore[arg-type]
     elif timed_out:
         status = TIMEOUT_EXIT
     else:
         # All exited 0, or one failed only while being terminated at the deadline.
         bad = [r for r, c in enumerate(codes) if c not in (0, None)]
         status = _exit_status(codes[bad[0]]) if bad else 0  # type: ignore[arg-type]
-    return LaunchResult(returncode=status, returncodes=codes, failed_rank=failed_rank,
-                        terminated=terminated_ranks, timed_out=timed_out,
+    return LaunchResult(returncode=status, returncodes=codes, failed_process=failed_process,
+                        terminated=terminated_processes, timed_out=timed_out,
                         exit_times=dict(exit_times))
 
 
@@ -725,12 +731,12 @@ def _terminate(live: list[subprocess.Popen], out: _Output,
 def run(argv: str | Sequence[str], n: int, **kwargs: object) -> int:
     """Runs a job like :func:`launch` and returns the launcher's exit status.
 
-    ``argv`` may be a script path alone. Output is printed with rank prefixes.
+    ``argv`` may be a script path alone. Output is printed with process prefixes.
 
     Example::
 
         from jaxcomm import launch
-        status = launch.run("train.py", 2, devices_per_process=4)   # 0: all ranks exited 0
+        status = launch.run("train.py", 2, devices_per_process=4)   # 0: all exited 0
     """
     if isinstance(argv, str):
         argv = [argv]

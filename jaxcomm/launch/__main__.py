@@ -15,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m jaxcomm.launch",
         description="Runs a script as N processes of one JAX job on this machine (the "
                     "script calls jaxcomm.init() first). Output lines are prefixed with "
-                    "the rank; when one process fails the others get --grace seconds, "
+                    "the process index; when one process fails the others get --grace seconds, "
                     "then are terminated, and the launcher exits with the status of the "
                     "process the others' errors lead back to. JAX's coordination service "
                     "runs in a process of the launcher's, so any process may die.",
