@@ -825,3 +825,28 @@ def test_half_precision_sums_are_rounded_once(mesh8, dt):
                                            jaxcomm.reduce_scatter(v, "x", tiled=True)), mesh8, x)
     assert_same(got_ar, np.broadcast_to(want, x.shape))
     assert_same(got_rs, want.reshape(N, n))
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_half_precision_sums_over_groups_are_rounded_once(mesh2x4, dt):
+    # The same rounding on other paths: two groups of 4 (over "ep" of a 2x4 mesh), the
+    # mean (a sum, then one division), a reduce_scatter along dimension 1; every rank's
+    # share past 2048 elements (the float32 accumulator's block).
+    n = 2048 + 301
+    x = narrow_half((8, 4, 4 * n), dt, seed=32)
+    groups = x.reshape(2, 4, 4, 4 * n)  # [dp, ep, ...]: "ep" groups are the rows
+    exact = groups.astype(np.float64).sum(1)  # [dp, 4, 4n]
+    acc = groups[:, 0]
+    for k in range(1, 4):
+        acc = (acc.astype(np.float32) + groups[:, k].astype(np.float32)).astype(x.dtype)
+    assert (acc != exact.astype(x.dtype)).sum() > acc.size // 20  # the data can tell
+    got_sum, got_mean, got_rs = per_device(
+        lambda v: (jaxcomm.all_reduce(v, "ep"), jaxcomm.all_reduce(v, "ep", op="mean"),
+                   jaxcomm.reduce_scatter(v, "ep", scatter_dimension=1, tiled=True)),
+        mesh2x4, x)
+    want_sum = np.repeat(exact.astype(x.dtype), 4, axis=0)
+    want_mean = np.repeat((exact / 4).astype(x.dtype), 4, axis=0)
+    want_rs = np.concatenate([np.split(exact[d].astype(x.dtype), 4, axis=1) for d in range(2)])
+    assert_same(got_sum, want_sum)
+    assert_same(got_mean, want_mean)
+    assert_same(got_rs, want_rs)

@@ -692,16 +692,33 @@ for a, b in zip(ys.addressable_shards, yf.addressable_shards):
     np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
     np.testing.assert_allclose(np.asarray(a.data), want[a.index], rtol=0.15, atol=0.15)
 print("CHECKED split-phase low-latency FP8 across processes", flush=True)
+
+# bfloat16 tokens through the packed layout: combine sums every slot's row, weighted, in
+# float32 and rounds once to bfloat16 (each row doubled: exact in bfloat16).
+def packed(x, ids, w):
+    ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=E, axis_name="ep")
+    return jaxcomm.moe.combine(ex * 2, h, w)
+
+xb = x.astype(jnp.bfloat16)
+yb = jax.jit(jax.shard_map(packed, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))(
+    put(xb), put(ids), put(w))
+want = 2 * xb.astype(np.float64) * w.sum(1, keepdims=True)
+for a in yb.addressable_shards:
+    assert a.data.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(a.data, np.float64), want[a.index], rtol=2e-2, atol=2e-2)
+print("CHECKED bfloat16 combine across processes", flush=True)
 """
 
 
 def test_split_low_latency_fp8_across_processes():
-    """The halves' round crosses processes (shared memory): same values as the fused calls."""
+    """The halves' round crosses processes (shared memory): same values as the fused calls.
+    In the same job, a bfloat16 combine across processes against NumPy."""
     from mp_util import assert_ok, run_script
     res = run_script(SPLIT_ACROSS_PROCESSES, 2, 2, timeout_s=180)
     assert_ok(res)
     for rank in range(2):
         assert "CHECKED split-phase" in res.output[rank], res.format()
+        assert "CHECKED bfloat16 combine across processes" in res.output[rank], res.format()
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -4,7 +4,8 @@ A 2-process job (``JAXCOMM_TRANSPORT=tcp``) runs all_reduces in a loop and check
 result, while this test connects to both processes' listeners: garbage, a hello with the
 wrong secret, a hello cut short, a flood of connections that say nothing, and, with the
 job's secret (a process of the job gone wrong), frames with an impossible length, a
-negative round number, and a frame cut short. The job's results stay exact, it
+negative round number, a frame cut short, and a frame over the budget for frames of calls
+not reached yet (left unread). The job's results stay exact, it
 finishes, every stranger is refused at the hello (counted by the listener, logged once
 per address and reason), and every bad frame closes its connection.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import socket
 import struct
 import threading
@@ -27,6 +29,8 @@ from jaxcomm._src import distributed
 HELLO_MAGIC = 0x6a63686c6c6f0002
 N = 2
 FLOOD = 150
+#: A frame over the early-frame budget (256 MiB, tcp_link.h kEarlyBytes) that fits in memory.
+EARLY_MIB = 300
 
 WORKER = """
 import json, os, time
@@ -104,6 +108,20 @@ def _connect(port: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=10)
 
 
+def _bytes_taken(sock: socket.socket, limit: int, within_s: float) -> int:
+    """How many bytes (up to ``limit``) the other end lets ``sock`` send within
+    ``within_s``: the socket buffers' worth when it reads nothing."""
+    sock.setblocking(False)
+    chunk, sent = b"\0" * (1 << 20), 0
+    deadline = time.monotonic() + within_s
+    while sent < limit and time.monotonic() < deadline:
+        try:
+            sent += sock.send(chunk[:limit - sent])
+        except BlockingIOError:
+            time.sleep(0.01)
+    return sent
+
+
 def test_intruders_are_refused_and_the_job_is_undisturbed(tmp_path) -> None:
     secret = distributed.new_job_secret()
     script = tmp_path / "worker.py"
@@ -138,6 +156,7 @@ def test_intruders_are_refused_and_the_job_is_undisturbed(tmp_path) -> None:
 
         closed: dict[str, bool] = {}
         floods: dict[int, list[socket.socket]] = {}
+        early: dict[int, int] = {}
         for rank, port in ports.items():
             other = 1 - rank
             # Strangers: refused at the hello.
@@ -163,6 +182,14 @@ def test_intruders_are_refused_and_the_job_is_undisturbed(tmp_path) -> None:
             s = _connect(port)
             s.sendall(_hello(secret_bytes, other) + _frame_header(2, 1, 0, 1000) + b"x" * 10)
             s.close()
+            # With the secret, a frame that fits this machine's memory but not the budget
+            # for frames of calls the process has not reached (tcp_link.h kEarlyBytes,
+            # 256 MiB): left unread (so never allocated) while it waits for its call; the
+            # sender's send stalls once the socket buffers are full.
+            s = _connect(port)
+            s.sendall(_hello(secret_bytes, other) + _frame_header(0x5EED, 1, 0, EARLY_MIB << 20))
+            early[rank] = _bytes_taken(s, EARLY_MIB << 20, within_s=4)
+            s.close()
             # A flood of connections that say nothing (more than the listener keeps).
             floods[rank] = [_connect(port) for _ in range(FLOOD)]
         # Both floods at once: each connection is closed by the time the listener's
@@ -181,6 +208,8 @@ def test_intruders_are_refused_and_the_job_is_undisturbed(tmp_path) -> None:
     output = "\n".join(sink.all)
     assert res.returncode == 0, output
     assert all(closed.values()), (closed, output)
+    # The early frame over the budget: a few MiB of socket buffers taken, not 300 MiB.
+    assert all(taken < (32 << 20) for taken in early.values()), early
     results = {}
     for line in sink.all:
         if " RESULT " in line:
@@ -238,3 +267,95 @@ def test_listener_takes_the_address_it_is_given(tmp_path) -> None:
     for rank in range(N):
         (line,) = [l for l in res.output(rank).splitlines() if l.startswith("ENDPOINT ")]
         assert line == "ENDPOINT 127.0.0.2 127.0.0.2 [[3.0, 3.0]]", res.format()
+
+
+# Process 1 runs a ppermute to process 0 whose frame (300 MiB) is over the early-frame
+# budget (256 MiB, tcp_link.h kEarlyBytes) while process 0, asleep in Python, has not
+# reached the call. Process 0 must leave the frame unread and allocate nothing for it:
+# process 1's send waits until its call's deadline, then fails naming process 0; process
+# 0's link gives up when its own wait for the call (the job's JAXCOMM_TIMEOUT_S) ends, and
+# its next call fails naming process 1 and the budget.
+SEND_S = 3      # process 1's deadline for the oversized call
+EARLY_S = 6     # JAXCOMM_TIMEOUT_S: how long process 0 keeps an early frame waiting
+EARLY_WORKER = f"""
+import json, time
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jaxcomm
+from jaxcomm._src import distributed
+from jaxcomm.trace import causes
+
+def peak_rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024
+
+jaxcomm.init()
+rank = jax.process_index()
+kv = distributed.kv_client()
+mesh = jax.make_mesh((2,), ("x",))
+smap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+small = smap(lambda v: jaxcomm.all_reduce(v, "x", timeout_s=60))
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones((1, 4), np.float32))
+jax.block_until_ready(small(x))  # linked, and every buffer of a small call allocated
+n = ({EARLY_MIB} << 20) // 4
+if rank == 1:
+    big = smap(lambda v: jaxcomm.ppermute(jnp.broadcast_to(v[:, :1], (1, n)), "x", [(1, 0)],
+                                          timeout_s={SEND_S}))
+    start = time.monotonic()
+    try:
+        jax.block_until_ready(big(x))
+        error = None
+    except Exception as e:
+        error = causes.clean(str(e))
+    print("SENDER", json.dumps({{"elapsed": time.monotonic() - start, "error": error}}), flush=True)
+    kv.key_value_set("early/sent", "1")
+else:
+    before = peak_rss_mib()
+    kv.blocking_key_value_get("early/sent", 120_000)
+    after = peak_rss_mib()
+    print("RECEIVER", json.dumps({{"before_mib": before, "after_mib": after}}), flush=True)
+    kv.key_value_set("early/measured", "1")
+kv.blocking_key_value_get("early/measured", 120_000)
+start = time.monotonic()
+try:
+    jax.block_until_ready(small(x))
+    error = None
+except Exception as e:
+    error = causes.clean(str(e))
+print("NEXT", json.dumps({{"elapsed": time.monotonic() - start, "error": error}}), flush=True)
+"""
+
+
+def test_an_early_frame_over_the_budget_is_left_unread(tmp_path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(EARLY_WORKER)
+    env = dict(os.environ, JAXCOMM_TRANSPORT="tcp", JAX_PLATFORMS="cpu",
+               JAXCOMM_TIMEOUT_S=str(EARLY_S))
+    res = launch.launch([str(script)], N, env=env, capture=True, timeout_s=180, grace_s=30,
+                        cwd=str(tmp_path))
+    out = res.format()
+
+    def tagged(rank: int, tag: str) -> dict:
+        line = next((l for l in res.output(rank).splitlines() if l.startswith(tag + " ")), None)
+        assert line is not None, out
+        return json.loads(line[len(tag) + 1:])
+
+    sender, receiver = tagged(1, "SENDER"), tagged(0, "RECEIVER")
+    # The receiver neither read nor allocated the frame: its peak memory did not grow by
+    # anything near the frame's size.
+    assert receiver["after_mib"] - receiver["before_mib"] < EARLY_MIB / 4, (receiver, out)
+    # The sender's send waited (the receiver read nothing) until its call's deadline, and
+    # the call failed then, naming the peer.
+    assert sender["error"] is not None and sender["elapsed"] >= SEND_S, (sender, out)
+    assert "jaxcomm.ppermute over axis 'x'" in sender["error"], sender
+    assert re.search(r"sending to process 0 \(host \S+ \(127\.0\.0\.1\), pid \d+\) with ranks \[0\]",
+                     sender["error"]), sender
+    assert "timed out sending (the peer does not read)" in sender["error"], sender
+    # The receiver's link to it gave up on the frame, naming the sender and the budget.
+    following = tagged(0, "NEXT")
+    assert following["error"] is not None, (following, out)
+    assert re.search(r"process 1 \(host \S+ \(127\.0\.0\.1\), pid \d+\) with ranks \[1\]",
+                     following["error"]), following
+    assert (f"the peer sent {EARLY_MIB << 20} bytes for round 1 of call " in following["error"]
+            and "beyond its budget for early frames (268435456 bytes)" in following["error"]), following
