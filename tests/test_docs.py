@@ -1,11 +1,17 @@
 """Every code example of the documentation runs: README.md, docs/*.md and public docstrings.
 
-Markdown: each ```python block of README.md and docs/*.md runs, in file order, in one
-namespace per file (a block may use what an earlier block of its file defined), in this
-process, on the 8 CPU devices conftest.py sets up. docs/moe.md is left to
-tests/test_moe_docs.py. A block that cannot run here (it needs `python -m jaxcomm.launch`,
-several processes, or a GPU) is marked by an HTML comment on the line right above its
-opening fence, which renders as nothing:
+Markdown: each ```python block of README.md and docs/*.md runs as it would pasted alone
+into a fresh ``python``: in a process of its own, without the 8 CPU devices that
+tests/conftest.py sets up (a block that needs several devices sets ``XLA_FLAGS`` itself,
+before it imports jax). The processes are forked from one Python that has imported jax
+(tests/fresh_util.py), one block after the other. A page may have one setup block, marked
+by an HTML comment on the line right above its opening fence:
+
+    <!-- docs-test: setup (what the page's other blocks take from it) -->
+
+Its other blocks then run pasted after the setup block (docs/moe.md says so at its top).
+A block that cannot run here (it needs `python -m jaxcomm.launch`, several processes, or a
+GPU) is marked so, which renders as nothing:
 
     <!-- docs-test: skip (why it cannot run here, and what runs it instead) -->
 
@@ -17,7 +23,7 @@ Docstrings: the ``>>>`` examples of the public API run as doctests, in a namespa
 function and class has such an example; a line that cannot run in one process carries
 ``# doctest: +SKIP``.
 
-Examples must leave the process as they found it: a block that switches ``jax.lax`` to
+Examples must leave the process as they found it: one that switches ``jax.lax`` to
 jaxcomm (``use_for_lax``) must undo it, which the test checks.
 """
 
@@ -28,7 +34,6 @@ import inspect
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +45,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomm
 from jaxcomm._src.dropin import collectives as dropin
+from fresh_util import Command, run_fresh
 
 ROOT = Path(__file__).resolve().parent.parent
-# docs/moe.md: tests/test_moe_docs.py runs its examples (with the MoE layer's own meshes).
-SKIPPED_FILES = {"docs/moe.md"}
 SKIP_MARK = re.compile(r"<!--\s*docs-test:\s*skip\b\s*(?:\((?P<why>.*)\))?\s*-->")
+SETUP_MARK = re.compile(r"<!--\s*docs-test:\s*setup\b[^>]*-->")
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
 
 
@@ -54,11 +59,15 @@ class Block:
     line: int  # of the opening fence, 1-based
     code: str
     skip: str | None  # the reason, when marked to skip
+    setup: bool = False  # the page's setup block: its other blocks run after it
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}:{self.line}"
 
 
 def markdown_files() -> list[str]:
-    files = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
-    return [f for f in files if f not in SKIPPED_FILES]
+    return ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
 
 
 def python_blocks(path: str) -> list[Block]:
@@ -84,12 +93,14 @@ def python_blocks(path: str) -> list[Block]:
         above = lines[start - 1] if start > 0 else ""
         mark = SKIP_MARK.search(above)
         skip = (mark.group("why") or "marked docs-test: skip") if mark else None
-        blocks.append(Block(path, start + 1, "\n".join(body) + "\n", skip))
+        blocks.append(Block(path, start + 1, "\n".join(body) + "\n", skip,
+                            bool(SETUP_MARK.search(above))))
+    if sum(b.setup for b in blocks) > 1:
+        raise ValueError(f"{path}: more than one block marked docs-test: setup")
     return blocks
 
 
 ALL_BLOCKS = [b for f in markdown_files() for b in python_blocks(f)]
-_namespaces: dict[str, dict] = {}
 
 
 # jax.lax's own collectives, taken before any example runs.
@@ -105,17 +116,41 @@ def _lax_left_alone():
     assert not switched, f"the example left jax.lax.{switched} switched (use_for_lax without undo)"
 
 
-@pytest.mark.parametrize("block", ALL_BLOCKS, ids=[f"{b.path}:{b.line}" for b in ALL_BLOCKS])
-def test_markdown_example(block: Block, monkeypatch):
+# Run after every block, in its process: an example must not leave jax.lax switched.
+_LAX_LEFT_ALONE = """
+import jax as _jax
+from jaxcomm._src.dropin import collectives as _dropin
+_switched = [n for n in _dropin.COLLECTIVES if getattr(_jax.lax, n).__module__.startswith("jaxcomm")]
+assert not _switched, f"the example left jax.lax.{_switched} switched (use_for_lax without undo)"
+"""
+
+
+def pasted_program(block: Block) -> str:
+    """What a user pastes: the block alone, or after its page's setup block."""
+    setup = [b for b in ALL_BLOCKS if b.path == block.path and b.setup and b is not block]
+    return "".join(b.code + "\n" for b in setup) + block.code + _LAX_LEFT_ALONE
+
+
+#: The session's XLA_FLAGS (8 CPU devices) removed: a pasted block starts a plain Python.
+_PASTED_ENV: dict[str, str | None] = {"XLA_FLAGS": None}
+
+
+@pytest.fixture(scope="module")
+def fresh_runs() -> dict[str, subprocess.CompletedProcess]:
+    """Every block that runs, each in a fresh process, by name (``README.md:70``)."""
+    return run_fresh({b.name: Command(code=pasted_program(b), env=_PASTED_ENV)
+                      for b in ALL_BLOCKS if not b.skip}, timeout_s=900)
+
+
+@pytest.mark.parametrize("block", ALL_BLOCKS, ids=[b.name for b in ALL_BLOCKS])
+def test_markdown_example(block: Block, fresh_runs):
     if block.skip:
         pytest.skip(block.skip)
-    # An example may set XLA_FLAGS before importing jax, as a script must; here jax has
-    # long started with conftest's 8 devices, so that setting would only leak into the
-    # subprocesses of later tests.
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    ns = _namespaces.setdefault(block.path, {"__name__": f"docs_{Path(block.path).stem}"})
-    code = compile(block.code, f"{block.path}:{block.line}", "exec")
-    exec(code, ns)  # noqa: S102 - running the documentation is the point
+    done = fresh_runs[block.name]
+    after = " after its page's setup block" if not block.setup and any(
+        b.setup for b in ALL_BLOCKS if b.path == block.path) else ""
+    assert done.returncode == 0, (f"{block.name}, pasted alone{after} into a fresh python, "
+                                  f"exited {done.returncode}:\n{done.stdout}{done.stderr[-4000:]}")
 
 
 def test_skip_marks_name_a_block():
@@ -129,8 +164,11 @@ def test_skip_marks_name_a_block():
 
 
 def test_every_file_has_been_read():
-    # The parser must see the README's example (the one a new user copies first).
-    assert any(b.path == "README.md" and not b.skip for b in ALL_BLOCKS)
+    # The parser must see the README's examples (the ones a new user copies first), and
+    # docs/moe.md's, which build on its setup block.
+    assert sum(b.path == "README.md" and not b.skip for b in ALL_BLOCKS) >= 2
+    moe = [b for b in ALL_BLOCKS if b.path == "docs/moe.md"]
+    assert len(moe) >= 7 and moe[0].setup and not any(b.skip for b in moe), moe
 
 
 # Pages linked before they are written (none now): a link to one is not reported broken.
@@ -261,9 +299,8 @@ sys.exit(1 if runner.failures or not runner.tries else 0)
 @pytest.mark.parametrize("test", DOCTESTS, ids=[t.name for t in DOCTESTS])
 def test_docstring_example(test: doctest.DocTest):
     if test.name in FRESH_PROCESS:
-        # tests/ as the working directory: the jaxcomm this test imported, not a source tree.
-        done = subprocess.run([sys.executable, "-c", _FRESH, test.name], capture_output=True,
-                              text=True, timeout=300, cwd=Path(__file__).parent)
+        # The session's 8 devices, as the in-process doctests have them.
+        done = run_fresh({test.name: Command(code=_FRESH, args=[test.name])})[test.name]
         assert done.returncode == 0, done.stdout + done.stderr[-3000:]
         return
     test.globs = {"jax": jax, "jnp": jnp, "np": np, "P": P, "NamedSharding": NamedSharding,
