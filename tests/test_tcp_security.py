@@ -299,16 +299,19 @@ small = smap(lambda v: jaxcomm.all_reduce(v, "x", timeout_s=60))
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones((1, 4), np.float32))
 jax.block_until_ready(small(x))  # linked, and every buffer of a small call allocated
 n = ({EARLY_MIB} << 20) // 4
-if rank == 1:
-    big = smap(lambda v: jaxcomm.ppermute(jnp.broadcast_to(v[:, :1], (1, n)), "x", [(1, 0)],
-                                          timeout_s={SEND_S}))
+
+def timed(tag, program):  # prints how long program(x) took, and its error
     start = time.monotonic()
     try:
-        jax.block_until_ready(big(x))
+        jax.block_until_ready(program(x))
         error = None
     except Exception as e:
         error = causes.clean(str(e))
-    print("SENDER", json.dumps({{"elapsed": time.monotonic() - start, "error": error}}), flush=True)
+    print(tag, json.dumps({{"elapsed": time.monotonic() - start, "error": error}}), flush=True)
+
+if rank == 1:
+    timed("SENDER", smap(lambda v: jaxcomm.ppermute(jnp.broadcast_to(v[:, :1], (1, n)), "x", [(1, 0)],
+                                                     timeout_s={SEND_S})))
     kv.key_value_set("early/sent", "1")
 else:
     before = peak_rss_mib()
@@ -317,13 +320,7 @@ else:
     print("RECEIVER", json.dumps({{"before_mib": before, "after_mib": after}}), flush=True)
     kv.key_value_set("early/measured", "1")
 kv.blocking_key_value_get("early/measured", 120_000)
-start = time.monotonic()
-try:
-    jax.block_until_ready(small(x))
-    error = None
-except Exception as e:
-    error = causes.clean(str(e))
-print("NEXT", json.dumps({{"elapsed": time.monotonic() - start, "error": error}}), flush=True)
+timed("NEXT", small)
 """
 
 

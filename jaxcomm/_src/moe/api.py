@@ -90,9 +90,6 @@ def check_inputs(spec: DispatchSpec, x: Any, expert_ids: Any, R: int, T: int) ->
     op, num_experts = spec.op, spec.num_experts
     if x.ndim != 2:
         raise ValueError(f"jaxcomm.moe.{op}: x must be [T, H], got shape {x.shape}")
-    # Tokens are combined as weighted sums in x's dtype: a float one.
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"jaxcomm.moe.{op}: x (the tokens) must be floating point, got {x.dtype}")
     if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"jaxcomm.moe.{op}: expert_ids must be [T, K] with T = {x.shape[0]} "
                          f"(x's first dimension), got shape {expert_ids.shape}")
@@ -114,6 +111,9 @@ def check_inputs(spec: DispatchSpec, x: Any, expert_ids: Any, R: int, T: int) ->
     if spec.fp8 is not None and jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in fp8_format.FP8_DTYPES]:
         raise TypeError(f"jaxcomm.moe.{op}: FP8 dispatch quantizes float32, bfloat16 or float16 "
                         f"tokens, got {x.dtype}")
+    # Tokens are combined as weighted sums in x's dtype: a float one.
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"jaxcomm.moe.{op}: x (the tokens) must be floating point, got {x.dtype}")
 
 
 def make_layout(spec: DispatchSpec, T: int, K: int, R: int) -> impl.Layout:
