@@ -154,13 +154,14 @@ def test_markdown_example(block: Block, fresh_runs):
 
 
 def test_skip_marks_name_a_block():
-    """A skip mark that is not right above a ```python fence would skip nothing silently."""
+    """A skip (or setup) mark that is not right above a ```python fence would mark nothing
+    silently."""
     for path in markdown_files():
         lines = (ROOT / path).read_text().splitlines()
         for i, line in enumerate(lines):
-            if SKIP_MARK.search(line):
+            if SKIP_MARK.search(line) or SETUP_MARK.search(line):
                 nxt = lines[i + 1] if i + 1 < len(lines) else ""
-                assert nxt.strip() == "```python", f"{path}:{i + 1}: skip mark not above a python block"
+                assert nxt.strip() == "```python", f"{path}:{i + 1}: mark not above a python block"
 
 
 def test_every_file_has_been_read():

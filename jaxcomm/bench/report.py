@@ -275,8 +275,8 @@ def figure(records: Sequence[Record]) -> Any:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         if xs_all:
-            # A factor of 2 beyond the sizes (4 on each side of a lone one): whole
-            # powers of 4 in view, so the size axis always has labelled ticks.
+            # A factor of 2 beyond the sizes (8 on each side of a lone one): powers of 4
+            # in view, so the size axis always has labelled ticks.
             ax.set_xlim(*_padded_limits(xs_all, 2.0, 64.0))
             # Bandwidth spans decades: at least one in view, so that a small gap looks small.
             lo, hi = _padded_limits(ys_all, 1.6, 10.0)
