@@ -112,10 +112,17 @@ def x64():
         yield
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``--dist loadgroup``), the tests that share a module-scoped
     fixture (a job run once and inspected by several tests) go to one worker, so the job
-    runs once per session rather than once per worker."""
+    runs once per session rather than once per worker.
+
+    First among the hooks: a worker of xdist turns the marks into group names in its own
+    pytest_collection_modifyitems, registered after this conftest was loaded, so called
+    before it unless this one goes first; the marks were then never seen, and each such
+    job ran once per worker that got one of its tests, on both at once. (pytest 9.2 with
+    pytest-xdist 3.8 ignores the groups even so: pyproject.toml keeps pytest below 9.2.)"""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         defs = info.name2fixturedefs.values() if info is not None else ()
