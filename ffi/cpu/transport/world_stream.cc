@@ -30,8 +30,8 @@
 #include <thread>
 
 #include "core/registry.h"
-#include "cpu/world.h"
-#include "cpu/world_internal.h"
+#include "cpu/transport/world.h"
+#include "cpu/transport/world_internal.h"
 
 namespace jaxcomm::cpu {
 namespace {
