@@ -11,6 +11,8 @@ shared-memory control block, a TCP listener on an ephemeral port), and links eac
 it needs; the C++ side picks each link's transport (the first both ends opened that
 reaches the peer).
 
+Between hosts the job's links are TCP, or MPI when the job was started by an MPI launcher
+and mpi4py imports (or ``JAXCOMM_TRANSPORT=mpi``; jaxcomm/_src/mpi.py).
 ``JAXCOMM_TRANSPORT=tcp`` makes every link TCP, so that the cross-host path runs on one
 machine.
 
@@ -32,22 +34,16 @@ from typing import Any, Iterable
 import jax
 
 from jaxcomm import _jaxcomm
-from jaxcomm._src import config
+from jaxcomm._src import config, mpi
 
 _KEY = "jaxcomm/endpoint/{}"
 _lock = threading.Lock()  # one bootstrap at a time (the links themselves live in C++)
 
 
 @functools.cache
-def host_identity() -> str:
-    """Names this host for the purpose of sharing memory: same string, same machine.
-
-    ``JAXCOMM_HOST_ID`` replaces it: processes of one machine given different ids link
-    through TCP as if on different hosts (how the tests exercise multi-host algorithms).
-    """
-    override = config.host_id()
-    if override:
-        return override
+def machine_identity() -> str:
+    """Names this machine: hostname, boot id and pid namespace (processes with the same
+    string can see each other's pids and memory)."""
     parts = [socket.gethostname()]
     for path in ("/proc/sys/kernel/random/boot_id",):
         try:
@@ -60,6 +56,16 @@ def host_identity() -> str:
     except OSError:
         pass
     return "/".join(parts)
+
+
+def host_identity() -> str:
+    """Names this host for the purpose of sharing memory: same string, same machine.
+
+    ``JAXCOMM_HOST_ID`` replaces it: processes of one machine given different ids link
+    through TCP (or MPI) as if on different hosts (how the tests exercise multi-host
+    algorithms).
+    """
+    return config.host_id() or machine_identity()
 
 
 def _reachable_address(coordinator: str | None) -> str:
@@ -101,6 +107,10 @@ def transports(me: int) -> list[tuple[str, dict[str, str]]]:
     opened: list[tuple[str, dict[str, str]]] = []
     if config.transport() != "tcp":
         opened.append(("shm", {}))
+    if mpi.wanted():  # between hosts, MPI instead of TCP
+        opened.append(("mpi", mpi.settings(machine_identity(), config.timeout_ms() / 1000, me,
+                                           jax.process_count())))
+        return opened
     listen = config.tcp_address() or _reachable_address(
         distributed.global_state.coordinator_address)
     opened.append(("tcp", dict(

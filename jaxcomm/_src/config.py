@@ -177,8 +177,11 @@ _VARIABLES = (
              "calls pair by call site, axis and order alone, as MPI pairs them (for jobs whose "
              "processes deliberately trace different programs).", EACH_TRACE, "all", _flag),
     Variable("JAXCOMM_TRANSPORT", "choice", "auto",
-             "Between processes: ``auto``: shared memory on one host, TCP across hosts; ``tcp``: "
-             "TCP everywhere.", AT_LINK, "cpu", _choice("auto", "tcp")),
+             "Between processes: ``auto``: shared memory on one host; across hosts MPI when an "
+             "MPI launcher (mpirun, srun with PMI/PMIx) started the job and mpi4py imports, "
+             "else TCP; ``tcp``: TCP everywhere; ``mpi``: shared memory on one host, MPI across "
+             "hosts (the job must be started by an MPI launcher).", AT_LINK, "cpu",
+             _choice("auto", "tcp", "mpi")),
     Variable("JAXCOMM_TCP_ADDRESS", "IPv4 address", "",
              "The address of this host's interface that jaxcomm's TCP listener takes and peers "
              "connect to; unset: the one that routes to the coordinator (the job's network); "
@@ -330,9 +333,9 @@ def backend() -> str:
     return get("JAXCOMM_BACKEND")
 
 
-def transport() -> str:
+def transport(env: Env | None = None) -> str:
     """JAXCOMM_TRANSPORT, validated."""
-    return get("JAXCOMM_TRANSPORT")
+    return get("JAXCOMM_TRANSPORT", env)
 
 
 def tcp_address() -> str:

@@ -303,7 +303,9 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
     Without the launcher's variables, and with ``cluster_detection`` (the default), a job
     started by ``srun`` (SLURM) or ``mpirun`` with more than one process is joined
     through JAX's own cluster detection. Otherwise, or when ``jax.distributed`` is already
-    initialized, it does nothing.
+    initialized, it does nothing. Where jaxcomm links hosts through MPI (an MPI launcher
+    and mpi4py, or ``JAXCOMM_TRANSPORT=mpi``), it also duplicates MPI's world for jaxcomm
+    (collective: every process of the MPI job calls ``init()``).
 
     Args:
       timeout_s: how long to wait for every process to join (default
@@ -396,6 +398,11 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
     if jax.config.jax_enable_recoverability and _hosts_the_service():
         _outlive_the_others(timeouts["shutdown_timeout_seconds"])
     _ensure_job_id()
+    from jaxcomm._src import mpi
+    if mpi.wanted():
+        # MPI between hosts: jaxcomm's communicator is duplicated now, while every process
+        # of the MPI job is here (the duplicate is collective).
+        mpi.prepare(timeouts["initialization_timeout"], jax.process_index(), jax.process_count())
     return True
 
 

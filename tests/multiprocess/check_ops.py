@@ -20,6 +20,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomm
+from jaxcomm._src import mpi
+
+# The transport between hosts: MPI under an MPI launcher (jaxcomm/_src/mpi.py), else TCP.
+ACROSS = "mpi" if mpi.wanted() else "tcp"
 
 BLOCK = (4, 6)       # each device's block in the small cases
 BIG = (1000, 301)    # over 1 MiB of float32 per rank: streamed between 2 processes
@@ -330,7 +334,7 @@ def check_streamed(mesh, axes, tag):
         tag, _jaxcomm.single_copy_rounds(), direct)
     # Over TCP among three or more processes, the large all_reduces ran as a
     # reduce-scatter then an all-gather (ffi/core/scatter_gather.cc).
-    scattered = {s.op for s in jaxcomm.stats() if s.algorithm == "tcp reduce-scatter+all-gather"}
+    scattered = {s.op for s in jaxcomm.stats() if s.algorithm == f"{ACROSS} reduce-scatter+all-gather"}
     tcp = os.environ.get("JAXCOMM_TRANSPORT") == "tcp"
     assert scattered == ({"all_reduce"} if tcp and NPROC >= 3 else set()), (
         tag, scattered, [(s.op, s.algorithm, s.bytes) for s in jaxcomm.stats()])
@@ -361,9 +365,9 @@ if "JAXCOMM_HOST_ID" in os.environ and NPROC >= 4:
     # large all_to_all and reduce_scatter along dimension 0 and ppermute (the "streamed"
     # cases), which send each process just what its ranks read.
     algorithms = {(s.op, s.algorithm) for s in jaxcomm.stats()}
-    flat = {op for op, a in algorithms if a == "shm+tcp"}
+    flat = {op for op, a in algorithms if a == f"shm+{ACROSS}"}
     assert flat == {"reduce_scatter", "all_to_all", "ppermute"}, algorithms
-    hierarchical = {op for op, a in algorithms if a == "hierarchical shm+tcp"}
+    hierarchical = {op for op, a in algorithms if a == f"hierarchical shm+{ACROSS}"}
     assert hierarchical == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute",
                             "broadcast", "ragged_all_to_all", "moe_transport", "moe_dispatch"}, algorithms
     print("CHECKED hierarchical", flush=True)

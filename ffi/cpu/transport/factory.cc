@@ -1,5 +1,6 @@
 #include "cpu/transport/factory.h"
 
+#include "cpu/transport/mpi_transport.h"
 #include "cpu/transport/shm_transport.h"
 #include "cpu/transport/tcp_transport.h"
 
@@ -17,6 +18,7 @@ struct Kind {
 constexpr Kind kKinds[] = {
     {"shm", &ShmTransport::Make},
     {"tcp", &TcpTransport::Make},
+    {"mpi", &MpiTransport::Make},
 };
 
 }  // namespace
