@@ -48,12 +48,16 @@ __all__ = ["Blame", "Failure", "blames", "clean", "consequences", "is_jaxcomm_er
 
 _PROCESS = re.compile(r"process (\d+) \(host [^,]*, pid (\d+)\) with ranks \[([^\]]*)\] "
                       r"\(partitions \[([^\]]*)\]\)")
-# What follows a process's description says what happened to it.
-_DEAD = re.compile(r" failed: |: (?=connection (?:closed|reset))")
+# What follows a process's description says what happened to it; the phases of a
+# hierarchical or scatter-gather round add what the process is to this call first
+# ("(the leader of its host)", "(reduce-scatter)": ffi/core/hierarchical.cc,
+# scatter_gather.cc).
+_ROLE = r"(?: \((?:the leader of (?:its|this) host|reduce-scatter|all-gather)\))?"
+_DEAD = re.compile(_ROLE + r"(?: failed: |: (?=connection (?:closed|reset)))")
 _ARRIVED = re.compile(r" (after|before) it arrived at this call")
 _MISMATCH_SIDE = re.compile(r" (?:runs a different collective|waits in (\S+) at (.*?)"
                             r"(?: \(execution #(\d+)(?:, this call)?\))?(?:;|$))")
-_EXCLUDED = re.compile(r" was left out of the job")
+_EXCLUDED = re.compile(_ROLE + r" was left out of the job")
 @dataclasses.dataclass(frozen=True)
 class Blame:
     """One process an error names, and what it says of it.

@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <stdexcept>
 #include <functional>
 #include <map>
 #include <memory>
@@ -48,13 +49,21 @@ inline std::string Field(const Params& params, const std::string& name) {
   return it == params.end() ? "" : it->second;
 }
 
-// Field `name` of `params` as an integer: false and `error` when absent or not one.
+// Field `name` of `params` as an integer: false and `error` when absent or not one. A
+// value above INT64_MAX (a 64-bit handle written unsigned) keeps its bits.
 inline bool IntField(const Params& params, const std::string& name, int64_t* value, std::string* error) {
   const std::string text = Field(params, name);
   try {
     size_t used = 0;
     *value = std::stoll(text, &used, 0);
     if (used == text.size()) return true;
+  } catch (const std::out_of_range&) {
+    try {
+      size_t used = 0;
+      *value = static_cast<int64_t>(std::stoull(text, &used, 0));
+      if (used == text.size() && text.find('-') == std::string::npos) return true;
+    } catch (const std::exception&) {
+    }
   } catch (const std::exception&) {
   }
   *error = "the transport's field '" + name + "' is not an integer: '" + text + "'";
