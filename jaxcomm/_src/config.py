@@ -180,8 +180,9 @@ _VARIABLES = (
              "Between processes: ``auto``: shared memory on one host; across hosts MPI when an "
              "MPI launcher (mpirun, srun with PMI/PMIx) started the job and mpi4py imports, "
              "else TCP; ``tcp``: TCP everywhere; ``mpi``: shared memory on one host, MPI across "
-             "hosts (the job must be started by an MPI launcher).", AT_LINK, "cpu",
-             _choice("auto", "tcp", "mpi")),
+             "hosts (the job must be started by an MPI launcher); ``shm+tcp``: shared memory on "
+             "one host, TCP across hosts, even under an MPI launcher.", AT_LINK, "cpu",
+             _choice("auto", "tcp", "mpi", "shm+tcp")),
     Variable("JAXCOMM_TCP_ADDRESS", "IPv4 address", "",
              "The address of this host's interface that jaxcomm's TCP listener takes and peers "
              "connect to; unset: the one that routes to the coordinator (the job's network); "
