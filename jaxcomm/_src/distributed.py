@@ -175,13 +175,12 @@ def detected_cluster(env: dict[str, str] | None = None) -> str | None:
     mpi4py is importable. A single-task SLURM allocation (``salloc``, a batch script
     running plain ``python``) is not a multi-process job and gives None.
     """
+    from jaxcomm._src import mpi
+
     env = os.environ if env is None else env
 
     def more_than_one(name: str) -> bool:
-        try:
-            return int(env.get(name, "1").split("(")[0]) > 1
-        except ValueError:
-            return False
+        return mpi.more_than_one(env, name)
 
     slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
              "SLURM_LOCALID")
@@ -189,8 +188,7 @@ def detected_cluster(env: dict[str, str] | None = None) -> str | None:
         return "slurm"
     if "OMPI_MCA_orte_hnp_uri" in env and more_than_one("OMPI_COMM_WORLD_SIZE"):
         return "ompi"
-    if any(more_than_one(v) for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
-                                      "MPI_LOCALNRANKS")):
+    if any(more_than_one(v) for v in mpi.LAUNCHER_SIZES):
         import importlib.util
         if importlib.util.find_spec("mpi4py") is not None:
             return "mpi4py"

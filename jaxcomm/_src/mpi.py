@@ -32,7 +32,7 @@ import importlib.util
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from jaxcomm._src import config
 
@@ -55,15 +55,17 @@ def launched_by_mpi(env: dict[str, str] | None = None) -> bool:
         launched_by_mpi({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"})  # True
     """
     env = os.environ if env is None else env
+    return any(more_than_one(env, v) for v in LAUNCHER_SIZES) or (
+        any(v in env for v in LAUNCHER_MARKS) and more_than_one(env, "SLURM_NTASKS"))
 
-    def more_than_one(name: str) -> bool:
-        try:
-            return int(env.get(name, "1").split("(")[0]) > 1
-        except ValueError:
-            return False
 
-    return any(more_than_one(v) for v in LAUNCHER_SIZES) or (
-        any(v in env for v in LAUNCHER_MARKS) and more_than_one("SLURM_NTASKS"))
+def more_than_one(env: Mapping[str, str], name: str) -> bool:
+    """Whether launcher variable ``name`` counts more than one process (SLURM writes
+    ``4(x2)`` for repeated counts)."""
+    try:
+        return int(env.get(name, "1").split("(")[0]) > 1
+    except ValueError:
+        return False
 
 
 def wanted(env: dict[str, str] | None = None) -> bool:
