@@ -127,6 +127,8 @@ NB_MODULE(_jaxcomm, m) {
 
   m.def("transport_linked", [](int64_t process) { return World().Linked(process); },
         "Whether peer `process` is linked.");
+  m.def("transport_kind", [](int64_t process) { return World().LinkKind(process); }, nb::arg("process"),
+        "The kind of link to peer `process` (\"shm\", \"tcp\"), or \"\" while it is not linked.");
 
   m.def("set_spin_us", [](int64_t us) {
     jaxcomm::Registry::Get().set_spin(std::chrono::microseconds(us < 0 ? 0 : us));
