@@ -127,6 +127,21 @@ NB_MODULE(_jaxcomm, m) {
 
   m.def("transport_linked", [](int64_t process) { return World().Linked(process); },
         "Whether peer `process` is linked.");
+  m.def("memory_report", [] {
+    const auto h = World().held();
+    nb::dict d;
+    d["shm_control"] = h.shm_control;
+    d["shm_data"] = h.shm_data;
+    d["shm_data_used"] = h.shm_data_used;
+    d["tcp_buffers"] = h.tcp_buffers;
+    d["staging"] = h.staging;
+    d["recorder"] = jaxcomm::Registry::Get().recorder().MemoryBytes();
+    d["calls"] = h.calls;
+    d["limit"] = jaxcomm::Registry::Get().comm_memory_limit();
+    return d;
+  }, "The bytes this process holds for collectives, by kind (jaxcomm.memory()).");
+  m.def("set_comm_memory_limit", [](int64_t bytes) { jaxcomm::Registry::Get().set_comm_memory_limit(bytes); },
+        nb::arg("bytes"), "Sets the bound of JAXCOMM_COMM_MEMORY_MB, in bytes (tests).");
   m.def("transport_kind", [](int64_t process) { return World().LinkKind(process); }, nb::arg("process"),
         "The kind of link to peer `process` (\"shm\", \"tcp\"), or \"\" while it is not linked.");
 

@@ -2,6 +2,7 @@
 // shares. Everything else lives in per-instruction state owned by XLA's executables.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -56,6 +57,12 @@ class Registry {
   // where it has them (cpu/moe_convert.h); JAXCOMM_CPU_F16C. Off: the portable kernels.
   bool cpu_f16c() const { return cpu_f16c_.load(std::memory_order_relaxed); }
   void set_cpu_f16c(bool on) { cpu_f16c_.store(on, std::memory_order_relaxed); }
+
+  // The most bytes this process holds for cross-process collectives: shared-memory
+  // segments and the TCP links' early-frame budget (JAXCOMM_COMM_MEMORY_MB). What would
+  // take more fails, naming the setting.
+  int64_t comm_memory_limit() const { return comm_memory_limit_.load(std::memory_order_relaxed); }
+  void set_comm_memory_limit(int64_t bytes) { comm_memory_limit_.store(std::max<int64_t>(bytes, 0), std::memory_order_relaxed); }
 
   // How long a rank waits in a collective before jaxcomm looks for peers waiting in
   // another one (core/mismatch.h); 0: never. JAXCOMM_MISMATCH_GRACE_S, set from Python.
@@ -114,6 +121,7 @@ class Registry {
   std::atomic<int64_t> nontemporal_bytes_;
   std::atomic<bool> single_copy_;
   std::atomic<bool> cpu_f16c_;
+  std::atomic<int64_t> comm_memory_limit_;
   std::atomic<int64_t> mismatch_grace_ms_{kDefaultMismatchGraceMs};
   std::atomic<int64_t> process_index_{0};
   std::atomic<int> host_processes_{1};
