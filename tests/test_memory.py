@@ -11,7 +11,7 @@ from mp_util import MPResult, assert_ok, run_script
 
 def test_nothing_is_held_before_a_cross_process_program() -> None:
     m = jaxcomm.memory()
-    assert (m.shm_control, m.shm_data, m.shm_data_used, m.tcp_buffers, m.staging, m.calls) == (0,) * 6, m
+    assert (m.shm_control, m.shm_data, m.shm_data_used, m.link_buffers, m.staging, m.calls) == (0,) * 6, m
     assert m.limit == 1024 << 20
     assert m.total == m.recorder
 
@@ -78,7 +78,7 @@ def test_shared_memory_grows_per_call_used_and_stops_at_the_bound() -> None:
         assert m["big"]["calls"] == 2, m["big"]
         assert m["small"]["recorder"] > 0, m["small"]
         assert m["other"]["total"] == sum(m["other"][k] for k in (
-            "shm_control", "shm_data", "tcp_buffers", "staging", "recorder"))
+            "shm_control", "shm_data", "link_buffers", "staging", "recorder"))
         line = next(l for l in res.output[rank].splitlines() if l.startswith("BIG"))
         assert line.startswith("BIG ERROR") and "JAXCOMM_COMM_MEMORY_MB=1" in line, line
         assert "1048576 bytes" in line, line
@@ -92,4 +92,4 @@ def test_tcp_links_hold_frames_not_shared_memory() -> None:
         assert m["big"]["shm_control"] == m["big"]["shm_data"] == m["big"]["calls"] == 0, m["big"]
         # The last rounds' frames, kept for the next ones: at most the two calls' and the
         # big one's, a few of each.
-        assert 0 < m["big"]["tcp_buffers"] <= 8 * (2 * 65536 + 524288), m["big"]
+        assert 0 < m["big"]["link_buffers"] <= 8 * (2 * 65536 + 524288), m["big"]

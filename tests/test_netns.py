@@ -41,9 +41,9 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[VirtualCluster]:
 # other process.
 REPORT = """
 import json, socket
-from jaxcomm._src import transport as _transport
+from jaxcomm._src import bootstrap as _bootstrap
 from jaxcomm import _jaxcomm
-port = _transport._endpoint()["port"]
+port = int(_bootstrap._endpoint()["transports"]["tcp"]["port"])
 bound = []
 with open("/proc/net/tcp") as f:
     for line in f.readlines()[1:]:

@@ -1,4 +1,4 @@
-"""Strangers and broken frames against a running TCP job (ffi/cpu/tcp_link.h).
+"""Strangers and broken frames against a running TCP job (ffi/cpu/transport/tcp_link.h).
 
 A 2-process job (``JAXCOMM_TRANSPORT=tcp``) runs all_reduces in a loop and checks every
 result, while this test connects to both processes' listeners: garbage, a hello with the
@@ -35,7 +35,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxcomm
 from jaxcomm import _jaxcomm
-from jaxcomm._src import transport
+from jaxcomm._src import bootstrap
 
 jaxcomm.init()
 rank = jax.process_index()
@@ -51,7 +51,7 @@ def step(stop_flag):
     return y[:3].tolist() == [3.0, 10.0, 6.0], y[3] > 0
 
 ok, _ = step(0.0)
-print("PORT", rank, transport._endpoint()["port"], flush=True)
+print("PORT", rank, bootstrap._endpoint()["transports"]["tcp"]["port"], flush=True)
 steps, bad, stop = 0, 0, False
 deadline = time.time() + 120
 while not stop:  # every process stops at the same step: the flag is all_reduced
@@ -203,7 +203,7 @@ import numpy as np
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxcomm
-from jaxcomm._src import transport
+from jaxcomm._src import bootstrap
 
 def listening_address(port):  # the address a listener on `port` of this host is bound to
     with open("/proc/net/tcp") as f:
@@ -220,8 +220,8 @@ f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x"), mesh=mesh, in_sp
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
                                            np.full((1, 2), 1.0 + jax.process_index(), np.float32))
 y = np.asarray(f(x).addressable_shards[0].data)
-e = transport._endpoint()
-print("ENDPOINT", e["address"], listening_address(e["port"]), y.tolist(), flush=True)
+e = bootstrap._endpoint()["transports"]["tcp"]
+print("ENDPOINT", e["address"], listening_address(int(e["port"])), y.tolist(), flush=True)
 """
 
 

@@ -269,8 +269,8 @@ def _install_fail_fast() -> None:
         if "jaxcomm" in text and "Error dispatching computation" in text:
             # JAX wrapped the error once per computation the failed one fed: the first
             # failure, on a line of its own.
-            from jaxcomm.trace import causes
-            print(f"jaxcomm: the first failure: {causes.clean(text)}", file=sys.stderr)
+            from jaxcomm._src import error_text
+            print(f"jaxcomm: the first failure: {error_text.clean(text)}", file=sys.stderr)
 
     def exit_now() -> None:
         if _failed_with is None:
@@ -551,7 +551,7 @@ def job_secret(timeout_s: float = 60.0) -> bytes:
     random one in the coordination service's key-value store and the first write wins,
     as for the job id: then it is as private as that store, which JAX does not
     authenticate (anyone who can reach the coordinator's port can read it). A TCP
-    connection between jaxcomm processes must start with it (ffi/cpu/tcp_link.h).
+    connection between jaxcomm processes must start with it (ffi/cpu/transport/tcp_link.h).
 
     Example::
 

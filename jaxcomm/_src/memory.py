@@ -25,7 +25,8 @@ class CommMemory:
         when written, so the resident part is at most this).
       shm_data_used: of ``shm_data``, what its calls' buffers take: two buffers of a
         call's contribution per cross-process call (a stream's ring for large ones).
-      tcp_buffers: frames waiting in its TCP links' inboxes and their reusable buffers.
+      link_buffers: what its links hold beyond shared memory: frames waiting in its TCP
+        links' inboxes and their reusable buffers.
       staging: buffers reused between rounds (single-copy bounce buffers, hierarchical
         rounds' partial results).
       recorder: the flight recorder's rings (one per local rank that recorded a call,
@@ -33,13 +34,13 @@ class CommMemory:
       calls: cross-process calls (call site x group) holding shared-memory buffers.
       limit: ``JAXCOMM_COMM_MEMORY_MB`` in bytes, the bound on shared memory and TCP
         early frames.
-      total: the sum of shm_control, shm_data, tcp_buffers, staging and recorder.
+      total: the sum of shm_control, shm_data, link_buffers, staging and recorder.
     """
 
     shm_control: int
     shm_data: int
     shm_data_used: int
-    tcp_buffers: int
+    link_buffers: int
     staging: int
     recorder: int
     calls: int
@@ -47,7 +48,7 @@ class CommMemory:
 
     @property
     def total(self) -> int:
-        return self.shm_control + self.shm_data + self.tcp_buffers + self.staging + self.recorder
+        return self.shm_control + self.shm_data + self.link_buffers + self.staging + self.recorder
 
     def as_dict(self) -> dict[str, int]:
         """The fields and ``total``, e.g. for a JSON record."""
@@ -61,7 +62,7 @@ def memory() -> CommMemory:
 
         >>> import jaxcomm
         >>> m = jaxcomm.memory()
-        >>> (m.shm_control, m.shm_data, m.tcp_buffers)
+        >>> (m.shm_control, m.shm_data, m.link_buffers)
         (0, 0, 0)
         >>> m.limit == 1024 << 20                 # JAXCOMM_COMM_MEMORY_MB's default
         True

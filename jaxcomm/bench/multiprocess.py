@@ -156,7 +156,7 @@ def worker(args: argparse.Namespace) -> int:
 
     rank, procs = jax.process_index(), jax.process_count()
     if args.hosts > 1:
-        # Read when the first program is lowered (jaxcomm/_src/transport.py).
+        # Read when the first program is lowered (jaxcomm/_src/bootstrap.py).
         os.environ["JAXCOMM_HOST_ID"] = f"bench-host-{rank * args.hosts // procs}"
     sync: Any = MPISync() if args.launcher == "mpi" else KVSync(timeout_s=2 * args.timeout + 120)
     mesh = jax.make_mesh((len(jax.devices()),), (col.AXIS,))

@@ -87,10 +87,10 @@ class _CountingClient:
 
 
 def _count_kv(counts: dict[str, int]) -> None:
-    """Counts the key-value operations of jaxcomm's bootstrap (jaxcomm._src.transport and
+    """Counts the key-value operations of jaxcomm's bootstrap (jaxcomm._src.bootstrap and
     .distributed reach the client only through these two functions). jax's own use of the
     client (gloo's rendezvous, in C++) is not seen here: the keys it leaves are counted."""
-    from jaxcomm._src import distributed, transport
+    from jaxcomm._src import bootstrap as transport, distributed
 
     real_kv = distributed.kv_client
     real_client = transport._client
@@ -106,7 +106,7 @@ def _count_kv(counts: dict[str, int]) -> None:
 def _time_linking(spent: dict[str, float]) -> None:
     """Adds the seconds jaxcomm's bootstrap spends linking peers (within lowering) to
     ``spent["link_s"]``: the endpoint, the key-value reads, the links themselves."""
-    from jaxcomm._src import transport
+    from jaxcomm._src import bootstrap as transport
 
     real = transport.ensure_linked
 

@@ -378,7 +378,7 @@ def rank_cores(rank: int, n: int) -> set[int] | None:
     processes that share memory wait for each other by spinning: left to the scheduler on
     2 cores, they often shared one, and a 4 B all_reduce across them took 12-20 us instead
     of 2 us (as mpirun's binding gives mpi4jax), until waiting threads learned to move
-    off a core their peer spins on (ffi/cpu/world_internal.h, PeerSpin).
+    off a core their peer spins on (ffi/cpu/transport/world_internal.h, PeerSpin).
 
     Example::
 

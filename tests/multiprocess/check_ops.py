@@ -283,7 +283,7 @@ def check_all(mesh, axes, tag, moe=("packed", "padded")):
 
 def check_streamed(mesh, axes, tag):
     """Operands of over 1 MiB per rank: across processes of one host these stream through
-    shared memory in chunks (ffi/cpu/world_stream.cc); 301 columns make the last chunk,
+    shared memory in chunks (ffi/cpu/transport/world_stream.cc); 301 columns make the last chunk,
     and the reduce_scatter and all_to_all blocks, end mid-chunk."""
     a = axes if len(axes) > 1 else axes[0]
     G = int(np.prod([mesh.shape[x] for x in axes]))

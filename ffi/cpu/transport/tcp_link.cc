@@ -1,4 +1,4 @@
-#include "cpu/tcp_link.h"
+#include "cpu/transport/tcp_link.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

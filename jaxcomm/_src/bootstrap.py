@@ -1,12 +1,15 @@
-"""Links this process to the other processes of a jax.distributed job.
+"""The job's bootstrap: links this process to the other processes of a jax.distributed job.
 
 A group whose ranks live in several processes moves data between them through jaxcomm's
-own transports (ffi/cpu/world.h): shared memory between processes of one host, TCP
-between hosts. They are set up lazily, when a program with such a group is first lowered
-(every process of the job lowers it), only for the processes that program's groups
-reach, through the job's key-value store (the jax.distributed coordination service): each
-process publishes its endpoint once (a shared-memory control block, a TCP listener on an
-ephemeral port) and links each peer it needs.
+own transports (ffi/cpu/transport/: World and the transports behind its interface):
+shared memory between processes of one host, TCP between hosts. They are set up lazily,
+when a program with such a group is first lowered (every process of the job lowers it),
+only for the processes that program's groups reach, through the job's key-value store
+(the jax.distributed coordination service): each process opens its transports and
+publishes their endpoints once (:func:`transports` says which, with their settings: a
+shared-memory control block, a TCP listener on an ephemeral port), and links each peer
+it needs; the C++ side picks each link's transport (the first both ends opened that
+reaches the peer).
 
 ``JAXCOMM_TRANSPORT=tcp`` makes every link TCP, so that the cross-host path runs on one
 machine.
@@ -14,7 +17,7 @@ machine.
 The TCP listener takes one address: the interface this host reaches the coordinator by
 (the job's network), or ``JAXCOMM_TCP_ADDRESS``; and it admits only connections that
 start with the job's secret (:func:`jaxcomm._src.distributed.job_secret`) and claim
-another process of the job (ffi/cpu/tcp_link.h, docs/multiprocess.md "Security").
+another process of the job (ffi/cpu/transport/tcp_link.h, docs/multiprocess.md "Security").
 """
 
 from __future__ import annotations
@@ -83,30 +86,62 @@ def _client() -> Any:
     return client
 
 
-@functools.cache
-def _endpoint() -> dict[str, Any]:
-    """Opens this process's endpoint and publishes it through the key-value store."""
+def transports(me: int) -> list[tuple[str, dict[str, str]]]:
+    """The transports process ``me`` opens, in the order of preference for a link, each with
+    its settings (``{field: text}``, read by its C++ side: ffi/cpu/transport/factory.h).
+
+    Example (two processes of one host, the default settings)::
+
+        [name for name, _ in transports(0)]   # ['shm', 'tcp']
+    """
     from jax._src import distributed
 
     from jaxcomm._src import distributed as jaxcomm_distributed
 
-    tcp_only = config.transport() == "tcp"
+    opened: list[tuple[str, dict[str, str]]] = []
+    if config.transport() != "tcp":
+        opened.append(("shm", {}))
+    listen = config.tcp_address() or _reachable_address(
+        distributed.global_state.coordinator_address)
+    opened.append(("tcp", dict(
+        listen_address=listen, address=_published_address(listen),
+        secret=jaxcomm_distributed.job_secret().hex(), processes=str(jax.process_count()),
+        early_wait_ms=str(config.timeout_ms()))))
+    return opened
+
+
+def _published_address(listen: str) -> str:
+    """The address peers connect to: where the listener listens, or, listening on every
+    interface (asked for), one the job reaches."""
+    if listen != "0.0.0.0":
+        return listen
+    from jax._src import distributed
+    return _reachable_address(distributed.global_state.coordinator_address)
+
+
+@functools.cache
+def _endpoint() -> dict[str, Any]:
+    """Opens this process's transports and publishes their endpoints through the key-value
+    store: ``{"host", "hostname", "address", "pid", "transports": {name: endpoint}}``."""
+    from jax._src import distributed
+
     me = jax.process_index()
     # With TCP forced, no two processes share memory: each is its own "host".
-    host = f"tcp-only process {me}" if tcp_only else host_identity()
-    address = config.tcp_address() or _reachable_address(
-        distributed.global_state.coordinator_address)
-    endpoint = dict(_jaxcomm.transport_open(
-        me, not tcp_only, host, listen_address=address,
-        secret=jaxcomm_distributed.job_secret(), processes=jax.process_count(),
-        timeout_ms=config.timeout_ms()))
-    if address == "0.0.0.0":  # listening everywhere (asked for): publish a reachable one
-        address = _reachable_address(distributed.global_state.coordinator_address)
-    endpoint.update(host=host, hostname=socket.gethostname(), tcp_only=tcp_only,
-                    address=address)
+    host = f"tcp-only process {me}" if config.transport() == "tcp" else host_identity()
+    address = _published_address(config.tcp_address() or _reachable_address(
+        distributed.global_state.coordinator_address))
+    hostname = socket.gethostname()
+    endpoints = _jaxcomm.transport_open(me, host, f"{hostname} ({address})", transports(me))
+    endpoint = dict(host=host, hostname=hostname, address=address, pid=os.getpid(),
+                    transports=endpoints)
     # A restarted process (jaxcomm.ft.rejoin) replaces the endpoint of its previous life.
     _client().key_value_set(_KEY.format(me), json.dumps(endpoint), allow_overwrite=True)
     return endpoint
+
+
+def _link(peer: int, theirs: dict[str, Any], timeout_ms: int, rejoining: bool = False) -> None:
+    _jaxcomm.transport_link(peer, f"{theirs['hostname']} ({theirs['address']})", theirs["host"],
+                            theirs["pid"], theirs["transports"], timeout_ms, rejoining=rejoining)
 
 
 def ensure_linked(processes: Iterable[int]) -> None:
@@ -120,7 +155,7 @@ def ensure_linked(processes: Iterable[int]) -> None:
     if not wanted:
         return
     with _lock:
-        mine = _endpoint()
+        _endpoint()
         timeout_ms = config.timeout_ms()
         for peer in wanted:
             if _jaxcomm.transport_linked(peer):
@@ -131,13 +166,7 @@ def ensure_linked(processes: Iterable[int]) -> None:
                 raise RuntimeError(
                     f"jaxcomm: process {me} waited {timeout_ms / 1000:g} s for process {peer} "
                     f"to publish its endpoint (does it run the same program?): {e}") from e
-            theirs = json.loads(raw)
-            shared = (theirs["host"] == mine["host"] and not theirs["tcp_only"]
-                      and not mine["tcp_only"])
-            label = f"{theirs['hostname']} ({theirs['address']})"
-            _jaxcomm.transport_link(peer, theirs["address"], label, theirs["pid"], theirs["control_fd"],
-                                    theirs["control_bytes"], theirs["port"], shared, timeout_ms,
-                                    peer_host=theirs["host"])
+            _link(peer, json.loads(raw), timeout_ms)
 
 
 def rejoin(timeout_s: float | None = None) -> None:
@@ -153,19 +182,13 @@ def rejoin(timeout_s: float | None = None) -> None:
     timeout_ms = config.timeout_ms(timeout_s)
     unreachable: list[str] = []
     with _lock:
-        mine = _endpoint()
+        _endpoint()
         for peer in range(jax.process_count()):
             if peer == me or _jaxcomm.transport_linked(peer):
                 continue
             theirs = json.loads(_client().blocking_key_value_get(_KEY.format(peer), timeout_ms))
-            shared = (theirs["host"] == mine["host"] and not theirs["tcp_only"]
-                      and not mine["tcp_only"])
-            label = f"{theirs['hostname']} ({theirs['address']})"
             try:
-                _jaxcomm.transport_link(peer, theirs["address"], label, theirs["pid"],
-                                        theirs["control_fd"], theirs["control_bytes"],
-                                        theirs["port"], shared, timeout_ms, rejoining=True,
-                                        peer_host=theirs["host"])
+                _link(peer, theirs, timeout_ms, rejoining=True)
             except RuntimeError as e:
                 unreachable.append(f"process {peer}: {e}")
         if unreachable:

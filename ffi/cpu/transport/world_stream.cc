@@ -30,8 +30,8 @@
 #include <thread>
 
 #include "core/registry.h"
-#include "cpu/world.h"
-#include "cpu/world_internal.h"
+#include "cpu/transport/world.h"
+#include "cpu/transport/world_internal.h"
 
 namespace jaxcomm::cpu {
 namespace {
@@ -140,7 +140,7 @@ World::Held World::held() const {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [_, link] : peers_) h.tcp_buffers += link->HeldBytes();
+    for (const auto& [_, link] : peers_) h.link_buffers += link->HeldBytes();
   }
   std::lock_guard<std::mutex> lock(bounce_mu_);
   for (const auto& b : bounces_) h.staging += b.capacity();

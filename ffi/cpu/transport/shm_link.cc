@@ -1,4 +1,4 @@
-#include "cpu/shm_link.h"
+#include "cpu/transport/shm_link.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>
