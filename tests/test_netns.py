@@ -168,3 +168,31 @@ def test_host_cut_off_the_network_is_named_at_the_deadline(cluster: VirtualClust
     assert re.search(rf"timed out .* waiting for process 1 \(host node1 \({re.escape(cluster.addresses[1])}\), "
                      rf"pid \d+\) with ranks \[1\] \(partitions \[1\]\), which did not arrive at this call",
                      line), line
+
+
+def _mpi() -> tuple[str, str] | None:
+    """(mpiexec, a Python with mpi4py beside it) where MPICH's hydra is installed."""
+    import shutil
+    import subprocess
+    import sys
+
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        return None
+    ok = subprocess.run([sys.executable, "-c", "import mpi4py"], capture_output=True)
+    return (mpiexec, sys.executable) if ok.returncode == 0 else None
+
+
+@pytest.mark.skipif(_mpi() is None, reason="needs MPICH's mpiexec (hydra) and mpi4py")
+def test_mpi_launches_across_hosts(cluster: VirtualCluster) -> None:
+    """An MPI job started on node0 runs ranks on both hosts (the ssh stand-in), and its
+    collectives cross them: the helper the MPI transport's tests start from."""
+    mpiexec, python = _mpi()
+    program = ("from mpi4py import MPI; import socket; c = MPI.COMM_WORLD; "
+               "print('RANK', c.rank, socket.gethostname(), c.allreduce(c.rank + 1), flush=True)")
+    import subprocess
+    res = subprocess.run([*cluster.mpiexec(mpiexec, 4, 2), python, "-c", program],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ranks = sorted(l.split()[1:] for l in res.stdout.splitlines() if l.startswith("RANK"))
+    assert ranks == [["0", "node0", "10"], ["1", "node0", "10"], ["2", "node1", "10"], ["3", "node1", "10"]], res.stdout

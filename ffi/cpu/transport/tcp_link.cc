@@ -629,7 +629,7 @@ size_t TcpLink::held_bytes() const {
 }
 
 void TcpLink::Drop(uint64_t key, int64_t seq) {
-  // At most this many bytes of spare buffers per link.
+  // At most this many bytes of spare buffers per link (and at most JAXCOMM_COMM_MEMORY_MB).
   constexpr size_t kMaxSpareBytes = size_t{256} << 20;
   constexpr size_t kMaxSpares = 8;
   std::lock_guard<std::mutex> lock(mu_);
@@ -643,8 +643,9 @@ void TcpLink::Drop(uint64_t key, int64_t seq) {
   std::vector<char> bytes = std::move(it->second->bytes);
   inbox_.erase(it);
   admit_cv_.notify_all();
-  if (bytes.empty() || bytes.size() > kMaxSpareBytes) return;
-  while (!spare_.empty() && (spare_.size() >= kMaxSpares || spare_bytes_ + bytes.size() > kMaxSpareBytes)) {
+  const size_t most = std::min<size_t>(kMaxSpareBytes, EarlyBudget());  // JAXCOMM_COMM_MEMORY_MB
+  if (bytes.empty() || bytes.size() > most) return;
+  while (!spare_.empty() && (spare_.size() >= kMaxSpares || spare_bytes_ + bytes.size() > most)) {
     spare_bytes_ -= spare_.front().size();
     spare_.erase(spare_.begin());
   }
