@@ -142,8 +142,6 @@ NB_MODULE(_jaxcomm, m) {
     d["limit"] = jaxcomm::Registry::Get().comm_memory_limit();
     return d;
   }, "The bytes this process holds for collectives, by kind (jaxcomm.memory()).");
-  m.def("set_comm_memory_limit", [](int64_t bytes) { jaxcomm::Registry::Get().set_comm_memory_limit(bytes); },
-        nb::arg("bytes"), "Sets the bound of JAXCOMM_COMM_MEMORY_MB, in bytes (tests).");
   m.def("transport_kind", [](int64_t process) {
     const auto* link = World().LinkOf(process);
     return link ? link->name : std::string();

@@ -12,27 +12,30 @@ from __future__ import annotations
 
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
 from typing import Iterator
 
 import pytest
 
 from mp_util import MPResult, assert_ok, results, run_script
-from netns_util import JOB_NET, VirtualCluster, unavailable
+from netns_util import VirtualCluster, unavailable
 from test_multiprocess import CHECK_OPS, KILLED_MID_COLLECTIVE, assert_every_op_checked
 
 pytestmark = pytest.mark.skipif(unavailable() is not None,
                                 reason=f"network namespaces: {unavailable()}")
 
-HERE = pathlib.Path(__file__).parent
-
-
 @pytest.fixture
 def cluster(request: pytest.FixtureRequest) -> Iterator[VirtualCluster]:
     """A fresh cluster of ``request.param`` hosts (default 2), removed however the test ends."""
-    hosts = getattr(request, "param", 2)
-    c = VirtualCluster(hosts)
-    request.addfinalizer(c.close)
-    yield c
+    c = VirtualCluster(getattr(request, "param", 2))
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 # What each process reports of itself after the checks: its host's name, the address its
@@ -144,9 +147,6 @@ os._exit(3)
 
 def test_host_cut_off_the_network_is_named_at_the_deadline(cluster: VirtualCluster,
                                                            tmp_path: pathlib.Path) -> None:
-    import threading
-    import time
-
     def cut_when_warm() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -171,11 +171,7 @@ def test_host_cut_off_the_network_is_named_at_the_deadline(cluster: VirtualClust
 
 
 def _mpi() -> tuple[str, str] | None:
-    """(mpiexec, a Python with mpi4py beside it) where MPICH's hydra is installed."""
-    import shutil
-    import subprocess
-    import sys
-
+    """(mpiexec, this Python) where an MPI launcher is on PATH and mpi4py imports."""
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         return None
@@ -183,14 +179,13 @@ def _mpi() -> tuple[str, str] | None:
     return (mpiexec, sys.executable) if ok.returncode == 0 else None
 
 
-@pytest.mark.skipif(_mpi() is None, reason="needs MPICH's mpiexec (hydra) and mpi4py")
+@pytest.mark.skipif(_mpi() is None, reason="needs an MPI's mpiexec on PATH and mpi4py")
 def test_mpi_launches_across_hosts(cluster: VirtualCluster) -> None:
     """An MPI job started on node0 runs ranks on both hosts (the ssh stand-in), and its
     collectives cross them: the helper the MPI transport's tests start from."""
     mpiexec, python = _mpi()
     program = ("from mpi4py import MPI; import socket; c = MPI.COMM_WORLD; "
                "print('RANK', c.rank, socket.gethostname(), c.allreduce(c.rank + 1), flush=True)")
-    import subprocess
     res = subprocess.run([*cluster.mpiexec(mpiexec, 4, 2), python, "-c", program],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -2,7 +2,6 @@
 // shares. Everything else lives in per-instruction state owned by XLA's executables.
 #pragma once
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -59,10 +58,9 @@ class Registry {
   void set_cpu_f16c(bool on) { cpu_f16c_.store(on, std::memory_order_relaxed); }
 
   // The most bytes this process holds for cross-process collectives: shared-memory
-  // segments and the TCP links' early-frame budget (JAXCOMM_COMM_MEMORY_MB). What would
-  // take more fails, naming the setting.
+  // segments, and per TCP link its early frames and spare buffers
+  // (JAXCOMM_COMM_MEMORY_MB). A call that would need more shared memory fails, naming it.
   int64_t comm_memory_limit() const { return comm_memory_limit_.load(std::memory_order_relaxed); }
-  void set_comm_memory_limit(int64_t bytes) { comm_memory_limit_.store(std::max<int64_t>(bytes, 0), std::memory_order_relaxed); }
 
   // How long a rank waits in a collective before jaxcomm looks for peers waiting in
   // another one (core/mismatch.h); 0: never. JAXCOMM_MISMATCH_GRACE_S, set from Python.

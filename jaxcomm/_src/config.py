@@ -184,10 +184,11 @@ _VARIABLES = (
              "connect to; unset: the one that routes to the coordinator (the job's network); "
              "``0.0.0.0``: every interface (not advised).", AT_LINK, "cpu", _ipv4),
     Variable("JAXCOMM_COMM_MEMORY_MB", "count", "1024",
-             "The most memory, in MiB, one process holds for cross-process collectives: "
+             "The most memory, in MiB, one process holds for cross-process collectives in "
              "shared-memory segments (its control block and the data segments that hold its "
-             "calls' buffers and stream rings) and the TCP links' early-frame budget. A call "
-             "that would need more fails with an error naming this setting. "
+             "calls' buffers and stream rings); also the most each TCP link holds of frames of "
+             "calls this process has not reached yet, and of spare buffers. A call that would "
+             "need more shared memory fails with an error naming this setting. "
              "``jaxcomm.memory()`` reports what is held (docs/multiprocess.md).",
              AT_START, "cpu", _count("MiB"), native=True),
     Variable("JAXCOMM_HOST_ID", "text", "",

@@ -27,8 +27,8 @@ class CommMemory:
         call's contribution per cross-process call (a stream's ring for large ones).
       link_buffers: what its links hold beyond shared memory: frames waiting in its TCP
         links' inboxes and their reusable buffers.
-      staging: buffers reused between rounds (single-copy bounce buffers, hierarchical
-        rounds' partial results).
+      staging: buffers kept for reuse between rounds (single-copy reads' bounce buffers;
+        a hierarchical round's partial result is not counted).
       recorder: the flight recorder's rings (one per local rank that recorded a call,
         ``JAXCOMM_TRACE_ENTRIES`` entries of 96 B) and its call sites.
       calls: cross-process calls (call site x group) holding shared-memory buffers.

@@ -18,10 +18,10 @@ namespace jaxcomm::cpu {
 namespace {
 
 constexpr uint64_t kMagic = 0x6a6178636f6d6d33ull;  // "jaxcomm3": the layout's version
-// Data segments grow by at least this much, so that a program of many small collectives
-// maps a handful of segments, not one per call.
-// Data segments start small and double, up to kMinGeneration (a call needing more gets a
-// segment of its size): a job whose calls move a few KiB maps a few MiB, not 64.
+// Data segments start at kFirstGeneration and double, up to kMinGeneration (a call that
+// needs more gets a segment of its size): a program of many small collectives maps a
+// handful of segments, not one per call, and a job whose calls move a few KiB maps 4 MiB,
+// not 64.
 constexpr size_t kFirstGeneration = size_t{4} << 20;
 constexpr size_t kMinGeneration = size_t{64} << 20;
 constexpr size_t kAlign = 4096;
