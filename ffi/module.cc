@@ -129,6 +129,24 @@ NB_MODULE(_jaxcomm, m) {
 
   m.def("transport_linked", [](int64_t process) { return World().Linked(process); },
         "Whether peer `process` is linked.");
+  m.def("memory_report", [] {
+    const auto h = World().held();
+    nb::dict d;
+    d["shm_control"] = h.shm_control;
+    d["shm_data"] = h.shm_data;
+    d["shm_data_used"] = h.shm_data_used;
+    d["link_buffers"] = h.link_buffers;
+    d["staging"] = h.staging;
+    d["recorder"] = jaxcomm::Registry::Get().recorder().MemoryBytes();
+    d["calls"] = h.calls;
+    d["limit"] = jaxcomm::Registry::Get().comm_memory_limit();
+    return d;
+  }, "The bytes this process holds for collectives, by kind (jaxcomm.memory()).");
+  m.def("transport_kind", [](int64_t process) {
+    const auto* link = World().LinkOf(process);
+    return link ? link->name : std::string();
+  }, nb::arg("process"),
+        "The kind of link to peer `process` (\"shm\", \"tcp\"), or \"\" while it is not linked.");
 
   m.def("set_spin_us", [](int64_t us) {
     jaxcomm::Registry::Get().set_spin(std::chrono::microseconds(us < 0 ? 0 : us));

@@ -250,7 +250,7 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 BENCH_MODULES = ["collectives", "multiprocess", "mpi4jax_compare", "moe", "dropin", "faults",
-                 "docs", "instructions"]
+                 "docs", "instructions", "startup"]
 
 # The commands that only parse their arguments (help, refusals), run as a user types
 # them (`python -m ...`); in one forking Python (fresh_util), not twelve new ones.
@@ -288,6 +288,7 @@ ENTRY_POINTS = {
     "collectives": (["collectives"], ["--processes", "--ops"]),
     "moe": (["moe"], ["--tokens", "--hidden", "--topk", "--experts", "--devices", "--iters"]),
     "docs": (["docs"], ["--out", "--quick", "--only", "--list"]),
+    "startup": (["startup"], ["--processes", "--mesh", "--sides", "--transport", "--repeat", "--json"]),
     "instructions": (["instructions"], ["--op", "--size", "--length", "--calls"]),
     "dropin": (["dropin"], ["--devices", "--width", "--layers", "--batch", "--steps", "--reps"]),
     "faults": (["faults"], ["--repeats", "--deadline", "--transport", "--overhead-rounds",

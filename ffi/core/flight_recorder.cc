@@ -636,4 +636,9 @@ void FlightRecorder::DumperLoop() {
   }
 }
 
+size_t FlightRecorder::MemoryBytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return rings_.size() * entries_ * sizeof(Entry) + sites_.size() * sizeof(TraceSite);
+}
+
 }  // namespace jaxcomm

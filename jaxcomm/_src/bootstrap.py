@@ -154,24 +154,52 @@ def _link(peer: int, theirs: dict[str, Any], timeout_ms: int, rejoining: bool = 
                             theirs["pid"], theirs["transports"], timeout_ms, rejoining=rejoining)
 
 
+#: Peers that make up more than this share of the job have their endpoints listed from the
+#: store in one request (then a read each only for those not published yet), instead of a
+#: read each: a group that spans the job.
+LIST_SHARE = 0.5
+
+
+def _published(peers: list[int]) -> dict[int, str]:
+    """The endpoints of ``peers`` already in the store, in one listing when they are most
+    of the job (``LIST_SHARE``), else none (each is read on its own)."""
+    if len(peers) <= LIST_SHARE * jax.process_count():
+        return {}
+    wanted = set(peers)
+    found = {}
+    for key, raw in _client().key_value_dir_get(_KEY.format("").rstrip("/")):
+        index = key.rsplit("/", 1)[-1]
+        if index.isdigit() and int(index) in wanted:
+            found[int(index)] = raw
+    return found
+
+
 def ensure_linked(processes: Iterable[int]) -> None:
     """Links this process to each of ``processes`` (other than itself), once.
 
     Blocks until each peer has published its endpoint (it lowers the same program), at
-    most the collective timeout (JAXCOMM_TIMEOUT_S).
+    most the collective timeout (JAXCOMM_TIMEOUT_S). The peers of higher index come
+    first: this process connects to those, and the others connect to it, so no process
+    waits on one that itself waits (the links of a job are made at once, not one after
+    another down the process indices).
     """
     me = jax.process_index()
-    wanted = [p for p in sorted(set(processes) - {me}) if not _jaxcomm.transport_linked(p)]
+    others = sorted(set(processes) - {me})
+    wanted = [p for p in others if p > me] + [p for p in others if p < me]
+    wanted = [p for p in wanted if not _jaxcomm.transport_linked(p)]
     if not wanted:
         return
     with _lock:
         _endpoint()
         timeout_ms = config.timeout_ms()
+        published = _published(wanted)
         for peer in wanted:
             if _jaxcomm.transport_linked(peer):
                 continue
+            raw = published.get(peer)
             try:
-                raw = _client().blocking_key_value_get(_KEY.format(peer), timeout_ms)
+                if raw is None:
+                    raw = _client().blocking_key_value_get(_KEY.format(peer), timeout_ms)
             except Exception as e:  # the coordination service reports a timeout as an error
                 raise RuntimeError(
                     f"jaxcomm: process {me} waited {timeout_ms / 1000:g} s for process {peer} "

@@ -187,6 +187,14 @@ _VARIABLES = (
              "The address of this host's interface that jaxcomm's TCP listener takes and peers "
              "connect to; unset: the one that routes to the coordinator (the job's network); "
              "``0.0.0.0``: every interface (not advised).", AT_LINK, "cpu", _ipv4),
+    Variable("JAXCOMM_COMM_MEMORY_MB", "count", "1024",
+             "The most memory, in MiB, one process holds for cross-process collectives in "
+             "shared-memory segments (its control block and the data segments that hold its "
+             "calls' buffers and stream rings); also the most each TCP link holds of frames of "
+             "calls this process has not reached yet, and of spare buffers. A call that would "
+             "need more shared memory fails with an error naming this setting. "
+             "``jaxcomm.memory()`` reports what is held (docs/multiprocess.md).",
+             AT_START, "cpu", _count("MiB"), native=True),
     Variable("JAXCOMM_HOST_ID", "text", "",
              "Names this host for sharing memory (processes with the same id link through shared "
              "memory); unset: hostname, boot id and pid namespace. Processes of one machine "

@@ -37,6 +37,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "faults": ("jaxcomm.bench.faults",
                "how fast 4 processes learn of a fault; the flight recorder's overhead"),
     "docs": ("jaxcomm.bench.docs", "every table of docs/benchmarks.md, measured in one run"),
+    "startup": ("jaxcomm.bench.startup",
+                "jaxcomm.init() + first collective at N processes, vs jax + gloo; KV ops, links"),
     "instructions": ("jaxcomm.bench.instructions",
                      "instructions per collective across two processes (callgrind)"),
 }

@@ -74,6 +74,13 @@ def _read_only(x):
     return x
 
 
+# The processes run on several hosts: played (JAXCOMM_HOST_ID) or real (network
+# namespaces, tests/test_netns.py, which says so in CHECK_OPS_HOSTS: jaxcomm must find
+# the hosts itself there).
+SEVERAL_HOSTS = "JAXCOMM_HOST_ID" in os.environ or int(os.environ.get("CHECK_OPS_HOSTS", "1")) > 1
+# ... each process on a host of its own: every link is TCP.
+ONE_PER_HOST = int(os.environ.get("CHECK_OPS_HOSTS", "1")) == NPROC > 1
+
 _programs = 0
 
 
@@ -322,7 +329,7 @@ def check_streamed(mesh, axes, tag):
     # They did stream, unless TCP was forced, the processes play several hosts, or the
     # group has more processes than the host has cores (streams wait by spinning).
     streamed = {s.op for s in jaxcomm.stats() if s.algorithm == "shm stream"}
-    one_host = os.environ.get("JAXCOMM_TRANSPORT") != "tcp" and "JAXCOMM_HOST_ID" not in os.environ
+    one_host = os.environ.get("JAXCOMM_TRANSPORT") != "tcp" and not SEVERAL_HOSTS
     want = set() if not one_host or NPROC > os.cpu_count() else {
         "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute"}
     assert streamed == want, (tag, streamed, [(s.op, s.algorithm, s.bytes) for s in jaxcomm.stats()])
@@ -335,7 +342,7 @@ def check_streamed(mesh, axes, tag):
     # Over TCP among three or more processes, the large all_reduces ran as a
     # reduce-scatter then an all-gather (ffi/core/scatter_gather.cc).
     scattered = {s.op for s in jaxcomm.stats() if s.algorithm == f"{ACROSS} reduce-scatter+all-gather"}
-    tcp = os.environ.get("JAXCOMM_TRANSPORT") == "tcp"
+    tcp = os.environ.get("JAXCOMM_TRANSPORT") == "tcp" or ONE_PER_HOST
     assert scattered == ({"all_reduce"} if tcp and NPROC >= 3 else set()), (
         tag, scattered, [(s.op, s.algorithm, s.bytes) for s in jaxcomm.stats()])
 
@@ -359,7 +366,7 @@ else:
     mesh1 = jax.sharding.Mesh(devices.reshape(-1)[::-1], ("x",))
     check_all(mesh1, ("x",), "x")
     check_streamed(mesh1, ("x",), "x")
-if "JAXCOMM_HOST_ID" in os.environ and NPROC >= 4:
+if SEVERAL_HOSTS and NPROC >= 4:
     # Two processes per "host": every op that crossed hosts went in phases (all_reduce
     # reduced within each host first, the others relayed by the hosts' leaders), but the
     # large all_to_all and reduce_scatter along dimension 0 and ppermute (the "streamed"

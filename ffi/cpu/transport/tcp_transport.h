@@ -100,6 +100,7 @@ class TcpPeerTransport final : public PeerTransport {
   std::pair<int64_t, std::vector<char>> Newest(uint64_t key) override { return link_.Newest(key); }
   std::string Failure() override { return link_.failure(); }
   bool Failed() const override { return link_.failed(); }
+  size_t HeldBytes() const override { return link_.held_bytes(); }
   std::vector<WaitNotice> Notices() override { return link_.Notices(); }
   std::string ShowWaits(const std::vector<WaitNotice>& notices,
                         std::chrono::steady_clock::time_point deadline) override {

@@ -230,6 +230,10 @@ class PeerTransport {
   virtual std::string ShowWaits(const std::vector<WaitNotice>& notices,
                                 std::chrono::steady_clock::time_point deadline) = 0;
 
+  // Bytes this link holds on this process's side, beyond its transport's (TCP: frames
+  // received and spare buffers); jaxcomm.memory().
+  virtual size_t HeldBytes() const { return 0; }
+
   // Waiting: whether the peer shows a thread spinning on core `cpu` (PeerSpin, world_internal.h).
   virtual bool SpinsOn(int /*cpu*/) const { return false; }
 

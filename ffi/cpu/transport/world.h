@@ -75,6 +75,12 @@ class World : public CrossProcess {
   // fault-tolerant call, then numbers that call's rounds as the survivors do.
   std::string Rejoin(uint64_t generation);
   const LinkCapabilities* LinkOf(int64_t p) const override;
+  // What this process holds for its links (jaxcomm.memory()), in bytes.
+  struct Held {
+    size_t shm_control = 0, shm_data = 0, shm_data_used = 0, link_buffers = 0, staging = 0;
+    int64_t calls = 0;  // cross-process calls holding shared-memory buffers
+  };
+  Held held() const;
   // Connections from strangers the transports refused (TCP's listener, tcp_link.h).
   int64_t refused_connections() const;
   std::string HostOf(int64_t p) const override;
@@ -168,7 +174,7 @@ class World : public CrossProcess {
   uint64_t joining_ = 0;                       // restarted process: its request
   std::map<uint64_t, int64_t> seq_offset_;     // restarted process: per call, survivors' numbering
   std::vector<std::unique_ptr<Pending>> pending_;
-  std::mutex bounce_mu_;
+  mutable std::mutex bounce_mu_;
   std::vector<std::vector<char>> bounces_;  // Pull's spare buffers
   // The mismatch check's state: notices of waits that failed as a mismatch, shown until
   // `until`; calls refused, by (key, seq), with their error; what the board shows now,
