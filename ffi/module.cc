@@ -3,6 +3,8 @@
 // reach XLA only through the FFI C API table passed at call time.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
@@ -15,7 +17,8 @@
 #include "core/registry.h"
 #include "core/rendezvous.h"
 #include "cpu/moe_convert.h"  // HasF16c
-#include "cpu/world.h"
+#include "cpu/transport/factory.h"
+#include "cpu/transport/world.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -66,56 +69,55 @@ NB_MODULE(_jaxcomm, m) {
   m.def("set_process_index", [](int64_t i) { jaxcomm::Registry::Get().set_process_index(i); },
         "Tells the runtime which process of the job this is (jax.process_index()).");
 
-  m.def("transport_open", [](int64_t process, bool shared_memory, const std::string& host,
-                             const std::string& listen_address, nb::bytes secret, int64_t processes,
-                             int64_t timeout_ms) {
-    if (secret.size() != 32) throw std::invalid_argument("jaxcomm: the job secret must be 32 bytes");
-    jaxcomm::cpu::TcpJob tcp;
-    tcp.listen_address = listen_address;
-    std::memcpy(tcp.secret.data(), secret.c_str(), 32);
-    tcp.processes = processes;
-    tcp.early_wait = std::chrono::milliseconds(timeout_ms);
+  m.def("transport_open", [](int64_t process, const std::string& host, const std::string& label,
+                             const std::vector<std::pair<std::string, jaxcomm::cpu::Params>>& transports) {
     std::string error;
-    jaxcomm::cpu::Endpoint e;
+    jaxcomm::cpu::Endpoints endpoints;
     {
       nb::gil_scoped_release release;
-      e = World().Open(process, shared_memory, host, tcp, &error);
+      endpoints = World().Open(process, host, label, transports, &error);
     }
     if (!error.empty()) throw std::runtime_error("jaxcomm: opening this process's endpoint: " + error);
-    nb::dict d;
-    d["pid"] = e.pid;
-    d["control_fd"] = e.control_fd;
-    d["control_bytes"] = e.control_bytes;
-    d["port"] = e.port;
-    return d;
-  }, nb::arg("process"), nb::arg("shared_memory"), nb::arg("host"), nb::arg("listen_address"),
-     nb::arg("secret"), nb::arg("processes"), nb::arg("timeout_ms"),
-     "Creates this process's endpoint (shared memory control block, TCP listener on "
-     "`listen_address` that admits connections proving the 32-byte job `secret` and an index "
-     "below `processes`); `host` is its host key (processes with the same key share memory). "
-     "Returns what peers need to link to it: {pid, control_fd, control_bytes, port}.");
+    return endpoints;
+  }, nb::arg("process"), nb::arg("host"), nb::arg("label"), nb::arg("transports"),
+     "Opens this process's transports: `transports` is [(name, {field: text})] in the order of "
+     "preference for a link (names: transport_names()); `host` its host key (processes with the "
+     "same key share memory), `label` how messages name its host. Returns each transport's "
+     "endpoint, {name: {field: text}}: what a peer needs to link to it.");
+
+  m.def("transport_names", [] { return jaxcomm::cpu::TransportNames(); },
+        "The transports this build has (ffi/cpu/transport/factory.cc).");
 
   m.def("transport_refused", [] {
     auto* world = static_cast<jaxcomm::cpu::World*>(jaxcomm::Registry::Get().cross_process());
     return world != nullptr ? world->refused_connections() : 0;
   }, "TCP connections this process's listener refused (no jaxcomm hello, wrong job secret, ...).");
 
-  m.def("transport_link", [](int64_t process, const std::string& host, const std::string& label, int pid,
-                             int control_fd, size_t control_bytes, int port, bool shared_memory,
-                             int64_t timeout_ms, bool rejoining, const std::string& peer_host) {
-    jaxcomm::cpu::Endpoint e{pid, control_fd, control_bytes, port, peer_host};
+  m.def("transport_link", [](int64_t process, const std::string& label, const std::string& peer_host, int pid,
+                             const jaxcomm::cpu::Endpoints& endpoints, int64_t timeout_ms, bool rejoining) {
+    jaxcomm::cpu::PeerIdentity who;
+    who.process = process;
+    who.host = label;
+    who.host_key = peer_host;
+    who.pid = pid;
     std::string error;
     {
       nb::gil_scoped_release release;
-      error = World().Link(process, host, label, e, shared_memory, std::chrono::milliseconds(timeout_ms),
-                           rejoining);
+      error = World().Link(who, endpoints, std::chrono::milliseconds(timeout_ms), rejoining);
     }
     if (!error.empty()) throw std::runtime_error("jaxcomm: linking process " + std::to_string(process) + ": " + error);
-  }, nb::arg("process"), nb::arg("host"), nb::arg("label"), nb::arg("pid"), nb::arg("control_fd"),
-     nb::arg("control_bytes"), nb::arg("port"), nb::arg("shared_memory"), nb::arg("timeout_ms"),
-     nb::arg("rejoining") = false, nb::arg("peer_host") = "",
-     "Links peer `process` through shared memory or TCP (idempotent); `peer_host`: its "
-     "host key (as given to its transport_open).");
+  }, nb::arg("process"), nb::arg("label"), nb::arg("peer_host"), nb::arg("pid"), nb::arg("endpoints"),
+     nb::arg("timeout_ms"), nb::arg("rejoining") = false,
+     "Links peer `process` (idempotent) through the first transport this process opened that it "
+     "opened too and that reaches it; `label` names its host in messages, `peer_host` is its host "
+     "key, `endpoints` its transport_open result.");
+
+  m.def("transport_close", [] {
+    auto* world = static_cast<jaxcomm::cpu::World*>(jaxcomm::Registry::Get().cross_process());
+    if (world == nullptr) return;
+    nb::gil_scoped_release release;
+    world->Close();
+  }, "Stops the transports' background work (the MPI transport's, before MPI_Finalize).");
 
   m.def("excluded_processes", [] { return World().excluded(); },
         "Processes left out after they failed in a fault-tolerant collective.");
@@ -127,6 +129,24 @@ NB_MODULE(_jaxcomm, m) {
 
   m.def("transport_linked", [](int64_t process) { return World().Linked(process); },
         "Whether peer `process` is linked.");
+  m.def("memory_report", [] {
+    const auto h = World().held();
+    nb::dict d;
+    d["shm_control"] = h.shm_control;
+    d["shm_data"] = h.shm_data;
+    d["shm_data_used"] = h.shm_data_used;
+    d["link_buffers"] = h.link_buffers;
+    d["staging"] = h.staging;
+    d["recorder"] = jaxcomm::Registry::Get().recorder().MemoryBytes();
+    d["calls"] = h.calls;
+    d["limit"] = jaxcomm::Registry::Get().comm_memory_limit();
+    return d;
+  }, "The bytes this process holds for collectives, by kind (jaxcomm.memory()).");
+  m.def("transport_kind", [](int64_t process) {
+    const auto* link = World().LinkOf(process);
+    return link ? link->name : std::string();
+  }, nb::arg("process"),
+        "The kind of link to peer `process` (\"shm\", \"tcp\"), or \"\" while it is not linked.");
 
   m.def("set_spin_us", [](int64_t us) {
     jaxcomm::Registry::Get().set_spin(std::chrono::microseconds(us < 0 ? 0 : us));

@@ -34,6 +34,7 @@ from jaxcomm import lax  # noqa: E402  (jax.lax's collectives, computed by jaxco
 from jaxcomm._src.dropin.switch import LaxSwitch, use_for_lax  # noqa: E402
 from jaxcomm import trace  # noqa: E402  (flight recorder: dump, analyze, export)
 from jaxcomm._src.stats import reset_stats, stats  # noqa: E402
+from jaxcomm._src.memory import CommMemory, memory  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -43,9 +44,11 @@ __all__ = [
     "all_to_all",
     "broadcast",
     "ft",
+    "CommMemory",
     "init",
     "lax",
     "LaxSwitch",
+    "memory",
     "moe",
     "ppermute",
     "ragged_all_to_all",

@@ -12,7 +12,7 @@ that one process's death does not end the others (``python -m jaxcomm.launch
 from __future__ import annotations
 
 from jaxcomm import _jaxcomm
-from jaxcomm._src import transport
+from jaxcomm._src import bootstrap
 from jaxcomm._src.ops.ft import all_reduce
 
 __all__ = ["all_reduce", "excluded", "rejoin"]
@@ -45,4 +45,4 @@ def rejoin(timeout_s: float | None = None) -> None:
         >>> jaxcomm.ft.rejoin()                          # doctest: +SKIP
         >>> total, alive = train_step(params, batch)     # doctest: +SKIP
     """
-    transport.rejoin(timeout_s)
+    bootstrap.rejoin(timeout_s)

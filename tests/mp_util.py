@@ -16,7 +16,8 @@ NamedSharding, PartitionSpec as P, Mesh and jaxcomm, calls ``jaxcomm.init()`` an
 
 Defaults keep a broken test short: the job is terminated after ``timeout_s`` (60 s),
 jaxcomm's collective deadline is ``JAXCOMM_TIMEOUT_S=20``, and the others get ``grace_s``
-(5 s) after one process fails. Everything stays on 127.0.0.1.
+(5 s) after one process fails. Everything stays on 127.0.0.1 unless a ``placement`` puts
+the ranks elsewhere (tests/netns_util.py's hosts).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def launch_script(body: str, n: int, devices: int = 1, *, args: Sequence[str] = 
                   env: dict[str, str] | None = None, timeout_s: float = 60.0,
                   grace_s: float = 5.0, prologue: bool = True,
                   job_id: str | None = None, keep_going: bool = False,
-                  bind: str = "none") -> _launch.LaunchResult:
+                  bind: str = "none",
+                  placement: _launch.Placement | None = None) -> _launch.LaunchResult:
     """Writes ``body`` (dedented, after :data:`PROLOGUE`) to a file and launches it.
 
     Returns the full :class:`jaxcomm.launch.LaunchResult` (output captured).
@@ -82,7 +84,8 @@ def launch_script(body: str, n: int, devices: int = 1, *, args: Sequence[str] = 
         job_env = {**os.environ, **DEFAULT_ENV, **(env or {})}
         return _launch.launch([path, *args], n, devices_per_process=devices, env=job_env,
                               capture=True, timeout_s=timeout_s, grace_s=grace_s,
-                              job_id=job_id, cwd=workdir, keep_going=keep_going, bind=bind)
+                              job_id=job_id, cwd=workdir, keep_going=keep_going, bind=bind,
+                              placement=placement)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -91,7 +94,8 @@ def run_script(body: str, n: int, devices: int = 1, **kwargs: object) -> MPResul
     """Runs ``body`` as ``n`` processes x ``devices`` CPU devices; ``(code, output)``.
 
     Keyword arguments as :func:`launch_script` (args, env, timeout_s, grace_s,
-    prologue, job_id, keep_going, bind).
+    prologue, job_id, keep_going, bind, placement: where the ranks run, e.g. in network
+    namespaces, tests/netns_util.py).
 
     Example::
 

@@ -271,7 +271,7 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 BENCH_MODULES = ["collectives", "multiprocess", "mpi4jax_compare", "moe", "dropin", "faults",
-                 "docs", "instructions"]
+                 "docs", "instructions", "startup"]
 
 # The commands that only parse their arguments (help, refusals), run as a user types
 # them (`python -m ...`); in one forking Python (fresh_util), not twelve new ones.
@@ -309,6 +309,7 @@ ENTRY_POINTS = {
     "collectives": (["collectives"], ["--processes", "--ops"]),
     "moe": (["moe"], ["--tokens", "--hidden", "--topk", "--experts", "--devices", "--iters"]),
     "docs": (["docs"], ["--out", "--quick", "--only", "--list"]),
+    "startup": (["startup"], ["--processes", "--mesh", "--sides", "--transport", "--repeat", "--json"]),
     "instructions": (["instructions"], ["--op", "--size", "--length", "--calls"]),
     "dropin": (["dropin"], ["--devices", "--width", "--layers", "--batch", "--steps", "--reps"]),
     "faults": (["faults"], ["--repeats", "--deadline", "--transport", "--overhead-rounds",
@@ -392,9 +393,11 @@ def test_driver_measures_every_side_by_the_method(tmp_path):
 def test_driver_plays_hosts(tmp_path):
     # 4 processes as 2 hosts: shared memory within, TCP across, all_reduce in phases.
     out = tmp_path / "records.json"
+    # --no-mpi4jax: under the launcher, wherever mpi4jax is installed too (with it, the
+    # driver runs mpirun jobs, one per transport between the hosts).
     proc = _run("--processes", "4", "--hosts", "2", "--ops", "all_reduce", "--sizes", "16B,1MiB",
                 "--lengths", "1,10", "--rounds", "1", "--bind", "none", "--no-progress",
-                "--json", str(out))
+                "--no-mpi4jax", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = json.loads(out.read_text())
     assert [(r["op"], r["bytes"], r["hosts"]) for r in records] == [

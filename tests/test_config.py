@@ -144,7 +144,7 @@ def test_a_malformed_value_fails_the_first_trace(fresh_runs):
     ("JAXCOMM_TIMEOUT_S", "soon", "JAXCOMM_TIMEOUT_S must be a number of seconds, got 'soon'"),
     ("JAXCOMM_TIMEOUT_S", "0", "JAXCOMM_TIMEOUT_S must be positive, got '0'"),
     ("JAXCOMM_BACKEND", "nccl", "JAXCOMM_BACKEND must be one of ('auto', 'jaxcomm', 'xla'), got 'nccl'"),
-    ("JAXCOMM_TRANSPORT", "udp", "JAXCOMM_TRANSPORT must be one of ('auto', 'tcp'), got 'udp'"),
+    ("JAXCOMM_TRANSPORT", "udp", "JAXCOMM_TRANSPORT must be one of ('auto', 'tcp', 'mpi', 'shm+tcp'), got 'udp'"),
     ("JAXCOMM_TCP_ADDRESS", "localhost", "JAXCOMM_TCP_ADDRESS must be an IPv4 address, got 'localhost'"),
     ("JAXCOMM_CUDA_ONE_RANK", "NCCL", "JAXCOMM_CUDA_ONE_RANK must be one of ('nccl',), got 'NCCL'"),
     ("JAXCOMM_HEARTBEAT_TIMEOUT_S", "-1", "JAXCOMM_HEARTBEAT_TIMEOUT_S must be positive, got '-1'"),

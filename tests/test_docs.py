@@ -240,6 +240,7 @@ NO_EXAMPLE = {
     "jaxcomm.moe.PendingDispatch", "jaxcomm.moe.PendingCombine",  # returned by the send halves
     "jaxcomm.moe.dispatch_recv", "jaxcomm.moe.combine_send", "jaxcomm.moe.combine_recv",  # in dispatch_send's
     "jaxcomm.reset_stats",  # stats(reset=True)
+    "jaxcomm.CommMemory",  # returned by memory(), whose example shows it
     "jaxcomm.ft.excluded",  # a list of process indices
     "jaxcomm.trace.analyze",  # in dump's example
     "jaxcomm.trace.dump_path", "jaxcomm.trace.enabled", "jaxcomm.trace.set_enabled",

@@ -32,3 +32,20 @@ def test_layer_includes_only_what_it_may(layer):
              for d in INCLUDE.findall(open(f, encoding="utf-8").read())
              if d in own and d not in ALLOWED[layer]]
     assert not wrong, f"ffi/{layer} includes another layer's files: {wrong}"
+
+
+PACKAGE = os.path.join(os.path.dirname(FFI), "jaxcomm")
+# The library (jaxcomm/_src and the op modules) never imports jaxcomm's tools: the
+# benchmarks, the launcher and the trace tools are its users (docs/design.md). Only the
+# package's __init__ offers jaxcomm.trace, as a namespace.
+TOOLS = re.compile(r"^\s*(?:from\s+jaxcomm(?:\.(?:bench|launch|trace))\b|from\s+jaxcomm\s+import\s+"
+                   r"(?:bench|launch|trace)\b|import\s+jaxcomm\.(?:bench|launch|trace)\b)", re.M)
+
+
+@pytest.mark.skipif(not os.path.isdir(FFI), reason="an installed jaxcomm without its sources")
+def test_library_imports_none_of_its_tools():
+    library = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(PACKAGE, "_src")) for f in files
+               if f.endswith(".py")]
+    library += [os.path.join(PACKAGE, f) for f in ("moe.py", "ft.py", "lax.py")]
+    wrong = [os.path.relpath(f, PACKAGE) for f in library if TOOLS.search(open(f, encoding="utf-8").read())]
+    assert not wrong, f"library modules import jaxcomm's tools (bench, launch, trace): {wrong}"

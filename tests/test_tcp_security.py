@@ -1,4 +1,4 @@
-"""Strangers and broken frames against a running TCP job (ffi/cpu/tcp_link.h).
+"""Strangers and broken frames against a running TCP job (ffi/cpu/transport/tcp_link.h).
 
 A 2-process job (``JAXCOMM_TRANSPORT=tcp``) runs all_reduces in a loop and checks every
 result, while this test connects to both processes' listeners: garbage, a hello with the
@@ -29,8 +29,11 @@ from jaxcomm._src import distributed
 HELLO_MAGIC = 0x6a63686c6c6f0002
 N = 2
 FLOOD = 150
-#: A frame over the early-frame budget (256 MiB, tcp_link.h kEarlyBytes) that fits in memory.
-EARLY_MIB = 300
+#: The early-frame budget (ffi/cpu/transport/tcp_link.cc EarlyBudget: at most 256 MiB and
+#: at most JAXCOMM_COMM_MEMORY_MB), set low to keep the tests' memory small, and a frame
+#: over it that fits in memory.
+COMM_MEMORY_MB = 64
+EARLY_MIB = 96
 
 WORKER = """
 import json, os, time
@@ -39,7 +42,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxcomm
 from jaxcomm import _jaxcomm
-from jaxcomm._src import transport
+from jaxcomm._src import bootstrap
 
 jaxcomm.init()
 rank = jax.process_index()
@@ -55,7 +58,7 @@ def step(stop_flag):
     return y[:3].tolist() == [3.0, 10.0, 6.0], y[3] > 0
 
 ok, _ = step(0.0)
-print("PORT", rank, transport._endpoint()["port"], flush=True)
+print("PORT", rank, bootstrap._endpoint()["transports"]["tcp"]["port"], flush=True)
 steps, bad, stop = 0, 0, False
 deadline = time.time() + 120
 while not stop:  # every process stops at the same step: the flag is all_reduced
@@ -129,7 +132,7 @@ def test_intruders_are_refused_and_the_job_is_undisturbed(tmp_path) -> None:
     done = tmp_path / "done"
     sink = _Lines()
     env = dict(os.environ, JAXCOMM_TRANSPORT="tcp", JAX_PLATFORMS="cpu", DONE_FILE=str(done),
-               JAXCOMM_JOB_SECRET=secret)
+               JAXCOMM_JOB_SECRET=secret, JAXCOMM_COMM_MEMORY_MB=str(COMM_MEMORY_MB))
     result: list[launch.LaunchResult] = []
     job = threading.Thread(target=lambda: result.append(launch.launch(
         [str(script)], N, env=env, stdout=sink, stderr=sink, timeout_s=200, cwd=str(tmp_path))))
@@ -183,9 +186,9 @@ def test_intruders_are_refused_and_the_job_is_undisturbed(tmp_path) -> None:
             s.sendall(_hello(secret_bytes, other) + _frame_header(2, 1, 0, 1000) + b"x" * 10)
             s.close()
             # With the secret, a frame that fits this machine's memory but not the budget
-            # for frames of calls the process has not reached (tcp_link.h kEarlyBytes,
-            # 256 MiB): left unread (so never allocated) while it waits for its call; the
-            # sender's send stalls once the socket buffers are full.
+            # for frames of calls the process has not reached (COMM_MEMORY_MB): left unread
+            # (so never allocated) while it waits for its call; the sender's send stalls
+            # once the socket buffers are full.
             s = _connect(port)
             s.sendall(_hello(secret_bytes, other) + _frame_header(0x5EED, 1, 0, EARLY_MIB << 20))
             early[rank] = _bytes_taken(s, EARLY_MIB << 20, within_s=4)
@@ -208,8 +211,9 @@ def test_intruders_are_refused_and_the_job_is_undisturbed(tmp_path) -> None:
     output = "\n".join(sink.all)
     assert res.returncode == 0, output
     assert all(closed.values()), (closed, output)
-    # The early frame over the budget: a few MiB of socket buffers taken, not 300 MiB.
-    assert all(taken < (32 << 20) for taken in early.values()), early
+    # The early frame over the budget: at most the socket buffers' worth taken (here at
+    # most 32 MiB received and 4 MiB sent, net.ipv4.tcp_rmem and tcp_wmem), not 96 MiB.
+    assert all(taken < (EARLY_MIB << 20) // 2 for taken in early.values()), early
     results = {}
     for line in sink.all:
         if " RESULT " in line:
@@ -232,7 +236,7 @@ import numpy as np
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxcomm
-from jaxcomm._src import transport
+from jaxcomm._src import bootstrap
 
 def listening_address(port):  # the address a listener on `port` of this host is bound to
     with open("/proc/net/tcp") as f:
@@ -249,8 +253,8 @@ f = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x"), mesh=mesh, in_sp
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
                                            np.full((1, 2), 1.0 + jax.process_index(), np.float32))
 y = np.asarray(f(x).addressable_shards[0].data)
-e = transport._endpoint()
-print("ENDPOINT", e["address"], listening_address(e["port"]), y.tolist(), flush=True)
+e = bootstrap._endpoint()["transports"]["tcp"]
+print("ENDPOINT", e["address"], listening_address(int(e["port"])), y.tolist(), flush=True)
 """
 
 
@@ -269,8 +273,8 @@ def test_listener_takes_the_address_it_is_given(tmp_path) -> None:
         assert line == "ENDPOINT 127.0.0.2 127.0.0.2 [[3.0, 3.0]]", res.format()
 
 
-# Process 1 runs a ppermute to process 0 whose frame (300 MiB) is over the early-frame
-# budget (256 MiB, tcp_link.h kEarlyBytes) while process 0, asleep in Python, has not
+# Process 1 runs a ppermute to process 0 whose frame (96 MiB) is over the early-frame
+# budget (64 MiB: JAXCOMM_COMM_MEMORY_MB) while process 0, waiting in Python, has not
 # reached the call. Process 0 must leave the frame unread and allocate nothing for it:
 # process 1's send waits until its call's deadline, then fails naming process 0; process
 # 0's link gives up when its own wait for the call (the job's JAXCOMM_TIMEOUT_S) ends, and
@@ -328,7 +332,7 @@ def test_an_early_frame_over_the_budget_is_left_unread(tmp_path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(EARLY_WORKER)
     env = dict(os.environ, JAXCOMM_TRANSPORT="tcp", JAX_PLATFORMS="cpu",
-               JAXCOMM_TIMEOUT_S=str(EARLY_S))
+               JAXCOMM_TIMEOUT_S=str(EARLY_S), JAXCOMM_COMM_MEMORY_MB=str(COMM_MEMORY_MB))
     res = launch.launch([str(script)], N, env=env, capture=True, timeout_s=180, grace_s=30,
                         cwd=str(tmp_path))
     out = res.format()
@@ -355,4 +359,5 @@ def test_an_early_frame_over_the_budget_is_left_unread(tmp_path) -> None:
     assert re.search(r"process 1 \(host \S+ \(127\.0\.0\.1\), pid \d+\) with ranks \[1\]",
                      following["error"]), following
     assert (f"the peer sent {EARLY_MIB << 20} bytes for round 1 of call " in following["error"]
-            and "beyond its budget for early frames (268435456 bytes)" in following["error"]), following
+            and f"beyond its budget for early frames ({COMM_MEMORY_MB << 20} bytes, "
+            "JAXCOMM_COMM_MEMORY_MB)" in following["error"]), following

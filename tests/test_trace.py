@@ -850,3 +850,12 @@ def test_verdict_leads_a_dead_process_in_another_call_back_to_the_hung_one(tmp_p
                                      "all_reduce at pipe.py:20 (send)"), report.text()
     # Process 1's call leads back to the same fault: one finding, no "process 0 died".
     assert [(f.kind, f.processes) for f in report.findings] == [("hang", [2])], report.text()
+
+
+def test_blames_reads_the_role_a_phase_adds() -> None:
+    """A phase of a hierarchical round names a peer with its role in the call: still dead."""
+    error = ("jaxcomm.all_reduce ...: process 0 (host vm (127.0.0.1), pid 5237) with ranks [0] "
+             "(partitions [0]) (the leader of its host) failed: it exited before it arrived at this call")
+    assert causes.blames(error) == [causes.Blame("dead", 0, 5237, (0,), False, said="it exited")]
+    scattered = error.replace("(the leader of its host)", "(reduce-scatter)")
+    assert [b.kind for b in causes.blames(scattered)] == ["dead"]

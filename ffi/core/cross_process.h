@@ -25,6 +25,20 @@
 namespace jaxcomm {
 
 // What stays the same across the executions of one instruction by one group.
+// What a link between two processes can do, as the transport that carries it reports it.
+// The algorithms choose by these, never by a transport's name (which is only shown).
+struct LinkCapabilities {
+  // What jaxcomm.stats() and the flight recorder call the transport ("shm", "tcp", "mpi").
+  std::string name;
+  // The peers read one copy of a round in this host's memory (so the link reaches only
+  // processes of this host); streaming and the inline exchange work on it.
+  bool shared_memory = false;
+  // Each peer is sent a copy of its own: sending a peer only what its ranks read saves
+  // bytes (ExchangeSpec::per_peer), and a reduction over three or more such processes
+  // runs as a reduce-scatter then an all-gather (scatter_gather.cc).
+  bool per_peer_sends = false;
+};
+
 struct ExchangePlan {
   uint64_t key = 0;          // (instruction, group): the same in every process of the job
   uint64_t fingerprint = 0;  // op and per-rank operand layout: every process must agree
@@ -52,7 +66,8 @@ struct ExchangeSpec {
   int64_t seq = 0;  // which execution of the instruction by the group (from 1)
   // This process's contribution, in order: what the peers read.
   std::vector<std::pair<const void*, size_t>> mine;
-  // When not empty: what goes to each peer (plan order) linked by TCP instead of `mine`.
+  // When not empty: what goes to each peer (plan order) linked with per-peer sends
+  // (LinkCapabilities::per_peer_sends) instead of `mine`.
   std::vector<std::vector<std::pair<const void*, size_t>>> per_peer;
   std::chrono::steady_clock::time_point deadline;
   // Fault tolerant: a peer that dies or misses the deadline is left out (its blob is
@@ -154,9 +169,9 @@ class CrossProcess {
   // The host key of process `p` (this one's too): processes with the same key share
   // memory. "" when unknown (not linked).
   virtual std::string HostOf(int64_t /*p*/) const { return ""; }
-  // How process `p` is linked ("shm", "tcp"; "" when not linked): the flight
-  // recorder's algorithm field.
-  virtual std::string LinkKind(int64_t /*p*/) const { return ""; }
+  // What the link to process `p` can do, or nullptr when it is not linked (links never
+  // change once made, so the pointer stays valid as long as this object).
+  virtual const LinkCapabilities* LinkOf(int64_t /*p*/) const { return nullptr; }
   // The inline form of the exchanges of `plan` (every peer linked through shared memory,
   // not fault tolerant), or nullptr.
   virtual std::unique_ptr<InlineExchange> OpenInline(std::shared_ptr<const ExchangePlan> /*plan*/,

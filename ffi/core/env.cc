@@ -82,6 +82,7 @@ Settings Settings::FromEnvironment() {
   s.single_copy = env::Flag("JAXCOMM_SINGLE_COPY", true, &s.errors);
   s.inline_rounds = env::Flag("JAXCOMM_INLINE", true, &s.errors);
   s.cpu_f16c = env::Flag("JAXCOMM_CPU_F16C", true, &s.errors);
+  s.comm_memory_mb = env::Count("JAXCOMM_COMM_MEMORY_MB", "MiB", 1024, &s.errors);
   s.trace_dir = env::Text("JAXCOMM_TRACE_DIR");
   const char* fault = std::getenv("JAXCOMM_FAULT");
   s.fault_set = fault != nullptr;

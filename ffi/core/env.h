@@ -37,6 +37,7 @@ struct Settings {
   bool single_copy = true;
   bool inline_rounds = true;
   bool cpu_f16c = true;
+  int64_t comm_memory_mb = 0;  // JAXCOMM_COMM_MEMORY_MB
   std::string trace_dir;
   bool fault_set = false;  // JAXCOMM_FAULT (parsed by FaultInjector, which reports its errors)
   std::string fault;

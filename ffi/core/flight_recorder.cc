@@ -267,25 +267,36 @@ const TraceSite* FlightRecorder::SiteOf(const RoundTable& table, const CallConte
   site->processes = remote;
   site->processes.push_back(Registry::Get().process_index());
   std::sort(site->processes.begin(), site->processes.end());
-  bool shm = false, tcp = false, stream = false, hierarchical = false, scatter_gather = false;
+  bool stream = false, hierarchical = false, scatter_gather = false;
+  // The names of the transports that link this process to the others (LinkCapabilities),
+  // shared-memory ones first: "shm", "tcp", "shm+mpi".
+  std::vector<std::string> shared, other;
   if (const CrossProcess* world = Registry::Get().cross_process()) {
     stream = streamed && world->CanStream(remote);
     hierarchical = phased && SpansHostsHierarchically(*world, site->processes);
     scatter_gather = scatters && !hierarchical && ScattersAndGathers(*world, remote);
     for (int64_t p : remote) {
-      const std::string kind = world->LinkKind(p);
-      shm |= kind == "shm";
-      tcp |= kind == "tcp";
+      const LinkCapabilities* link = world->LinkOf(p);
+      if (link == nullptr) continue;
+      auto& names = link->shared_memory ? shared : other;
+      if (std::find(names.begin(), names.end(), link->name) == names.end()) names.push_back(link->name);
     }
   }
-  site->algorithm = remote.empty() ? "in-process zero-copy"
-                    : hierarchical ? "hierarchical shm+tcp"
-                    : scatter_gather ? "tcp reduce-scatter+all-gather"
-                    : shm && tcp   ? "shm+tcp"
-                    : stream       ? "shm stream"
-                    : shm          ? "shm"
-                    : tcp          ? "tcp"
-                                   : "cross-process (not linked)";
+  const auto join = [](const std::vector<std::string>& a, const std::vector<std::string>& b) {
+    std::string out;
+    for (const auto* names : {&a, &b}) {
+      for (const std::string& n : *names) out += (out.empty() ? "" : "+") + n;
+    }
+    return out;
+  };
+  const std::string links = join(shared, other);
+  site->algorithm = remote.empty()                     ? "in-process zero-copy"
+                    : links.empty()                    ? "cross-process (not linked)"
+                    : hierarchical                     ? "hierarchical " + links
+                    : scatter_gather                   ? join({}, other) + " reduce-scatter+all-gather"
+                    : !shared.empty() && !other.empty() ? links
+                    : stream                           ? links + " stream"
+                                                       : links;
   return AddSite(std::move(site));
 }
 
@@ -623,6 +634,11 @@ void FlightRecorder::DumperLoop() {
     if (!err.empty()) std::fprintf(stderr, "jaxcomm: flight recorder dump failed: %s\n", err.c_str());
     auto_dumps_.fetch_add(1);
   }
+}
+
+size_t FlightRecorder::MemoryBytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return rings_.size() * entries_ * sizeof(Entry) + sites_.size() * sizeof(TraceSite);
 }
 
 }  // namespace jaxcomm

@@ -109,6 +109,10 @@ class FlightRecorder {
   // first call was recorded; "" before, or without JAXCOMM_TRACE_DIR.
   std::string RingFile() const { return file_.path(); }
 
+  // Bytes the recorder holds: the rings of the ranks that recorded a call (each
+  // entries_per_rank() entries) and the call sites (jaxcomm.memory()).
+  size_t MemoryBytes() const;
+
   // Per-site statistics, and their reset.
   std::vector<const TraceSite*> Sites() const;
   void ResetStats();

@@ -11,6 +11,7 @@ Registry::Registry()
       nontemporal_bytes_(settings_.nontemporal_bytes),
       single_copy_(settings_.single_copy),
       cpu_f16c_(settings_.cpu_f16c),
+      comm_memory_limit_(settings_.comm_memory_mb << 20),
       recorder_(static_cast<size_t>(settings_.trace_entries), settings_.trace_dir),
       faults_(settings_.fault_set ? settings_.fault.c_str() : nullptr) {
   set_spin(std::chrono::microseconds(settings_.spin_us));

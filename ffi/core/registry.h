@@ -57,6 +57,11 @@ class Registry {
   bool cpu_f16c() const { return cpu_f16c_.load(std::memory_order_relaxed); }
   void set_cpu_f16c(bool on) { cpu_f16c_.store(on, std::memory_order_relaxed); }
 
+  // The most bytes this process holds for cross-process collectives: shared-memory
+  // segments, and per TCP link its early frames and spare buffers
+  // (JAXCOMM_COMM_MEMORY_MB). A call that would need more shared memory fails, naming it.
+  int64_t comm_memory_limit() const { return comm_memory_limit_.load(std::memory_order_relaxed); }
+
   // How long a rank waits in a collective before jaxcomm looks for peers waiting in
   // another one (core/mismatch.h); 0: never. JAXCOMM_MISMATCH_GRACE_S, set from Python.
   std::chrono::milliseconds mismatch_grace() const {
@@ -114,6 +119,7 @@ class Registry {
   std::atomic<int64_t> nontemporal_bytes_;
   std::atomic<bool> single_copy_;
   std::atomic<bool> cpu_f16c_;
+  std::atomic<int64_t> comm_memory_limit_;
   std::atomic<int64_t> mismatch_grace_ms_{kDefaultMismatchGraceMs};
   std::atomic<int64_t> process_index_{0};
   std::atomic<int> host_processes_{1};

@@ -498,8 +498,9 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
         std::vector<size_t> all(l.local.size());
         for (size_t k = 0; k < all.size(); ++k) all[k] = k;
         l.sent.push_back(std::move(all));
-        const bool tcp = !round->tolerant && !l.hierarchy && world->LinkKind(l.processes[i]) == "tcp";
-        if (tcp && round->reads && no_aux && whole.second > 0) {
+        const LinkCapabilities* link = world->LinkOf(l.processes[i]);
+        const bool own_copy = !round->tolerant && !l.hierarchy && link != nullptr && link->per_peer_sends;
+        if (own_copy && round->reads && no_aux && whole.second > 0) {
           // The same rule in both processes: each sends the span the other's ranks read.
           l.sent_span[i] = ReadHull(*round->reads, l.remote[i]);
           l.received_span[i] = ReadHull(*round->reads, l.local);
@@ -507,7 +508,7 @@ void RoundTable::StartCrossProcess(const std::shared_ptr<Round>& round, std::sha
           p->peer_bytes[i] = l.remote[i].size() * (l.received_span[i].second - l.received_span[i].first) *
                              l.shape.item_bytes();
         }
-        if (!round->needs || !tcp) continue;
+        if (!round->needs || !own_copy) continue;
         // The same rule in both processes: each sends what the other's ranks read.
         const NeedsFn& needs = *round->needs;
         std::vector<int> received;

@@ -1,4 +1,5 @@
-// A reduction over three or more processes linked by TCP, as a reduce-scatter then an
+// A reduction over three or more processes linked with per-peer sends (TCP, MPI:
+// LinkCapabilities::per_peer_sends), as a reduce-scatter then an
 // all-gather instead of every process sending its operands to every other:
 //   1. scatter: the elements are cut into one slice per process (the group's processes in
 //               index order); each process sends every other process that process's
@@ -112,7 +113,8 @@ class ScatterGatherRound : public std::enable_shared_from_this<ScatterGatherRoun
 bool ScattersAndGathers(const CrossProcess& world, const std::vector<int64_t>& remote) {
   if (remote.size() < 2) return false;
   for (int64_t p : remote) {
-    if (world.LinkKind(p) != "tcp") return false;
+    const LinkCapabilities* link = world.LinkOf(p);
+    if (link == nullptr || !link->per_peer_sends) return false;
   }
   return true;
 }

@@ -178,12 +178,24 @@ _VARIABLES = (
              "calls pair by call site, axis and order alone, as MPI pairs them (for jobs whose "
              "processes deliberately trace different programs).", EACH_TRACE, "all", _flag),
     Variable("JAXCOMM_TRANSPORT", "choice", "auto",
-             "Between processes: ``auto``: shared memory on one host, TCP across hosts; ``tcp``: "
-             "TCP everywhere.", AT_LINK, "cpu", _choice("auto", "tcp")),
+             "Between processes: ``auto``: shared memory on one host; across hosts MPI when an "
+             "MPI launcher (mpirun, srun with PMI/PMIx) started the job and mpi4py imports, "
+             "else TCP; ``tcp``: TCP everywhere; ``mpi``: shared memory on one host, MPI across "
+             "hosts (the job must be started by an MPI launcher); ``shm+tcp``: shared memory on "
+             "one host, TCP across hosts, even under an MPI launcher.", AT_LINK, "cpu",
+             _choice("auto", "tcp", "mpi", "shm+tcp")),
     Variable("JAXCOMM_TCP_ADDRESS", "IPv4 address", "",
              "The address of this host's interface that jaxcomm's TCP listener takes and peers "
              "connect to; unset: the one that routes to the coordinator (the job's network); "
              "``0.0.0.0``: every interface (not advised).", AT_LINK, "cpu", _ipv4),
+    Variable("JAXCOMM_COMM_MEMORY_MB", "count", "1024",
+             "The most memory, in MiB, one process holds for cross-process collectives in "
+             "shared-memory segments (its control block and the data segments that hold its "
+             "calls' buffers and stream rings); also the most each TCP link holds of frames of "
+             "calls this process has not reached yet, and of spare buffers. A call that would "
+             "need more shared memory fails with an error naming this setting. "
+             "``jaxcomm.memory()`` reports what is held (docs/multiprocess.md).",
+             AT_START, "cpu", _count("MiB"), native=True),
     Variable("JAXCOMM_HOST_ID", "text", "",
              "Names this host for sharing memory (processes with the same id link through shared "
              "memory); unset: hostname, boot id and pid namespace. Processes of one machine "
@@ -340,9 +352,9 @@ def backend() -> str:
     return get("JAXCOMM_BACKEND")
 
 
-def transport() -> str:
+def transport(env: Env | None = None) -> str:
     """JAXCOMM_TRANSPORT, validated."""
-    return get("JAXCOMM_TRANSPORT")
+    return get("JAXCOMM_TRANSPORT", env)
 
 
 def tcp_address() -> str:

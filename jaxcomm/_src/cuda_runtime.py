@@ -171,8 +171,8 @@ def _kv_client() -> Any:
 # ------------------------------------------------------------------ processes of the job
 
 def _host_identity() -> str:
-    from jaxcomm._src import transport  # late: transport imports the extension's host links
-    return transport.host_identity()
+    from jaxcomm._src import bootstrap  # late: bootstrap imports the extension's host links
+    return bootstrap.host_identity()
 
 
 @functools.cache
@@ -273,7 +273,7 @@ def prepare_lowering(op: str, replica_groups: Sequence[Sequence[int]], axis_cont
     """
     if jax.process_count() == 1:
         return partition_devices(axis_context)
-    from jaxcomm._src import groups as groups_mod, transport
+    from jaxcomm._src import bootstrap, groups as groups_mod
     peers = groups_mod.peer_processes(axis_context, tuple(tuple(g) for g in replica_groups))
     infos = process_info(peers, timeout_ms)
     pd = partition_devices(axis_context, infos)
@@ -287,7 +287,7 @@ def prepare_lowering(op: str, replica_groups: Sequence[Sequence[int]], axis_cont
         if error:
             raise RuntimeError(f"jaxcomm.{op} on CUDA: {error}")
         if name == ROUTE_IPC:
-            transport.ensure_linked(procs)
+            bootstrap.ensure_linked(procs)
         elif name == ROUTE_NCCL:
             _exchange_unique_id(group, pd, timeout_ms)
     return pd

@@ -143,7 +143,7 @@ def launch_spec(env: dict[str, str] | None = None) -> dict[str, Any] | None:
 
         spec = launch_spec()
         if spec is not None:
-            print(f"rank {spec['process_id']} of {spec['num_processes']}")
+            print(f"process {spec['process_id']} of {spec['num_processes']}")
     """
     if not config.is_set(ENV_COORDINATOR, env):
         return None
@@ -175,13 +175,12 @@ def detected_cluster(env: dict[str, str] | None = None) -> str | None:
     mpi4py is importable. A single-task SLURM allocation (``salloc``, a batch script
     running plain ``python``) is not a multi-process job and gives None.
     """
+    from jaxcomm._src import mpi
+
     env = os.environ if env is None else env
 
     def more_than_one(name: str) -> bool:
-        try:
-            return int(env.get(name, "1").split("(")[0]) > 1
-        except ValueError:
-            return False
+        return mpi.more_than_one(env, name)
 
     slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
              "SLURM_LOCALID")
@@ -189,8 +188,7 @@ def detected_cluster(env: dict[str, str] | None = None) -> str | None:
         return "slurm"
     if "OMPI_MCA_orte_hnp_uri" in env and more_than_one("OMPI_COMM_WORLD_SIZE"):
         return "ompi"
-    if any(more_than_one(v) for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
-                                      "MPI_LOCALNRANKS")):
+    if any(more_than_one(v) for v in mpi.LAUNCHER_SIZES):
         import importlib.util
         if importlib.util.find_spec("mpi4py") is not None:
             return "mpi4py"
@@ -269,8 +267,8 @@ def _install_fail_fast() -> None:
         if "jaxcomm" in text and "Error dispatching computation" in text:
             # JAX wrapped the error once per computation the failed one fed: the first
             # failure, on a line of its own.
-            from jaxcomm.trace import causes
-            print(f"jaxcomm: the first failure: {causes.clean(text)}", file=sys.stderr)
+            from jaxcomm._src import error_text
+            print(f"jaxcomm: the first failure: {error_text.clean(text)}", file=sys.stderr)
 
     def exit_now() -> None:
         if _failed_with is None:
@@ -303,7 +301,9 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
     Without the launcher's variables, and with ``cluster_detection`` (the default), a job
     started by ``srun`` (SLURM) or ``mpirun`` with more than one process is joined
     through JAX's own cluster detection. Otherwise, or when ``jax.distributed`` is already
-    initialized, it does nothing.
+    initialized, it does nothing. Where jaxcomm links hosts through MPI (an MPI launcher
+    and mpi4py, or ``JAXCOMM_TRANSPORT=mpi``), it also duplicates MPI's world for jaxcomm
+    (collective: every process of the MPI job calls ``init()``).
 
     Args:
       timeout_s: how long to wait for every process to join (default
@@ -396,6 +396,11 @@ def init(*, timeout_s: float | None = None, heartbeat_timeout_s: float | None = 
     if jax.config.jax_enable_recoverability and _hosts_the_service():
         _outlive_the_others(timeouts["shutdown_timeout_seconds"])
     _ensure_job_id()
+    from jaxcomm._src import mpi
+    if mpi.wanted():
+        # MPI between hosts: jaxcomm's communicator is duplicated now, while every process
+        # of the MPI job is here (the duplicate is collective).
+        mpi.prepare(timeouts["initialization_timeout"], jax.process_index(), jax.process_count())
     return True
 
 
@@ -551,7 +556,7 @@ def job_secret(timeout_s: float = 60.0) -> bytes:
     random one in the coordination service's key-value store and the first write wins,
     as for the job id: then it is as private as that store, which JAX does not
     authenticate (anyone who can reach the coordinator's port can read it). A TCP
-    connection between jaxcomm processes must start with it (ffi/cpu/tcp_link.h).
+    connection between jaxcomm processes must start with it (ffi/cpu/transport/tcp_link.h).
 
     Example::
 

@@ -14,6 +14,9 @@ Subcommands:
   ``jaxcomm.use_for_lax()`` (:mod:`jaxcomm.bench.dropin`).
 * ``faults`` -- fault detection across 4 processes and the flight recorder's overhead
   (:mod:`jaxcomm.bench.faults`).
+* ``startup`` -- ``jaxcomm.init()`` and a first collective at N processes against
+  ``jax.distributed.initialize`` and a first gloo psum: time, key-value operations,
+  connections, memory (:mod:`jaxcomm.bench.startup`).
 
 The list the command line knows is :data:`jaxcomm.bench.options.SUBCOMMANDS`.
 

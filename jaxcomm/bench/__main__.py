@@ -9,6 +9,7 @@
     python -m jaxcomm.bench moe [options]              MoE dispatch/combine
     python -m jaxcomm.bench dropin [options]           jax.lax.pmean with use_for_lax()
     python -m jaxcomm.bench faults [options]           fault detection, recorder overhead
+    python -m jaxcomm.bench startup [options]          start-up at N processes, vs jax + gloo
 
 Each has a ``--help``; ``python -m jaxcomm.bench --help`` lists them (jaxcomm.bench.options).
 

@@ -62,7 +62,7 @@ def agree(sync: Sync, failures: dict[str, str]) -> dict[str, str]:
     everyone = sync.all_gather(failures)
     for rank, theirs in enumerate(everyone):
         for side, msg in theirs.items():
-            merged.setdefault(side, f"rank {rank}: {msg}" if len(everyone) > 1 else msg)
+            merged.setdefault(side, f"process {rank}: {msg}" if len(everyone) > 1 else msg)
     return merged
 
 

@@ -27,7 +27,9 @@ process its own share of the cores (``mpirun --bind-to core``, ``jaxcomm.launch 
 cores``), ``--bind none`` lets the scheduler place them, ``--bind both`` (default) runs
 both placements, each in its own job; the tables say which. ``--hosts H`` has the
 processes play H hosts (``JAXCOMM_HOST_ID``: shared memory within each, TCP across);
-mpi4jax is then not compared.
+under ``mpirun`` (mpi4jax installed) it runs two jobs, one with jaxcomm's MPI transport
+between the hosts (``JAXCOMM_TRANSPORT=mpi``), one with its TCP transport
+(``JAXCOMM_TRANSPORT=shm+tcp``), each with gloo, mpi4jax and the plain jit.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def worker(args: argparse.Namespace) -> int:
 
     rank, procs = jax.process_index(), jax.process_count()
     if args.hosts > 1:
-        # Read when the first program is lowered (jaxcomm/_src/transport.py).
+        # Read when the first program is lowered (jaxcomm/_src/bootstrap.py).
         os.environ["JAXCOMM_HOST_ID"] = f"bench-host-{rank * args.hosts // procs}"
     sync: Any = MPISync() if args.launcher == "mpi" else KVSync(timeout_s=2 * args.timeout + 120)
     mesh = jax.make_mesh((len(jax.devices()),), (col.AXIS,))
@@ -234,13 +236,16 @@ def _worker_argv(argv: Sequence[str], launcher: str, bind: str, path: str) -> li
     return [*argv, "--worker", "--launcher", launcher, "--bind", bind, "--emit-json", path]
 
 
-def _run_job(argv: Sequence[str], args: argparse.Namespace, launcher: str, bind: str
-             ) -> tuple[list[dict[str, Any]], bool, str]:
-    """One job of the benchmark's processes; (process 0's records, success, how started)."""
+def _run_job(argv: Sequence[str], args: argparse.Namespace, launcher: str, bind: str,
+             transport: str | None = None) -> tuple[list[dict[str, Any]], bool, str]:
+    """One job of the benchmark's processes; (process 0's records, success, how started).
+    ``transport``: the job's JAXCOMM_TRANSPORT (None: as the environment has it)."""
     fd, path = tempfile.mkstemp(prefix="jaxcomm-bench-mp-", suffix=".json")
     os.close(fd)
     env = common.hugetlb_env(args.hugetlb == "on")
     env["JAX_PLATFORMS"] = "cpu"
+    if transport is not None:
+        env["JAXCOMM_TRANSPORT"] = transport
     try:
         if launcher == "mpi":
             crowded = args.processes > (os.cpu_count() or 1)
@@ -249,6 +254,8 @@ def _run_job(argv: Sequence[str], args: argparse.Namespace, launcher: str, bind:
             cmd = ["mpirun", "-n", str(args.processes), "--bind-to", to] + \
                 (["--oversubscribe"] if crowded else [])
             how = " ".join(cmd)
+            if transport is not None:
+                how = f"JAXCOMM_TRANSPORT={transport} {how}"
             # Open MPI refuses to run as root unless told.
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
             cmd += [sys.executable, "-m", "jaxcomm.bench.multiprocess",
@@ -291,8 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     launcher, why = "jaxcomm", ""
     if args.mpi4jax:
-        why = mpi4jax_missing() or ("it needs --devices 1" if args.devices != 1 else "") or \
-            ("it needs --hosts 1" if args.hosts != 1 else "")
+        why = mpi4jax_missing() or ("it needs --devices 1" if args.devices != 1 else "")
         launcher = "jaxcomm" if why else "mpi"
     print(f"# jaxcomm benchmark across processes, {datetime.date.today().isoformat()}: "
           f"{args.processes} processes x {args.devices} device(s), {os.cpu_count()} cpus, "
@@ -301,8 +307,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     binds = ["cores", "none"] if args.bind == "both" else [args.bind]
     all_records: list[dict[str, Any]] = []
     failed = False
-    for bind in binds:
-        records, ok, how = _run_job(argv, args, launcher, bind)
+    # Played hosts under mpirun: jaxcomm's MPI transport between them in one job, its TCP
+    # transport in another (one process links a peer through one transport); gloo,
+    # mpi4jax and the plain jit run in both, alternated with jaxcomm as everywhere.
+    transports: list[str | None] = ["mpi", "shm+tcp"] if launcher == "mpi" and args.hosts > 1 else [None]
+    jobs = [(bind, t) for bind in binds for t in transports]
+    for bind, transport in jobs:
+        records, ok, how = _run_job(argv, args, launcher, bind, transport)
         failed |= not ok
         load = method.load_average()
         for r in records:

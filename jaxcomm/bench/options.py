@@ -37,6 +37,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "faults": ("jaxcomm.bench.faults",
                "how fast 4 processes learn of a fault; the flight recorder's overhead"),
     "docs": ("jaxcomm.bench.docs", "every table of docs/benchmarks.md, measured in one run"),
+    "startup": ("jaxcomm.bench.startup",
+                "jaxcomm.init() + first collective at N processes, vs jax + gloo; KV ops, links"),
     "instructions": ("jaxcomm.bench.instructions",
                      "instructions per collective across two processes (callgrind)"),
 }
@@ -83,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, default=1, metavar="H",
                    help="across processes: play H hosts on this machine, the processes split "
                         "into H groups with their own JAXCOMM_HOST_ID (shared memory within "
-                        "a group, TCP across); without mpi4jax (default %(default)s)")
+                        "a group, TCP across; under mpirun, one job with MPI across and one with "
+                        "TCP) (default %(default)s)")
     p.add_argument("--ops", default=None,
                    help=f"comma list of ops (default {','.join(ALL_OPS)} in one process, "
                         f"{','.join(MULTIPROCESS_OPS)} across processes)")
@@ -111,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default %(default)s)")
     p.add_argument("--no-mpi4jax", dest="mpi4jax", action="store_false",
                    help="across processes: do not compare with mpi4jax (compared when mpirun, "
-                        "mpi4py and mpi4jax are installed, with --devices 1 and --hosts 1; the "
+                        "mpi4py and mpi4jax are installed, with --devices 1; the "
                         "job is then started by mpirun)")
     p.add_argument("--no-gloo", dest="gloo", action="store_false",
                    help="across processes: do not compare with jax.lax's collectives (gloo: "

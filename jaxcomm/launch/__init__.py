@@ -55,9 +55,10 @@ from typing import IO, Iterator, Sequence
 
 import jaxcomm
 from jaxcomm._src import config as _config, distributed as _dist
+from jaxcomm.launch.placement import LOCAL, Placement
 from jaxcomm.trace import causes as _causes
 
-__all__ = ["LaunchResult", "free_port", "launch", "main", "run"]
+__all__ = ["LaunchResult", "Placement", "free_port", "launch", "main", "run"]
 
 #: Seconds the other processes get to report their own errors after one failed.
 DEFAULT_GRACE_S = 10.0
@@ -316,24 +317,27 @@ class _Service:
     """
 
     def __init__(self, n: int, port: int | None, env: dict[str, str], keep_going: bool,
-                 out: _Output) -> None:
+                 out: _Output, placement: Placement = LOCAL) -> None:
         from jaxcomm.launch import coordinator
 
         heartbeat = _dist._env_seconds("JAXCOMM_HEARTBEAT_TIMEOUT_S", env)
         shutdown = _dist._env_seconds("JAXCOMM_SHUTDOWN_TIMEOUT_S", env)
         why = ""
         for _ in range(1 if port else 3):
-            address = f"127.0.0.1:{port or free_port()}"
+            # Free here; on another host (a placement) it may be taken: the service then
+            # says so, and another is tried.
+            port_here = port or free_port()
+            address = f"{placement.service_address}:{port_here}"
             # Run as a script: it imports only jaxlib, not jaxcomm's package (nor jax).
-            cmd = [sys.executable, coordinator.__file__, "--address", address,
-                   "--processes", str(n), "--heartbeat-s", str(heartbeat),
+            cmd = [*placement.service_prefix, sys.executable, coordinator.__file__,
+                   "--address", address, "--processes", str(n), "--heartbeat-s", str(heartbeat),
                    "--shutdown-s", str(shutdown)] + (["--recoverable"] if keep_going else [])
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          start_new_session=True)
             line = self._first_line()
             if line.startswith("ready "):
-                self.address = address
+                self.address = f"{placement.coordinator_host}:{port_here}"
                 threading.Thread(target=self._forward, args=(out,), daemon=True,
                                  name="jaxcomm-launch-service").start()
                 return
@@ -381,7 +385,7 @@ def rank_cores(rank: int, n: int) -> set[int] | None:
     processes that share memory wait for each other by spinning: left to the scheduler on
     2 cores, they often shared one, and a 4 B all_reduce across them took 12-20 us instead
     of 2 us (as mpirun's binding gives mpi4jax), until waiting threads learned to move
-    off a core their peer spins on (ffi/cpu/world_internal.h, PeerSpin).
+    off a core their peer spins on (ffi/cpu/transport/world_internal.h, PeerSpin).
 
     Example::
 
@@ -416,7 +420,7 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
            stderr: IO[str] | None = None, job_id: str | None = None,
            port: int | None = None, cwd: str | None = None,
            forward_signals: bool = False, keep_going: bool = False,
-           bind: str = "none") -> LaunchResult:
+           bind: str = "none", placement: Placement | None = None) -> LaunchResult:
     """Runs ``argv`` as ``n`` processes of one JAX job on this machine and waits for them.
 
     Args:
@@ -447,6 +451,9 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
         us against 4.4-6.2 unbound, between gloo's calls), but XLA's own thread pools
         share those cores too: on 2 cores, a gloo psum across the 2 bound processes took
         4 ms instead of 0.1 ms.
+      placement: where the ranks and the coordination service run (a command prefix per
+        rank, the service's address; :class:`jaxcomm.launch.Placement`); default: all
+        here, on 127.0.0.1. Binding to cores applies to the prefixes' processes.
 
     Returns:
       A :class:`LaunchResult`.
@@ -475,7 +482,8 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
     secret = base.get(_dist.ENV_SECRET) or _dist.new_job_secret()
     if not _dist._SECRET_RE.match(secret):
         raise ValueError(f"{_dist.ENV_SECRET} must be 64 lowercase hex digits")
-    service = _Service(n, port, {**base, _dist.ENV_JOB_ID: job_id}, keep_going, out)
+    placement = placement or LOCAL
+    service = _Service(n, port, {**base, _dist.ENV_JOB_ID: job_id}, keep_going, out, placement)
     coordinator = service.address
     trace_dir = _config.raw("JAXCOMM_TRACE_DIR", base) or None
 
@@ -503,9 +511,9 @@ def launch(argv: Sequence[str], n: int, *, devices_per_process: int = 1,
                 # A session of its own: the launcher can signal everything a process started,
                 # and a terminal's Ctrl-C reaches the launcher only, which forwards it.
                 with _affinity(cores):
-                    p = subprocess.Popen(cmd, env=_rank_env(base, n, rank, devices_per_process,
-                                                            coordinator, job_id, keep_going,
-                                                            secret),
+                    p = subprocess.Popen([*placement.rank_prefix(rank), *cmd],
+                                         env=_rank_env(base, n, rank, devices_per_process,
+                                                       coordinator, job_id, keep_going, secret),
                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, cwd=cwd, start_new_session=True)
             except OSError as exc:

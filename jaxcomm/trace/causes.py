@@ -1,7 +1,7 @@
 """What jaxcomm's errors say about other processes, and which failure caused which.
 
 A jaxcomm error about another process names it the same way everywhere
-(``ffi/cpu/world.cc``, ``world_stream.cc``)::
+(``ffi/cpu/transport/world.cc``, ``world_stream.cc``)::
 
     process 3 (host vm (10.0.0.2), pid 4711) with ranks [3] (partitions [3]) failed: it
     exited before it arrived at this call
@@ -11,7 +11,8 @@ A jaxcomm error about another process names it the same way everywhere
 a job by cause: a process whose own error names another process, before anyone named
 it, failed because of that other process (it gave up waiting for it, then exited, and
 the others saw it exit). The flight recorder's analyzer and the launcher's summary both
-use it. :func:`clean` strips what JAX's asynchronous dispatch wraps around an error.
+use it. :func:`clean` (from the library, ``jaxcomm._src.error_text``) strips what JAX's
+asynchronous dispatch wraps around an error.
 
 A mismatch error (different collectives on different processes, each waiting for the
 other; ``ffi/core/mismatch.h``) starts with ``MISMATCH:`` and names each side the same
@@ -38,21 +39,25 @@ import math
 import re
 from typing import Iterable
 
+# The text of jaxcomm's errors is the library's (jaxcomm/_src/error_text.py); the
+# analysis here builds on it, and re-exports what its users call from here.
+from jaxcomm._src.error_text import clean, is_jaxcomm_error, is_mismatch
+
+__all__ = ["Blame", "Failure", "blames", "clean", "consequences", "is_jaxcomm_error",
+           "is_mismatch", "root_of"]
+
 _PROCESS = re.compile(r"process (\d+) \(host [^,]*, pid (\d+)\) with ranks \[([^\]]*)\] "
                       r"\(partitions \[([^\]]*)\]\)")
-# What follows a process's description says what happened to it.
-_DEAD = re.compile(r" failed: |: (?=connection (?:closed|reset))")
+# What follows a process's description says what happened to it; the phases of a
+# hierarchical or scatter-gather round add what the process is to this call first
+# ("(the leader of its host)", "(reduce-scatter)": ffi/core/hierarchical.cc,
+# scatter_gather.cc).
+_ROLE = r"(?: \((?:the leader of (?:its|this) host|reduce-scatter|all-gather)\))?"
+_DEAD = re.compile(_ROLE + r"(?: failed: |: (?=connection (?:closed|reset)))")
 _ARRIVED = re.compile(r" (after|before) it arrived at this call")
 _MISMATCH_SIDE = re.compile(r" (?:runs a different collective|waits in (\S+) at (.*?)"
                             r"(?: \(execution #(\d+)(?:, this call)?\))?(?:;|$))")
-_EXCLUDED = re.compile(r" was left out of the job")
-_DISPATCH = re.compile(r"(?:(?:INTERNAL|[A-Z_]+): )?Error dispatching computation: ")
-_STATUS = re.compile(r"^(?:[A-Za-z_.]+(?:Error|Exception): )?(?:[A-Z_]{4,}: )*")
-
-#: The start of a jaxcomm error message (after any status code).
-_JAXCOMM = re.compile(r"(jaxcomm[.:][^\n]*|MISMATCH:[^\n]*)")
-
-
+_EXCLUDED = re.compile(_ROLE + r" was left out of the job")
 @dataclasses.dataclass(frozen=True)
 class Blame:
     """One process an error names, and what it says of it.
@@ -111,35 +116,6 @@ def blames(error: str | None) -> list[Blame]:
         else:
             out.append(Blame("missing", process, pid, parts))
     return out
-
-
-def clean(text: str) -> str:
-    """The useful part of an error as Python shows it: the jaxcomm message, without the
-    ``INTERNAL: Error dispatching computation:`` prefixes JAX's asynchronous dispatch
-    repeats once per computation the failed one fed, nor the exception and status names.
-
-    Example::
-
-        clean("ValueError: INTERNAL: Error dispatching computation: INTERNAL: Error "
-              "dispatching computation: UNAVAILABLE: jaxcomm.all_reduce ...: process 3 ...")
-        # 'jaxcomm.all_reduce ...: process 3 ...'
-    """
-    text = _DISPATCH.sub("", text.strip())
-    m = _JAXCOMM.search(text)
-    if m is not None:
-        return m.group(1).strip()
-    return _STATUS.sub("", text).strip()
-
-
-def is_mismatch(error: str) -> bool:
-    """Whether ``error`` is a MISMATCH error (ranks waiting in different collectives)."""
-    return "MISMATCH: " in error
-
-
-def is_jaxcomm_error(line: str) -> bool:
-    """Whether an output line carries a jaxcomm error (the last line of a traceback)."""
-    return ("jaxcomm." in line or "MISMATCH:" in line) and (
-        "Error" in line or "MISMATCH:" in line or "failed" in line or "timed out" in line)
 
 
 @dataclasses.dataclass

@@ -309,8 +309,8 @@ def test_prepare_lowering_links_ipc_groups_and_exchanges_nccl_ids(monkeypatch):
     monkeypatch.setattr(cuda_runtime.jax, "process_index", lambda: 0)
     monkeypatch.setattr(cuda_runtime, "process_info", lambda procs, t: infos)
     linked, exchanged = [], []
-    from jaxcomm._src import transport
-    monkeypatch.setattr(transport, "ensure_linked", lambda procs: linked.append(set(procs)))
+    from jaxcomm._src import bootstrap
+    monkeypatch.setattr(bootstrap, "ensure_linked", lambda procs: linked.append(set(procs)))
     monkeypatch.setattr(cuda_runtime, "_exchange_unique_id", lambda g, pd, t: exchanged.append(tuple(g)))
     monkeypatch.setattr(cuda_runtime, "one_rank_nccl", lambda: False)
     pd = cuda_runtime.prepare_lowering("ppermute", ((0, 1), (2,)), ctx, 1000)
@@ -425,9 +425,9 @@ def test_use_xla_on_gpu_routes_what_cuda_lacks(monkeypatch):
 
 EXCHANGE = """
 from jaxcomm import _jaxcomm
-from jaxcomm._src import transport
+from jaxcomm._src import bootstrap
 other = 1 - RANK
-transport.ensure_linked([other])
+bootstrap.ensure_linked([other])
 got = []
 for seq in (1, 2, 3):
     mine = bytes([RANK, seq]) * 40

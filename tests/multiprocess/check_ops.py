@@ -20,6 +20,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomm
+from jaxcomm._src import mpi
+
+# The transport between hosts: MPI under an MPI launcher (jaxcomm/_src/mpi.py), else TCP.
+ACROSS = "mpi" if mpi.wanted() else "tcp"
 
 BLOCK = (4, 6)       # each device's block in the small cases
 BIG = (1000, 301)    # over 1 MiB of float32 per rank: streamed between 2 processes
@@ -69,6 +73,13 @@ def _read_only(x):
     x.setflags(write=False)
     return x
 
+
+# The processes run on several hosts: played (JAXCOMM_HOST_ID) or real (network
+# namespaces, tests/test_netns.py, which says so in CHECK_OPS_HOSTS: jaxcomm must find
+# the hosts itself there).
+SEVERAL_HOSTS = "JAXCOMM_HOST_ID" in os.environ or int(os.environ.get("CHECK_OPS_HOSTS", "1")) > 1
+# ... each process on a host of its own: every link is TCP.
+ONE_PER_HOST = int(os.environ.get("CHECK_OPS_HOSTS", "1")) == NPROC > 1
 
 _programs = 0
 
@@ -276,7 +287,7 @@ def check_all(mesh, axes, tag, moe=("packed", "padded")):
 
 def check_streamed(mesh, axes, tag):
     """Operands of over 1 MiB per rank: across processes of one host these stream through
-    shared memory in chunks (ffi/cpu/world_stream.cc); 301 columns make the last chunk,
+    shared memory in chunks (ffi/cpu/transport/world_stream.cc); 301 columns make the last chunk,
     and the reduce_scatter and all_to_all blocks, end mid-chunk."""
     a = axes if len(axes) > 1 else axes[0]
     G = int(np.prod([mesh.shape[x] for x in axes]))
@@ -318,7 +329,7 @@ def check_streamed(mesh, axes, tag):
     # They did stream, unless TCP was forced, the processes play several hosts, or the
     # group has more processes than the host has cores (streams wait by spinning).
     streamed = {s.op for s in jaxcomm.stats() if s.algorithm == "shm stream"}
-    one_host = os.environ.get("JAXCOMM_TRANSPORT") != "tcp" and "JAXCOMM_HOST_ID" not in os.environ
+    one_host = os.environ.get("JAXCOMM_TRANSPORT") != "tcp" and not SEVERAL_HOSTS
     want = set() if not one_host or NPROC > os.cpu_count() else {
         "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute"}
     assert streamed == want, (tag, streamed, [(s.op, s.algorithm, s.bytes) for s in jaxcomm.stats()])
@@ -330,8 +341,8 @@ def check_streamed(mesh, axes, tag):
         tag, _jaxcomm.single_copy_rounds(), direct)
     # Over TCP among three or more processes, the large all_reduces ran as a
     # reduce-scatter then an all-gather (ffi/core/scatter_gather.cc).
-    scattered = {s.op for s in jaxcomm.stats() if s.algorithm == "tcp reduce-scatter+all-gather"}
-    tcp = os.environ.get("JAXCOMM_TRANSPORT") == "tcp"
+    scattered = {s.op for s in jaxcomm.stats() if s.algorithm == f"{ACROSS} reduce-scatter+all-gather"}
+    tcp = os.environ.get("JAXCOMM_TRANSPORT") == "tcp" or ONE_PER_HOST
     assert scattered == ({"all_reduce"} if tcp and NPROC >= 3 else set()), (
         tag, scattered, [(s.op, s.algorithm, s.bytes) for s in jaxcomm.stats()])
 
@@ -355,15 +366,15 @@ else:
     mesh1 = jax.sharding.Mesh(devices.reshape(-1)[::-1], ("x",))
     check_all(mesh1, ("x",), "x")
     check_streamed(mesh1, ("x",), "x")
-if "JAXCOMM_HOST_ID" in os.environ and NPROC >= 4:
+if SEVERAL_HOSTS and NPROC >= 4:
     # Two processes per "host": every op that crossed hosts went in phases (all_reduce
     # reduced within each host first, the others relayed by the hosts' leaders), but the
     # large all_to_all and reduce_scatter along dimension 0 and ppermute (the "streamed"
     # cases), which send each process just what its ranks read.
     algorithms = {(s.op, s.algorithm) for s in jaxcomm.stats()}
-    flat = {op for op, a in algorithms if a == "shm+tcp"}
+    flat = {op for op, a in algorithms if a == f"shm+{ACROSS}"}
     assert flat == {"reduce_scatter", "all_to_all", "ppermute"}, algorithms
-    hierarchical = {op for op, a in algorithms if a == "hierarchical shm+tcp"}
+    hierarchical = {op for op, a in algorithms if a == f"hierarchical shm+{ACROSS}"}
     assert hierarchical == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute",
                             "broadcast", "ragged_all_to_all", "moe_transport", "moe_dispatch"}, algorithms
     print("CHECKED hierarchical", flush=True)

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm._src import groups, runtime, transport
+from jaxcomm._src import bootstrap, groups, runtime
 from jaxcomm._src.backends import Backend
 
 #: Ops that reduce with the host kernels (ffi/cpu/kernels.cc), and the dtypes those
@@ -40,7 +40,7 @@ class CpuBackend(Backend):
                          timeout_ms: int) -> np.ndarray:
         peers = groups.peer_processes(axis_context, tuple(tuple(g) for g in replica_groups))
         if peers:
-            transport.ensure_linked(peers)
+            bootstrap.ensure_linked(peers)
         return groups.partition_devices(axis_context, "cpu")
 
 

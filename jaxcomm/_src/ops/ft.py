@@ -1,7 +1,7 @@
 """ft.all_reduce: a sum over the ranks that are still there, for data-parallel replicas.
 
 Handler: ffi/cpu/ft.cc; the tolerance itself lives in the cross-process exchange
-(ExchangeSpec::tolerant in ffi/core/cross_process.h, ffi/cpu/world.cc): a process that dies
+(ExchangeSpec::tolerant in ffi/core/cross_process.h, ffi/cpu/transport/world.cc): a process that dies
 or misses the deadline is left out of the call, the survivors agree on who contributed,
 and the ones left out stay out of every later fault-tolerant call (the group shrinks).
 """

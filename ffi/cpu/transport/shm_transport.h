@@ -21,8 +21,9 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/shm_link.h"
-#include "cpu/transport.h"
+#include "cpu/transport/factory.h"
+#include "cpu/transport/shm_link.h"
+#include "cpu/transport/transport.h"
 
 namespace jaxcomm::cpu {
 
@@ -40,6 +41,8 @@ class ShmTransport final : public Transport {
   // Creates this process's (index `process`) control block; with single copy on, lets
   // its peers read its memory (PR_SET_PTRACER). nullptr and `error` on failure.
   static std::unique_ptr<ShmTransport> Create(int64_t process, std::string* error);
+  // The factory's entry (factory.h): no settings.
+  static std::unique_ptr<Transport> Make(const TransportContext& context, const Params& settings, std::string* error);
 
   ShmOwner& owner() const { return *owner_; }
   ControlBlock& block() const { return owner_->block(); }
@@ -59,6 +62,12 @@ class ShmTransport final : public Transport {
     slot.published.store(seq, std::memory_order_release);
   }
 
+  const Capabilities& caps() const override;
+  // {control_fd, control_bytes}: its control block, which a peer of this host opens
+  // through /proc/<pid>/fd (the pid comes with the peer's identity).
+  Params Endpoint() const override;
+  std::shared_ptr<PeerTransport> Link(const LinkRequest& request, std::string* error) override;
+  ShmTransport* shared_memory() override { return this; }
   std::string Publish(const Outgoing& round, const Parts& mine) override;
   void Release(uint64_t key, int64_t seq) override;
   void ShowWaits(const std::vector<WaitNotice>& notices) override;
@@ -91,7 +100,6 @@ class ShmPeerTransport final : public PeerTransport {
   // Wakes the peer's progress thread if it waits for its peers.
   void Ring() { cpu::Ring(peer_->block().bell); }
 
-  const char* kind() const override { return "shm"; }
   Transport& local() const override { return local_; }
   ShmPeerTransport* shared_memory() override { return this; }
   bool MayPublish(uint64_t key, int64_t seq) override;

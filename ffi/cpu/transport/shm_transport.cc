@@ -1,4 +1,4 @@
-#include "cpu/shm_transport.h"
+#include "cpu/transport/shm_transport.h"
 
 #include <signal.h>
 #include <sys/prctl.h>
@@ -36,6 +36,39 @@ std::unique_ptr<ShmTransport> ShmTransport::Create(int64_t process, std::string*
   // single-copy reads.) Failure only leaves the streamed rounds on their ring.
   if (Registry::Get().single_copy()) prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
   return std::unique_ptr<ShmTransport>(new ShmTransport(std::move(owner)));
+}
+
+std::unique_ptr<Transport> ShmTransport::Make(const TransportContext& context, const Params& /*settings*/,
+                                               std::string* error) {
+  return Create(context.process, error);
+}
+
+const Capabilities& ShmTransport::caps() const {
+  static const Capabilities caps = [] {
+    Capabilities c;
+    c.name = "shm";
+    c.shared_memory = true;
+    return c;
+  }();
+  return caps;
+}
+
+Params ShmTransport::Endpoint() const {
+  return {{"control_fd", std::to_string(owner_->control_fd())},
+          {"control_bytes", std::to_string(owner_->control_bytes())}};
+}
+
+std::shared_ptr<PeerTransport> ShmTransport::Link(const LinkRequest& request, std::string* error) {
+  int64_t fd = -1, bytes = 0;
+  if (!IntField(request.endpoint, "control_fd", &fd, error) ||
+      !IntField(request.endpoint, "control_bytes", &bytes, error)) {
+    return nullptr;
+  }
+  if (request.who.pid <= 0) {
+    *error = "its process id is unknown";
+    return nullptr;
+  }
+  return Link(request.who.pid, static_cast<int>(fd), static_cast<size_t>(bytes), error);
 }
 
 std::shared_ptr<ShmPeerTransport> ShmTransport::Link(int pid, int control_fd, size_t control_bytes,

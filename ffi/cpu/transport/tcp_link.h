@@ -161,6 +161,8 @@ class TcpLink {
   std::pair<int64_t, std::vector<char>> Newest(uint64_t key);
   // Why the connection is unusable ("" while it works).
   std::string failure() const;
+  // Bytes it holds: frames in the inbox and spare buffers (jaxcomm.memory()).
+  size_t held_bytes() const;
   // Whether it is (a relaxed load: waiting exchanges look at it often).
   bool failed() const { return failed_.load(std::memory_order_relaxed); }
 

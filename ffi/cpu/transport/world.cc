@@ -1,4 +1,4 @@
-#include "cpu/world.h"
+#include "cpu/transport/world.h"
 
 #include <unistd.h>
 
@@ -10,7 +10,8 @@
 #include "core/cpu_affinity.h"
 #include "core/registry.h"
 #include "core/thread_name.h"
-#include "cpu/world_internal.h"
+#include "cpu/transport/factory.h"
+#include "cpu/transport/world_internal.h"
 
 namespace jaxcomm::cpu {
 namespace {
@@ -84,8 +85,8 @@ World::~World() {
   if (progress_.joinable()) progress_.join();
 }
 
-Endpoint World::Open(int64_t process, bool shared_memory, const std::string& host, const TcpJob& tcp,
-                     std::string* error) {
+Endpoints World::Open(int64_t process, const std::string& host, const std::string& label,
+                       const std::vector<std::pair<std::string, Params>>& transports, std::string* error) {
   std::lock_guard<std::mutex> lock(mu_);
   if (process_ >= 0 && process_ != process) {
     *error = "jaxcomm's endpoint was opened as process " + std::to_string(process_) + ", not " +
@@ -93,102 +94,82 @@ Endpoint World::Open(int64_t process, bool shared_memory, const std::string& hos
     return {};
   }
   if (process_ < 0) {
-    if (shared_memory) {
-      shm_ = ShmTransport::Create(process, error);
-      if (!shm_) return {};
-      transports_.push_back(shm_.get());
+    if (transports.empty()) {
+      *error = "no transport to open";
+      return {};
     }
-    TcpJob job = tcp;
-    job.me = process;
-    tcp_ = TcpTransport::Create(job, [this] { Wake(); }, error);
-    if (!tcp_) return {};
-    transports_.push_back(tcp_.get());
+    TransportContext context;
+    context.process = process;
+    context.wake = [this] { Wake(); };
+    std::vector<std::unique_ptr<Transport>> opened;
+    for (const auto& [name, settings] : transports) {
+      auto transport = OpenTransport(name, context, settings, error);
+      if (!transport) {
+        *error = "opening its " + name + " transport: " + *error;
+        return {};
+      }
+      opened.push_back(std::move(transport));
+    }
+    owned_ = std::move(opened);
+    for (const auto& t : owned_) {
+      transports_.push_back(t.get());
+      if (!shm_) shm_ = t->shared_memory();
+    }
     process_ = process;
     host_ = host;
-    char name[256] = {0};
-    if (gethostname(name, sizeof(name) - 1) != 0) std::strcpy(name, "unknown");
-    self_ = "process " + std::to_string(process) + " (host " + name + " (" + tcp.listen_address + "), pid " +
-            std::to_string(getpid()) + ")";
+    self_ = "process " + std::to_string(process) + " (host " + label + ", pid " + std::to_string(getpid()) + ")";
     progress_ = std::thread([this] {
       NameThisThread("jaxcomm-prog");
       Progress();
     });
   }
-  Endpoint e;
-  e.pid = static_cast<int>(getpid());
-  e.port = tcp_->port();
-  if (shm_) {
-    e.control_fd = shm_->owner().control_fd();
-    e.control_bytes = shm_->owner().control_bytes();
-  }
-  return e;
+  Endpoints endpoints;
+  for (Transport* t : transports_) endpoints[t->caps().name] = t->Endpoint();
+  return endpoints;
 }
 
-std::string World::Link(int64_t process, const std::string& host, const std::string& label,
-                        const Endpoint& peer, bool shared_memory, std::chrono::milliseconds timeout,
+std::string World::Link(const PeerIdentity& who, const Endpoints& theirs, std::chrono::milliseconds timeout,
                         bool rejoining) {
   const auto deadline = Clock::now() + timeout;
   if (process_ < 0) return "jaxcomm's endpoint is not open";
-  // What only the bootstrap knows of a peer (a peer that connected first lacks it).
-  PeerIdentity who;
-  who.process = process;
-  who.host = label;
-  who.host_key = peer.host;
-  who.pid = peer.pid;
-  if (auto known = Peer(process)) {
-    // It may have connected before this call (taken by the progress thread).
+  if (auto known = Peer(who.process)) {
+    // Linked already; a restarted process's new link (PollJoins) learns who it is here.
     std::lock_guard<std::mutex> lock(mu_);
     if (known->peer.pid == 0) known->peer = who;
     return "";
   }
-  std::shared_ptr<PeerTransport> link;
-  std::string error;
-  if (shared_memory) {
-    if (!shm_ || peer.control_fd < 0) return "shared memory was not set up at both ends";
-    link = shm_->Link(peer.pid, peer.control_fd, peer.control_bytes, &error);
-    if (!link) return "mapping the shared memory of " + who.Describe() + ": " + error;
-  } else if (process_ < process || rejoining) {
-    link = tcp_->Connect(host, peer.port, deadline, &error);
-    if (!link) return "connecting to " + who.Describe() + ": " + error;
-  } else {
-    // The peer connects to us (this thread or the progress thread takes the connection).
-    while (!Peer(process)) {
-      if (Clock::now() >= deadline) return "waiting for " + who.Describe() + " to connect: timed out";
-      if (auto accepted = tcp_->Accept(std::min(deadline, Clock::now() + std::chrono::milliseconds(50)))) {
-        Adopt(std::move(accepted));
-      }
-    }
+  std::string tried;
+  for (Transport* transport : transports_) {
+    const Capabilities& caps = transport->caps();
+    auto endpoint = theirs.find(caps.name);
+    if (endpoint == theirs.end()) continue;
+    if (caps.shared_memory && who.host_key != host_) continue;  // reaches this host only
+    std::string error;
+    auto link = transport->Link({who, endpoint->second, deadline, rejoining}, &error);
+    if (!link) return "linking " + who.Describe() + " through " + caps.name + ": " + error;
+    link->peer = who;
     std::lock_guard<std::mutex> lock(mu_);
-    peers_[process]->peer = who;
+    peers_[who.process] = link;
+    int same_host = 1;
+    for (const auto& [q, l] : peers_) same_host += l->shared_memory() != nullptr;
+    Registry::Get().set_host_processes(same_host);
     return "";
   }
-  link->peer = who;
-  std::lock_guard<std::mutex> lock(mu_);
-  peers_[process] = link;
-  int same_host = 1;
-  for (const auto& [q, l] : peers_) same_host += l->shared_memory() != nullptr;
-  Registry::Get().set_host_processes(same_host);
-  return "";
+  std::string mine, its;
+  for (Transport* t : transports_) mine += (mine.empty() ? "" : ", ") + t->caps().name;
+  for (const auto& [name, params] : theirs) its += (its.empty() ? "" : ", ") + name;
+  return "no transport links this process to " + who.Describe() + " (this one opened " + mine + "; it opened " +
+         (its.empty() ? "none" : its) + "): the processes were given different JAXCOMM_TRANSPORT settings?";
 }
 
-void World::Adopt(std::shared_ptr<TcpPeerTransport> link) {
-  const int64_t from = link->peer.process;
-  link->peer.host = "(not yet linked)";
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (peers_.find(from) == peers_.end()) {
-      peers_[from] = std::move(link);
-      return;
-    }
-  }
-  // Linked before: a restarted process. It joins once its request is seen (PollJoins).
-  tcp_->Hold(std::move(link));
+void World::Close() {
+  for (Transport* t : transports_) t->Close();
 }
 
-void World::AcceptLate() {
-  if (!tcp_) return;
-  // Only what is already waiting.
-  if (auto accepted = tcp_->Accept(Clock::now())) Adopt(std::move(accepted));
+int64_t World::refused_connections() const {
+  int64_t refused = 0;
+  for (Transport* t : transports_) refused += t->refused();
+  return refused;
 }
 
 std::shared_ptr<PeerTransport> World::Peer(int64_t process) const {
@@ -221,9 +202,9 @@ std::string World::HostOf(int64_t p) const {
   return link ? link->peer.host_key : "";
 }
 
-std::string World::LinkKind(int64_t p) const {
+const LinkCapabilities* World::LinkOf(int64_t p) const {
   auto link = Peer(p);
-  return link ? link->kind() : "";
+  return link ? &link->local().caps() : nullptr;
 }
 
 void World::Exchange(ExchangeSpec spec, ExchangeDone done) {
@@ -493,7 +474,7 @@ bool World::Advance(Pending& p) {
     p.blobs[i] = arrival.data;
     ++p.settled;
   }
-  if (p.settled == p.links.size()) {
+  if (p.settled == p.links.size() && SendsDone(p)) {
     p.done("", false, p.blobs);
     return true;
   }
@@ -502,11 +483,23 @@ bool World::Advance(Pending& p) {
     return true;
   }
   // A tolerant exchange may have given up on its last missing peer just now.
-  if (p.settled == p.links.size()) {
+  if (p.settled == p.links.size() && SendsDone(p)) {
     p.done("", false, p.blobs);
     return true;
   }
   return false;
+}
+
+bool World::SendsDone(const Pending& p) {
+  const ExchangeSpec& s = p.spec;
+  for (size_t i = 0; i < p.links.size(); ++i) {
+    PeerTransport& link = *p.links[i];
+    if (!p.left_out[i] && link.local().caps().sends_complete_later &&
+        !link.Delivered(s.plan->key, s.seq)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 bool World::Failure(Pending& p, std::string* error) {
@@ -659,7 +652,7 @@ void World::ProgressLoop(std::vector<std::unique_ptr<Pending>>& mine) {
     const uint32_t rings = bell ? bell->rings.load(std::memory_order_seq_cst) : 0;
     const int wakes = wakes_.load(std::memory_order_acquire);
     if (Clock::now() >= next_accept) {
-      AcceptLate();
+      for (Transport* t : transports_) t->Poll();
       next_accept = Clock::now() + std::chrono::milliseconds(50);
     }
     {

@@ -1,20 +1,21 @@
 // This process's links to the other processes of a jax.distributed job, and the
 // cross-process exchange of a round's inputs over them (core/cross_process.h).
 //
-// Bootstrap (driven by jaxcomm/_src/transport.py through the job's key-value store): Open
-// creates this process's endpoint (a shared-memory control block and a TCP listener on an
-// ephemeral port); Link connects one peer, through shared memory when it runs on the same
-// host, else TCP. Links are made lazily, for the processes of the groups a program uses.
-// Only these two choose a kind of link; everything else goes through the transport
-// interface (transport.h), whatever the peer's link, except what works on shared memory
-// itself (streaming, the inline exchange), which asks a link for it.
+// Bootstrap (driven by jaxcomm/_src/bootstrap.py through the job's key-value store): Open
+// opens the transports the bootstrap names (through the factory, factory.h) and returns
+// each one's endpoint; Link links one peer through the first of them, in the order
+// opened, that both ends opened and that reaches it (a shared-memory transport only
+// processes of this host). Links are made lazily, for the processes of the groups a
+// program uses. Everything else goes through the transport interface (transport.h),
+// whatever the peer's link, and chooses by what a link can do (Capabilities), except what
+// works on shared memory itself (streaming, the inline exchange), which asks a link for it.
 //
 // An exchange first tries to finish on the calling thread, spinning for up to the spin
 // budget (JAXCOMM_SPIN_US) while the peers catch up; otherwise a progress thread takes it
 // over and the caller returns, so no device thread ever waits on another process (XLA
 // may run independent collectives in different orders in different processes). Every
 // exchange has the call's deadline; a peer that dies is noticed directly (its process is
-// gone, or its TCP connection closed) and named in the error.
+// gone, its connection closed, its MPI requests failed) and named in the error.
 #pragma once
 
 #include <atomic>
@@ -30,40 +31,34 @@
 #include <vector>
 
 #include "core/cross_process.h"
-#include "cpu/shm_transport.h"
-#include "cpu/tcp_transport.h"
-#include "cpu/transport.h"
+#include "cpu/transport/shm_transport.h"
+#include "cpu/transport/transport.h"
 
 namespace jaxcomm::cpu {
 
 class PeerSpin;  // world_internal.h
 
-struct Endpoint {
-  int pid = 0;
-  int control_fd = -1;  // -1: no shared memory (TCP only)
-  size_t control_bytes = 0;
-  int port = 0;
-  // Processes with the same key share memory (one host): hierarchical algorithms group
-  // by it. Not part of what Open returns; the bootstrap passes it along.
-  std::string host;
-};
+// Each transport's endpoint, by the transport's name.
+using Endpoints = std::map<std::string, Params>;
 
 class World : public CrossProcess {
  public:
   World();
   ~World() override;
 
-  // Creates this process's endpoint (once; later calls return the same one). `tcp`: the
-  // address its TCP listener takes, the job's secret and process count (tcp_link.h).
-  Endpoint Open(int64_t process, bool shared_memory, const std::string& host, const TcpJob& tcp,
-                std::string* error);
-  // Links peer `process`: through its shared memory when `peer.control_fd >= 0` and both
-  // ends agreed on it, else TCP to host:port (the lower process index connects).
-  // `label` names the peer's host in messages. A restarted process (`rejoining`)
-  // connects to every TCP peer itself, whatever the order of the indices.
-  std::string Link(int64_t process, const std::string& host, const std::string& label,
-                   const Endpoint& peer, bool shared_memory, std::chrono::milliseconds timeout,
+  // Opens this process's transports, `transports` (name and settings, in the order of
+  // preference for a link), and returns their endpoints (once; later calls return the
+  // same ones). `host`: this process's host key (processes with the same key share
+  // memory); `label`: how messages name its host ("vm1 (10.0.0.2)").
+  Endpoints Open(int64_t process, const std::string& host, const std::string& label,
+                 const std::vector<std::pair<std::string, Params>>& transports, std::string* error);
+  // Links process `who.process` (idempotent) through the first transport, in the order
+  // opened, that both ends opened (`theirs`: the peer's endpoints) and that reaches it.
+  // A restarted process (`rejoining`) links every peer itself.
+  std::string Link(const PeerIdentity& who, const Endpoints& theirs, std::chrono::milliseconds timeout,
                    bool rejoining = false);
+  // Stops every transport's background work (before the process's MPI is finalized).
+  void Close();
 
   void Exchange(ExchangeSpec spec, ExchangeDone done) override;
   bool CanStream(const std::vector<int64_t>& peers) const override;
@@ -79,9 +74,15 @@ class World : public CrossProcess {
   // In a restarted process (jaxcomm.ft.rejoin): asks to be readmitted at its first
   // fault-tolerant call, then numbers that call's rounds as the survivors do.
   std::string Rejoin(uint64_t generation);
-  std::string LinkKind(int64_t p) const override;
-  // TCP connections the listener refused (tcp_link.h); 0 before Open.
-  int64_t refused_connections() const { return tcp_ ? tcp_->refused() : 0; }
+  const LinkCapabilities* LinkOf(int64_t p) const override;
+  // What this process holds for its links (jaxcomm.memory()), in bytes.
+  struct Held {
+    size_t shm_control = 0, shm_data = 0, shm_data_used = 0, link_buffers = 0, staging = 0;
+    int64_t calls = 0;  // cross-process calls holding shared-memory buffers
+  };
+  Held held() const;
+  // Connections from strangers the transports refused (TCP's listener, tcp_link.h).
+  int64_t refused_connections() const;
   std::string HostOf(int64_t p) const override;
   std::unique_ptr<InlineExchange> OpenInline(std::shared_ptr<const ExchangePlan> plan, size_t my_bytes) override;
 
@@ -145,11 +146,9 @@ class World : public CrossProcess {
   // fresh one costs a page fault per 4 KiB).
   std::vector<char> TakeBounce(size_t bytes);
   void GiveBounce(std::vector<char> buffer);
-  // Takes a connection accepted on this process's listener: a peer linking at bootstrap,
-  // or a restarted process rejoining (kept aside until its request is seen).
-  void Adopt(std::shared_ptr<TcpPeerTransport> link);
-  // Accepts connections that arrive while no Link() waits for one (rejoining processes).
-  void AcceptLate();
+  // Whether every link of `p` whose sends complete later (Capabilities) has sent its
+  // round whole: the caller's buffers are free.
+  static bool SendsDone(const Pending& p);
   void Progress();
   // Progress's loop, until stop_ or an exception; `mine`: the exchanges it holds.
   void ProgressLoop(std::vector<std::unique_ptr<Pending>>& mine);
@@ -159,12 +158,12 @@ class World : public CrossProcess {
   std::condition_variable cv_;
   int64_t process_ = -1;
   std::string host_;
-  // This process's side of each transport (shared memory only where the job uses it),
-  // and both in the order a round publishes through them. Declared before the links,
-  // which refer to them, and outlive them.
-  std::unique_ptr<ShmTransport> shm_;
-  std::unique_ptr<TcpTransport> tcp_;
+  // This process's side of each transport it opened, in the order of preference (and the
+  // order a round publishes through them), and the shared-memory one among them (null if
+  // none). Declared before the links, which refer to them, and outlive them.
+  std::vector<std::unique_ptr<Transport>> owned_;
   std::vector<Transport*> transports_;
+  ShmTransport* shm_ = nullptr;
   std::map<int64_t, std::shared_ptr<PeerTransport>> peers_;
   std::set<int64_t> excluded_;
   // Some process was ever left out (excluded_ not empty once): inline exchanges then
@@ -175,7 +174,7 @@ class World : public CrossProcess {
   uint64_t joining_ = 0;                       // restarted process: its request
   std::map<uint64_t, int64_t> seq_offset_;     // restarted process: per call, survivors' numbering
   std::vector<std::unique_ptr<Pending>> pending_;
-  std::mutex bounce_mu_;
+  mutable std::mutex bounce_mu_;
   std::vector<std::vector<char>> bounces_;  // Pull's spare buffers
   // The mismatch check's state: notices of waits that failed as a mismatch, shown until
   // `until`; calls refused, by (key, seq), with their error; what the board shows now,

@@ -6,8 +6,8 @@
 #include <map>
 #include <tuple>
 
-#include "cpu/world.h"
-#include "cpu/world_internal.h"
+#include "cpu/transport/world.h"
+#include "cpu/transport/world_internal.h"
 
 namespace jaxcomm::cpu {
 namespace {

@@ -1,6 +1,9 @@
 // What World (world.h) needs of the links that carry a round between processes, so that
-// it never asks which kind of link a peer has: shared memory (shm_transport.h) and TCP
-// (tcp_transport.h) implement it, and a third kind would implement it too.
+// it never asks which kind of link a peer has: shared memory (shm_transport.h), TCP
+// (tcp_transport.h) and MPI (mpi_transport.h) implement it. Each reports what it can do
+// (Capabilities); World and the algorithms above it choose by that, never by its name.
+// World opens its transports through one factory (factory.h): adding a transport is its
+// own files and one line there.
 //
 // Two sides. A Transport is this process's side of one kind of link (World holds one per
 // kind it opened); a PeerTransport is the link to one peer process through it. A round
@@ -22,15 +25,57 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <stdexcept>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/cross_process.h"
 #include "core/mismatch.h"
 
 namespace jaxcomm::cpu {
+
+// A transport's settings (from the bootstrap) or its endpoint (what a peer needs to link
+// to this process through it, published by the bootstrap): named fields, as text.
+using Params = std::map<std::string, std::string>;
+
+// Field `name` of `params` ("" when absent).
+inline std::string Field(const Params& params, const std::string& name) {
+  auto it = params.find(name);
+  return it == params.end() ? "" : it->second;
+}
+
+// Field `name` of `params` as an integer: false and `error` when absent or not one. A
+// value above INT64_MAX (a 64-bit handle written unsigned) keeps its bits.
+inline bool IntField(const Params& params, const std::string& name, int64_t* value, std::string* error) {
+  const std::string text = Field(params, name);
+  try {
+    size_t used = 0;
+    *value = std::stoll(text, &used, 0);
+    if (used == text.size()) return true;
+  } catch (const std::out_of_range&) {
+    try {
+      size_t used = 0;
+      *value = static_cast<int64_t>(std::stoull(text, &used, 0));
+      if (used == text.size() && text.find('-') == std::string::npos) return true;
+    } catch (const std::exception&) {
+    }
+  } catch (const std::exception&) {
+  }
+  *error = "the transport's field '" + name + "' is not an integer: '" + text + "'";
+  return false;
+}
+
+// What a transport's links can do (core/cross_process.h has what the algorithms read).
+struct Capabilities : LinkCapabilities {
+  // A send may still read the caller's buffers after PeerTransport::Send returned: an
+  // exchange does not finish before Delivered says the round left them.
+  bool sends_complete_later = false;
+};
 
 // A contribution: byte ranges, sent in order as one.
 using Parts = std::vector<std::pair<const void*, size_t>>;
@@ -65,6 +110,7 @@ struct PeerIdentity {
 };
 
 class PeerTransport;
+class ShmTransport;      // shm_transport.h
 class ShmPeerTransport;  // shm_transport.h
 
 // A restarted process (jaxcomm.ft.rejoin) asking to be readmitted, as a transport received
@@ -74,10 +120,37 @@ struct Rejoiner {
   uint64_t generation = 0;
 };
 
+// How World::Link asks a transport for a link.
+struct LinkRequest {
+  PeerIdentity who;  // the peer, as the bootstrap told it
+  Params endpoint;   // the peer's endpoint of this transport
+  std::chrono::steady_clock::time_point deadline;
+  // A restarted process (jaxcomm.ft.rejoin) links every peer itself.
+  bool rejoining = false;
+};
+
 // This process's side of one kind of link.
 class Transport {
  public:
   virtual ~Transport() = default;
+
+  virtual const Capabilities& caps() const = 0;
+  // What a peer needs to link to this process through this transport.
+  virtual Params Endpoint() const = 0;
+  // Links the peer of `request`; nullptr and `error` on failure (the caller names the peer).
+  virtual std::shared_ptr<PeerTransport> Link(const LinkRequest& request, std::string* error) = 0;
+  // Called by World's progress thread about every 50 ms, and on nothing else's behalf:
+  // whatever the transport does in the background that needs no thread of its own
+  // (TCP: takes the connections of restarted processes).
+  virtual void Poll() {}
+  // Connections from strangers this transport refused (one that listens: tcp_link.h).
+  virtual int64_t refused() const { return 0; }
+  // The shared-memory transport as such (streaming and the inline exchange work on its
+  // control block and slots), or null: what World asks of no other transport.
+  virtual ShmTransport* shared_memory() { return nullptr; }
+  // Stops what the transport runs in the background before its library goes away (MPI:
+  // before MPI_Finalize); its links fail from then on. Idempotent.
+  virtual void Close() {}
   // Step 1 of publishing `round` (above): for a transport whose peers read one shared copy,
   // copies `mine` there. Called once per round when some peer of the round is linked
   // through this transport (left out or not: a restarted process reads the copy of a
@@ -111,9 +184,7 @@ class PeerTransport {
   PeerIdentity peer;
   std::string Describe() const { return peer.Describe(); }
 
-  // What jaxcomm.stats() and the algorithms call this kind of link ("shm", "tcp").
-  virtual const char* kind() const = 0;
-  // This process's side of the same transport.
+  // This process's side of the same transport (local().caps(): what the link can do).
   virtual Transport& local() const = 0;
   // Streaming and the inline exchange work on the peer's shared memory itself: the link
   // as such, or null where it has none. The only question World asks about a link's kind.
@@ -158,6 +229,10 @@ class PeerTransport {
   // ShowWaits put them. "" or the error.
   virtual std::string ShowWaits(const std::vector<WaitNotice>& notices,
                                 std::chrono::steady_clock::time_point deadline) = 0;
+
+  // Bytes this link holds on this process's side, beyond its transport's (TCP: frames
+  // received and spare buffers); jaxcomm.memory().
+  virtual size_t HeldBytes() const { return 0; }
 
   // Waiting: whether the peer shows a thread spinning on core `cpu` (PeerSpin, world_internal.h).
   virtual bool SpinsOn(int /*cpu*/) const { return false; }

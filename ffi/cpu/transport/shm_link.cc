@@ -1,4 +1,4 @@
-#include "cpu/shm_link.h"
+#include "cpu/transport/shm_link.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -12,12 +12,17 @@
 #include <cstring>
 #include <thread>
 
+#include "core/registry.h"
+
 namespace jaxcomm::cpu {
 namespace {
 
 constexpr uint64_t kMagic = 0x6a6178636f6d6d33ull;  // "jaxcomm3": the layout's version
-// Data segments grow by at least this much, so that a program of many small collectives
-// maps a handful of segments, not one per call.
+// Data segments start at kFirstGeneration and double, up to kMinGeneration (a call that
+// needs more gets a segment of its size): a program of many small collectives maps a
+// handful of segments, not one per call, and a job whose calls move a few KiB maps 4 MiB,
+// not 64.
+constexpr size_t kFirstGeneration = size_t{4} << 20;
 constexpr size_t kMinGeneration = size_t{64} << 20;
 constexpr size_t kAlign = 4096;
 
@@ -136,8 +141,21 @@ SlotEntry* ShmOwner::Slot(uint64_t key, uint64_t fingerprint, size_t bytes, std:
       *error = "shared memory for cross-process collectives exhausted";
       return nullptr;
     }
-    auto seg = Segment::Create("jaxcomm-data", std::max(need, kMinGeneration), error);
+    // Bounded by JAXCOMM_COMM_MEMORY_MB with the control block: a smaller segment when
+    // the next would pass it, an error when this call's buffers alone would.
+    const size_t limit = static_cast<size_t>(Registry::Get().comm_memory_limit());
+    const size_t held = control_->size() + data_bytes_;
+    const size_t room = limit > held ? limit - held : 0;
+    if (need > room) {
+      *error = "this call's shared-memory buffers (" + std::to_string(need) + " bytes) would take this process past "
+               "JAXCOMM_COMM_MEMORY_MB=" + std::to_string(limit >> 20) + " (it holds " + std::to_string(held) +
+               " bytes for " + std::to_string(slots_.size()) + " calls; see jaxcomm.memory())";
+      return nullptr;
+    }
+    const size_t grown = std::min(kFirstGeneration << std::min<size_t>(generations_.size(), 8), kMinGeneration);
+    auto seg = Segment::Create("jaxcomm-data", std::min(std::max(need, grown), room), error);
     if (!seg) return nullptr;
+    data_bytes_ += seg->size();
     GenerationEntry& g = b.generations[generations_.size()];
     g.bytes = seg->size();
     g.fd_plus_one.store(seg->fd() + 1, std::memory_order_release);
@@ -153,8 +171,14 @@ SlotEntry* ShmOwner::Slot(uint64_t key, uint64_t fingerprint, size_t bytes, std:
   s.done.store(0, std::memory_order_relaxed);
   s.key.store(key, std::memory_order_release);
   used_ += need;
+  data_used_ += need;
   slots_.emplace(key, &s);
   return &s;
+}
+
+ShmOwner::Held ShmOwner::held() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {control_->size(), data_bytes_, data_used_, slots_.size()};
 }
 
 SlotEntry* ShmOwner::Find(uint64_t key) {

@@ -1,4 +1,4 @@
-#include "cpu/tcp_link.h"
+#include "cpu/transport/tcp_link.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -19,10 +19,18 @@
 #include <exception>
 #include <iterator>
 
+#include "core/registry.h"
+
 namespace jaxcomm::cpu {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Bytes of frames of calls this process has not reached that one link may hold: at most
+// kEarlyBytes, and at most JAXCOMM_COMM_MEMORY_MB.
+uint64_t EarlyBudget() {
+  return std::min<uint64_t>(TcpLink::kEarlyBytes, static_cast<uint64_t>(Registry::Get().comm_memory_limit()));
+}
 
 // Marks notice frames (TcpLink::kNoticeKey).
 constexpr uint64_t kNoticeFingerprint = 0x6a636e6f74696365ull;  // "jcnotice"
@@ -442,14 +450,14 @@ std::string TcpLink::Admit(uint64_t key, int64_t seq, uint64_t fingerprint, uint
     } else {
       *matches = true;
       *early = true;
-      if (early_bytes_ + bytes <= kEarlyBytes && inbox_.size() < kMaxFrames) return "";
+      if (early_bytes_ + bytes <= EarlyBudget() && inbox_.size() < kMaxFrames) return "";
     }
     // No room: the frame stays unread (the peer's sends wait) until this process
     // reaches its call or consumes older frames.
     if (Clock::now() >= deadline) {
       return "the peer sent " + std::to_string(bytes) + " bytes for " + round +
              (*early ? ", a call this process did not reach within the timeout, beyond its budget for early frames (" +
-                           std::to_string(kEarlyBytes) + " bytes)"
+                           std::to_string(EarlyBudget()) + " bytes, JAXCOMM_COMM_MEMORY_MB)"
                      : ", while " + std::to_string(inbox_.size()) + " frames are unread (too far ahead)");
     }
     admit_cv_.wait_for(lock, std::chrono::milliseconds(200));
@@ -613,8 +621,15 @@ std::pair<int64_t, std::vector<char>> TcpLink::Newest(uint64_t key) {
   return out;
 }
 
+size_t TcpLink::held_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t bytes = spare_bytes_;
+  for (const auto& [_, frame] : inbox_) bytes += frame->bytes.capacity();
+  return bytes;
+}
+
 void TcpLink::Drop(uint64_t key, int64_t seq) {
-  // At most this many bytes of spare buffers per link.
+  // At most this many bytes of spare buffers per link (and at most JAXCOMM_COMM_MEMORY_MB).
   constexpr size_t kMaxSpareBytes = size_t{256} << 20;
   constexpr size_t kMaxSpares = 8;
   std::lock_guard<std::mutex> lock(mu_);
@@ -628,8 +643,9 @@ void TcpLink::Drop(uint64_t key, int64_t seq) {
   std::vector<char> bytes = std::move(it->second->bytes);
   inbox_.erase(it);
   admit_cv_.notify_all();
-  if (bytes.empty() || bytes.size() > kMaxSpareBytes) return;
-  while (!spare_.empty() && (spare_.size() >= kMaxSpares || spare_bytes_ + bytes.size() > kMaxSpareBytes)) {
+  const size_t most = std::min<size_t>(kMaxSpareBytes, EarlyBudget());  // JAXCOMM_COMM_MEMORY_MB
+  if (bytes.empty() || bytes.size() > most) return;
+  while (!spare_.empty() && (spare_.size() >= kMaxSpares || spare_bytes_ + bytes.size() > most)) {
     spare_bytes_ -= spare_.front().size();
     spare_.erase(spare_.begin());
   }

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/world.h"
+#include "cpu/transport/world.h"
 
 namespace jaxcomm::cpu {
 

@@ -30,8 +30,8 @@
 #include <thread>
 
 #include "core/registry.h"
-#include "cpu/world.h"
-#include "cpu/world_internal.h"
+#include "cpu/transport/world.h"
+#include "cpu/transport/world_internal.h"
 
 namespace jaxcomm::cpu {
 namespace {
@@ -127,6 +127,24 @@ bool World::ReadsDirectly(int64_t p) const {
   auto link = Peer(p);
   ShmPeerTransport* shm = link ? link->shared_memory() : nullptr;
   return shm && shm->reads_directly();
+}
+
+World::Held World::held() const {
+  Held h;
+  if (shm_) {
+    const ShmOwner::Held s = shm_->owner().held();
+    h.shm_control = s.control;
+    h.shm_data = s.data;
+    h.shm_data_used = s.data_used;
+    h.calls = static_cast<int64_t>(s.slots);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [_, link] : peers_) h.link_buffers += link->HeldBytes();
+  }
+  std::lock_guard<std::mutex> lock(bounce_mu_);
+  for (const auto& b : bounces_) h.staging += b.capacity();
+  return h;
 }
 
 std::vector<char> World::TakeBounce(size_t bytes) {

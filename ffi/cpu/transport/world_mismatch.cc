@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "core/mismatch.h"
-#include "cpu/world_internal.h"
+#include "cpu/transport/world_internal.h"
 
 namespace jaxcomm::cpu {
 namespace {

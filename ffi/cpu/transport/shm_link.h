@@ -144,11 +144,19 @@ class ShmOwner {
   // Shows `notices` on this process's wait board (one writer: the progress thread).
   void ShowWaits(const std::vector<WaitNotice>& notices);
 
+  // What it holds (jaxcomm.memory()): the control block, the data segments as mapped,
+  // the part of them its slots take, and the slots.
+  struct Held {
+    size_t control = 0, data = 0, data_used = 0, slots = 0;
+  };
+  Held held() const;
+
  private:
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::unique_ptr<Segment> control_;
   std::vector<std::unique_ptr<Segment>> generations_;
   size_t used_ = 0;  // bytes allocated in the newest generation
+  size_t data_bytes_ = 0, data_used_ = 0;  // all generations' sizes, and their slots' share
   std::unordered_map<uint64_t, SlotEntry*> slots_;
 };
 
