@@ -184,7 +184,10 @@ def test_intruders_are_refused_and_the_job_is_undisturbed(tmp_path) -> None:
             closed[f"negative round->{rank}"] = _closed_by_peer(s)
             s = _connect(port)
             s.sendall(_hello(secret_bytes, other) + _frame_header(2, 1, 0, 1000) + b"x" * 10)
-            s.close()
+            s.shutdown(socket.SHUT_WR)
+            # Seen closed before the next connection: the listener keeps one connection per
+            # process it holds (the latest), so one it took after the next would replace it.
+            closed[f"cut frame->{rank}"] = _closed_by_peer(s)
             # With the secret, a frame that fits this machine's memory but not the budget
             # for frames of calls the process has not reached (COMM_MEMORY_MB): left unread
             # (so never allocated) while it waits for its call; the sender's send stalls
