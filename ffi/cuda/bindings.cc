@@ -163,7 +163,7 @@ void RegisterCuda(nb::module_& m) {
      "What process `process` published: its host key and its devices' UUIDs by local ordinal.");
 
   m.def("cuda_set_nccl_path", [](std::string path) { NcclApi::SetSearchPath(std::move(path)); },
-        "The libnccl.so.2 to try first (the nvidia-nccl-cu13 wheel's), before NCCL is loaded.");
+        "The libnccl.so.2 to try first (the nvidia-nccl wheel's), before NCCL is loaded.");
 
   m.def("cuda_nccl_version", [] { return Nccl().version; },
         "Loads NCCL if needed and returns its version code (e.g. 22803); raises when absent.");
