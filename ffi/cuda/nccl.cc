@@ -38,8 +38,8 @@ bool Sym(void* lib, const char* name, F* out, std::string* missing) {
 std::string Load(NcclApi* api) {
   std::vector<std::string> candidates;
   if (!SearchPath().empty()) candidates.push_back(SearchPath());
-#ifdef JAXCOMM_NCCL_DEFAULT_LIBRARY  // the emulation build: the mock NCCL (ffi/cuda_emu/nccl), never a real one
-  candidates.push_back(JAXCOMM_NCCL_DEFAULT_LIBRARY);
+#ifdef JAXCOMM_CUDA_EMULATION  // the mock NCCL (ffi/cuda_emu/nccl) beside the module, never a real one
+  candidates.push_back("libjaxcomm_nccl_mock.so");
 #else
   candidates.push_back("libnccl.so.2");
   candidates.push_back("libnccl.so");

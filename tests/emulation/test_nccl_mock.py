@@ -4,10 +4,10 @@ Each test starts its ranks as processes running this file (``python test_nccl_mo
 SCENARIO RANK NRANKS ...``). A rank drives the mock through ctypes the way jaxcomm's CUDA
 backend does (ffi/cuda/nccl_comm.cc, nccl_ops.cc): non-blocking ncclCommInitRankConfig
 polled with ncclCommGetAsyncError, collectives on a stream, all_to_all and ppermute as
-groups of ncclSend/ncclRecv. Its CUDA runtime is the TEST DOUBLE
-libjaxcomm_cudart_test_double.so (ffi/cuda_emu/nccl/cudart_test_double.cc): streams are
-worker threads, device memory is poisoned host memory. Every wait has a deadline: the
-mock's own (JAXCOMM_NCCL_MOCK_TIMEOUT_S), each rank's polling loop, and the processes'.
+groups of ncclSend/ncclRecv. Its CUDA runtime is the emulated one (ffi/cuda_emu/runtime:
+streams are worker threads, device memory is poisoned), device d of every process the
+same emulated GPU. Every wait has a deadline: the mock's own
+(JAXCOMM_NCCL_MOCK_TIMEOUT_S), each rank's polling loop, and the processes'.
 """
 
 from __future__ import annotations
@@ -56,15 +56,39 @@ def config(blocking: int) -> Config:
     return Config(ctypes.sizeof(Config), 0xCAFEBEEF, 21700, blocking, undef, undef, undef, None, undef)
 
 
+# The emulated runtime's functions have C++ linkage (a real cuda_runtime_api.h declares
+# them extern "C"): their mangled names, where the plain ones are not exported.
+_MANGLED = {
+    "cudaSetDevice": "_Z13cudaSetDevicei",
+    "cudaStreamCreate": "_Z16cudaStreamCreatePP11CUstream_st",
+    "cudaStreamSynchronize": "_Z21cudaStreamSynchronizeP11CUstream_st",
+    "cudaMalloc": "_Z10cudaMallocPPvm",
+    "cudaMemcpy": "_Z10cudaMemcpyPvPKvm14cudaMemcpyKind",
+}
+
+
+class _Runtime:
+    """The few CUDA runtime functions a rank calls, by name."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return getattr(self._lib, name)
+        except AttributeError:
+            return getattr(self._lib, _MANGLED[name])
+
+
 class Rank:
-    """One rank's NCCL and CUDA (test double) entry points, and its device buffers."""
+    """One rank's NCCL and CUDA (emulated) entry points, and its device buffers."""
 
     def __init__(self, device: int):
         libdir = _library_dir()
         assert libdir is not None, "the mock NCCL is not installed (pip install .)"
-        # The mock resolves its CUDA calls against the runtime already loaded: the double.
-        self.cuda = ctypes.CDLL(str(libdir / "libjaxcomm_cudart_test_double.so"), mode=ctypes.RTLD_GLOBAL)
         self.nccl = ctypes.CDLL(str(libdir / "libjaxcomm_nccl_mock.so"))
+        # The runtime the mock loaded (one instance per process).
+        self.cuda = _Runtime(ctypes.CDLL(str(libdir / "libjaxcomm_cuda_emu_runtime.so")))
         self.nccl.ncclGetErrorString.restype = ctypes.c_char_p
         self.nccl.ncclGetLastError.restype = ctypes.c_char_p
         self.nccl.ncclGetLastError.argtypes = [ctypes.c_void_p]
@@ -79,7 +103,7 @@ class Rank:
 
     @staticmethod
     def check_cuda(err: int) -> None:
-        assert err == 0, f"CUDA test double error {err}"
+        assert err == 0, f"CUDA error {err}"
 
     def check(self, r: int, what: str) -> None:
         assert r == SUCCESS, f"{what}: {r} {self.last_error()}"
@@ -409,9 +433,9 @@ def test_blocking_communicator(tmp_path):
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_two_ranks_on_one_device_are_refused_at_init(tmp_path, R):
-    # Ranks 0 and 1 on device 0 (the others on devices of their own), as NCCL refuses; the
+    # Ranks 0 and 1 on device 1 (the others on devices of their own), as NCCL refuses; the
     # device is named by NCCL's number for its PCI bus id (0000:01:00.0: 1000).
-    devices = [0] + list(range(R - 1))
+    devices = [1] + list(range(1, R))
     results = _results(_run_ranks(tmp_path, "init_result", R, devices=devices))
     assert results[0] == (INVALID_USAGE, "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 1000")
     assert results[1] == (INVALID_USAGE, "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000")
@@ -420,7 +444,7 @@ def test_two_ranks_on_one_device_are_refused_at_init(tmp_path, R):
 
 def test_one_device_on_two_hosts_is_allowed(tmp_path):
     # NCCL_HOSTID makes the ranks different hosts: device 0 of each is another GPU.
-    outs = _run_ranks(tmp_path, "init_result", 2, devices=[0, 0],
+    outs = _run_ranks(tmp_path, "init_result", 2, devices=[1, 1],
                       rank_env=[{"NCCL_HOSTID": "host-a"}, {"NCCL_HOSTID": "host-b"}])
     assert _results(outs) == [(SUCCESS, ""), (SUCCESS, "")]
 

@@ -182,14 +182,17 @@ ncclResult_t Comm::Init() {
     return Fail(ncclInvalidArgument, Who() + ": invalid rank or nranks (at most " +
                                          std::to_string(kMaxRanks) + " ranks)");
   }
-  // The device is the calling thread's current one, as for NCCL.
-  char bus[64] = {};
+  // The device is the calling thread's current one, as for NCCL, known by its PCI bus id
+  // (the string cudaDeviceGetPCIBusId gives).
+  cudaDeviceProp prop{};
   cudaError_t e = cudaGetDevice(&device_);
-  if (e == 0) e = cudaDeviceGetPCIBusId(bus, sizeof(bus), device_);
-  if (e != 0) {
+  if (e == cudaSuccess) e = cudaGetDeviceProperties(&prop, device_);
+  if (e != cudaSuccess) {
     return Fail(ncclUnhandledCudaError, Who() + ": cannot tell the calling thread's CUDA device: " +
                                             cudaGetErrorString(e));
   }
+  char bus[32];
+  std::snprintf(bus, sizeof(bus), "%04x:%02x:%02x.0", prop.pciDomainID, prop.pciBusID, prop.pciDeviceID);
   bus_id_ = BusIdToInt(bus);
   host_hash_ = HostHash();
   if (blocking_) return Join();
@@ -360,7 +363,7 @@ ncclResult_t Comm::Launch(std::vector<Op> ops, cudaStream_t stream, std::string*
   auto work = std::make_unique<Work>(Work{shared_from_this(), std::move(ops)});
   outstanding_.fetch_add(1);
   const cudaError_t e = cudaLaunchHostFunc(stream, &Comm::RunWork, work.get());
-  if (e != 0) {
+  if (e != cudaSuccess) {
     outstanding_.fetch_sub(1);
     *why = Who() + ": cudaLaunchHostFunc failed: " + cudaGetErrorString(e);
     return Fail(ncclUnhandledCudaError, *why);

@@ -8,7 +8,8 @@
 // messages from that rank to that peer, which is how NCCL pairs them), written by its
 // owner and read by the ranks that need it; the owner removes the name once every reader
 // opened it. All of this runs where NCCL's kernels would run: on the caller's CUDA stream,
-// as a host function (cudaLaunchHostFunc), in stream order.
+// as a host function (cudaLaunchHostFunc), in stream order. Only the public runtime API is
+// used, so it runs on the emulated runtime (ffi/cuda_emu/runtime) unchanged.
 //
 // Every wait has a deadline (JAXCOMM_NCCL_MOCK_TIMEOUT_S, else JAXCOMM_TIMEOUT_S, else
 // 300 s) and ends early when this communicator, or the peer it waits for, is aborted. A

@@ -1,13 +1,12 @@
 // The C ABI of the mock NCCL: the types and entry points of NCCL 2.x's nccl.h that
 // jaxcomm's CUDA backend loads with dlsym (ffi/cuda/nccl.cc), with NCCL's values and
-// layouts. The backend declares the same types in its own header (ffi/cuda/nccl.h, which
-// needs the CUDA headers); this one needs none, so the mock builds with the host
-// compiler alone.
+// layouts (the backend declares the same ones in ffi/cuda/nccl.h, inside its namespace).
+// cuda_runtime_api.h is the emulated runtime's (ffi/cuda_emu/runtime/include).
 #pragma once
 
-#include <cstddef>
+#include <cuda_runtime_api.h>
 
-#include "cuda_emu/nccl/cuda_runtime_subset.h"
+#include <cstddef>
 
 extern "C" {
 
