@@ -353,7 +353,60 @@ def _scenario_mismatch(rank: Rank, me: int, R: int, uid: bytes) -> None:
     rank.nccl.ncclCommAbort(rank.comm)
 
 
+def _scenario_early_use(rank: Rank, me: int, R: int, uid: bytes) -> None:
+    """Rank 0 uses its communicator before the others joined: refused with
+    ncclInvalidUsage, while ncclCommGetAsyncError says ncclInProgress. The others start
+    joining only once rank 0 is done with that (a file it writes)."""
+    marker = Path(os.environ["NCCL_MOCK_TEST_MARKER"])
+    if me == 0:
+        assert rank.init(R, uid, me) == IN_PROGRESS
+        assert rank.async_error() == IN_PROGRESS
+        x = rank.to_device(np.ones(4, np.float32))
+        assert rank.nccl.ncclAllReduce(x, x, ctypes.c_size_t(4), FLOAT32, SUM, rank.comm, rank.stream) == INVALID_USAGE
+        assert rank.nccl.ncclGetLastError(None).decode() == (
+            f"ncclAllReduce: mock NCCL: rank 0 of {R}: the communicator is still being initialized (poll "
+            "ncclCommGetAsyncError until it returns ncclSuccess before using it)")
+        marker.write_text("done")
+    else:
+        deadline = time.monotonic() + POLL_DEADLINE_S
+        while not marker.exists():
+            assert time.monotonic() < deadline, "rank 0 never finished"
+            time.sleep(0.01)
+        assert rank.init(R, uid, me) == IN_PROGRESS
+    rank.check(rank.wait_while_in_progress(IN_PROGRESS), "init")
+    rank.check(rank.nccl.ncclCommDestroy(rank.comm), "ncclCommDestroy")
+
+
+def _scenario_threads(rank: Rank, me: int, R: int, uid: bytes) -> None:
+    """All R ranks in this process, one thread each on its own device, as the CUDA backend
+    runs the GPUs of one process: every thread creates its communicator and all-reduces."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def one(r: int) -> None:
+        try:
+            t = Rank(r)  # this thread's device and stream
+            t.check(t.wait_while_in_progress(t.init(R, uid, r)), "init")
+            x = t.to_device(np.full(16, r + 1, np.float32))
+            t.check(t.nccl.ncclAllReduce(x, x, ctypes.c_size_t(16), FLOAT32, SUM, t.comm, t.stream), "ar")
+            np.testing.assert_array_equal(t.from_device(x, 16, np.float32), np.full(16, R * (R + 1) / 2))
+            t.check(t.nccl.ncclCommDestroy(t.comm), "ncclCommDestroy")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(R)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(POLL_DEADLINE_S)
+    assert not any(t.is_alive() for t in threads), "a rank's thread outlived its deadline"
+    assert not errors, errors
+
+
 SCENARIOS: dict[str, Callable[[Rank, int, int, bytes], None]] = {
+    "early_use": _scenario_early_use,
+    "threads": _scenario_threads,
     "collectives": _scenario_collectives,
     "blocking": _scenario_blocking,
     "init_result": _scenario_init_result,
@@ -425,6 +478,14 @@ def test_collectives_and_send_recv_match_numpy(tmp_path, R):
     before = _leftover_segments()
     _run_ranks(tmp_path, "collectives", R)
     assert _leftover_segments() == before, "the mock left shared memory segments behind"
+
+
+def test_ranks_as_threads_of_one_process(tmp_path):
+    _run_ranks(tmp_path, "threads", 4, ranks=[0])
+
+
+def test_use_before_init_finished_is_refused(tmp_path):
+    _run_ranks(tmp_path, "early_use", 2, env={"NCCL_MOCK_TEST_MARKER": str(tmp_path / "rank0_checked")})
 
 
 def test_blocking_communicator(tmp_path):
