@@ -12,7 +12,8 @@ whole process, so it cannot share one with the host backend's tests). Around eve
 
 What the tests observed (calls per algorithm) goes to the JSON file named by
 ``JAXCOMM_EMU_REPORT``. Tests of the host backend's own mechanisms are skipped here
-(HOST_ONLY, with the reason).
+(HOST_ONLY, with the reason); where the CUDA backend's answer is known to differ, the test
+is a strict xfail (KNOWN_DIFFERENCES).
 """
 
 from __future__ import annotations
@@ -26,7 +27,22 @@ import pytest
 
 #: Tests (file::name prefix) of the host backend's own mechanisms, with the reason they
 #: do not apply to the CUDA backend.
+_INDEPENDENT = ("independent NCCL collectives in one program: XLA:CPU runs them in different orders "
+                "on different devices (XLA:GPU issues a device's thunks in program order, and runs "
+                "every initialize stage before executing), so the ranks enqueue them in different "
+                "orders, which NCCL's same-order rule forbids")
 HOST_ONLY: dict[str, str] = {
+    "test_collectives.py::test_groups_of_five_to_seven_ranks_match_numpy": _INDEPENDENT,
+    "test_collectives.py::test_many_independent_jaxcomm_collectives": _INDEPENDENT,
+    "test_collectives.py::test_independent_jaxcomm_and_xla_collectives": _INDEPENDENT,
+}
+
+#: Where the CUDA backend's answer differs from the host backend's (and jax.lax's): a
+#: strict xfail, so that a fix shows up as XPASS.
+KNOWN_DIFFERENCES: dict[str, str] = {
+    "test_collectives.py::test_all_reduce_nan_propagates": (
+        "NCCL's max/min (fmaxf/fminf, and the mock NCCL's) drop a NaN that the host kernels "
+        "propagate"),
 }
 
 _calls: collections.Counter = collections.Counter()
@@ -37,7 +53,10 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
         nodeid = item.nodeid.split("/")[-1]
         for prefix, why in HOST_ONLY.items():
             if nodeid.startswith(prefix):
-                item.add_marker(pytest.mark.skip(reason=f"host backend only: {why}"))
+                item.add_marker(pytest.mark.skip(reason=f"not under the emulation: {why}"))
+        for prefix, why in KNOWN_DIFFERENCES.items():
+            if nodeid.startswith(prefix):
+                item.add_marker(pytest.mark.xfail(strict=True, reason=f"CUDA backend: {why}"))
 
 
 def _cuda_ops() -> frozenset[str]:
