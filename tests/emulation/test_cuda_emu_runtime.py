@@ -29,7 +29,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted(glob.glob(str(ROOT / "ffi/cuda_emu/runtime/*.cc")))
 INCLUDES = [f"-I{ROOT / 'ffi'}", f"-I{ROOT / 'ffi/cuda_emu/runtime/include'}",
-            f"-I{ROOT / 'ffi/cuda_emu/simt/include'}"]
+            f"-I{ROOT / 'ffi/cuda_emu/simt/include'}", f"-I{ROOT / 'tests/emulation/cpp'}"]
 SIMT_CASES = ["launches", "warps", "barriers"]
 CASES = ["stream_order", "last_error", "sticky", "poison", "launch_limits", "events_across_streams",
          "legacy_stream", "peer_access", "strict_never_recorded", "strict_free_in_use", "ipc"]
