@@ -8,6 +8,10 @@
 #include <cstddef>
 #include <cstdint>
 
+// The version the declarations follow (CUDA 13.0), as the real header defines it: code that
+// guards newer calls by it (ffi/cuda/ipc.cc) takes the same branch as on CUDA 13.
+#define CUDART_VERSION 13000
+
 // ------------------------------------------------------------------------ errors
 enum cudaError {
   cudaSuccess = 0,
