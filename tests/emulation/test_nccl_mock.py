@@ -469,15 +469,19 @@ def _results(outs: list[str]) -> list[tuple[int, str]]:
     return found
 
 
-def _leftover_segments(prefix: str = "jxnccl_") -> list[str]:
+def _leftover_segments(idfile: Path) -> list[str]:
+    """The shared-memory segments left of the job whose unique id is in ``idfile``: those
+    named by its nonce (ffi/cuda_emu/nccl/comm.cc PrefixOf). Other jobs' (tests running at
+    the same time, on other workers or other checkouts) are not this job's."""
+    nonce = int.from_bytes(idfile.read_bytes()[8:16], "little")
+    prefix = f"jxnccl_{nonce:016x}"
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix)) if os.path.isdir("/dev/shm") else []
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_collectives_and_send_recv_match_numpy(tmp_path, R):
-    before = _leftover_segments()
     _run_ranks(tmp_path, "collectives", R)
-    assert _leftover_segments() == before, "the mock left shared memory segments behind"
+    assert _leftover_segments(tmp_path / "collectives.id") == [], "the mock left shared memory segments behind"
 
 
 def test_ranks_as_threads_of_one_process(tmp_path):
@@ -518,7 +522,7 @@ def test_rank_that_never_joins_times_out(tmp_path):
         assert re.fullmatch(rf"mock NCCL: rank {me} of 4: waited \d+ ms for the other ranks to join "
                             r"\(ncclCommInitRankConfig\) and gave up \(JAXCOMM_NCCL_MOCK_TIMEOUT_S / "
                             r"JAXCOMM_TIMEOUT_S: 1000 ms\) \(ranks that never joined: 3\)", msg), msg
-    assert not [n for n in _leftover_segments() if n.endswith("_ctl")]
+    assert not [n for n in _leftover_segments(tmp_path / "init_result.id") if n.endswith("_ctl")]
 
 
 def test_rank_that_never_calls_the_collective_times_out(tmp_path):
