@@ -35,6 +35,13 @@ HOST_ONLY: dict[str, str] = {
     "test_collectives.py::test_groups_of_five_to_seven_ranks_match_numpy": _INDEPENDENT,
     "test_collectives.py::test_many_independent_jaxcomm_collectives": _INDEPENDENT,
     "test_collectives.py::test_independent_jaxcomm_and_xla_collectives": _INDEPENDENT,
+    "test_moe_inference.py::test_split_phase_leaves_work_between_the_halves": (
+        "inspects the host backend's fused dispatch (moe_dispatch) in the compiled program"),
+    "test_moe_inference.py::test_split_send_returns_before_its_peers_arrive": (
+        "injects a hang with JAXCOMM_FAULT, which the host backend's handlers read"),
+    "test_moe_inference.py::test_split_low_latency_fp8_across_processes": (
+        "several processes: the emulation serves one process (XLA:CPU's buffers are not "
+        "emulated device memory, so the CUDA IPC route has nothing to export)"),
 }
 
 #: Where the CUDA backend's answer differs from the host backend's (and jax.lax's): a
