@@ -30,6 +30,22 @@ SCRIPT = textwrap.dedent("""
                 for r in jaxcomm.stats()]
         return dict(equal=all(np.array_equal(g, want) for g in got), rows=rows)
 
+    def ragged_one_rank(mesh):
+        # One-rank groups (axis y): rows 1-2 of each device's operand to rows 3-4 of its output.
+        operand = jnp.arange(8 * 4 * 2, dtype=jnp.float32).reshape(8 * 4, 2)
+        idx = lambda v: jnp.full((1,), v, jnp.int32)
+        f = lambda a: jaxcomm.ragged_all_to_all(a, jnp.zeros((6, 2), a.dtype), idx(1), idx(2), idx(3),
+                                                idx(2), axis_name="y")
+        spec = P(("x", "y"))
+        a = jax.device_put(operand, NamedSharding(mesh, spec))
+        jaxcomm.stats(reset=True)
+        got = np.asarray(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))(a))
+        want = np.zeros((8, 6, 2), np.float32)
+        want[:, 3:5] = np.asarray(operand).reshape(8, 4, 2)[:, 1:3]
+        rows = [dict(op=r.op, algorithm=r.algorithm, calls=r.calls, bytes=r.bytes)
+                for r in jaxcomm.stats()]
+        return dict(equal=bool(np.array_equal(got.reshape(8, 6, 2), want)), rows=rows)
+
     mesh8 = jax.make_mesh((8,), ("x",))
     mesh81 = jax.make_mesh((8, 1), ("x", "y"))
     x = jnp.arange(64.0, dtype=jnp.float32).reshape(8, 8)
@@ -41,6 +57,7 @@ SCRIPT = textwrap.dedent("""
                     lambda v: jax.lax.psum(v, "x"), x),
         "copy": run(mesh81, P("x", "y"), lambda v: jaxcomm.all_gather(v, "y", tiled=True),
                     lambda v: jax.lax.all_gather(v, "y", tiled=True), x),
+        "ragged": ragged_one_rank(mesh81),
         "violations": cuda_emulated.strict_violations(),
     }
     print("RESULT " + json.dumps(out))
@@ -61,6 +78,7 @@ def routes() -> dict:
     ("peers", "ppermute", "cuda (emulated): cuda peers in process"),
     ("nccl", "all_reduce", "cuda (emulated): nccl"),
     ("copy", "all_gather", "cuda (emulated): cuda copy"),
+    ("ragged", "ragged_all_to_all", "cuda (emulated): cuda copy"),  # RaggedForwardKernel
 ])
 def test_route_serves_and_matches_lax(routes, route, op, algorithm):
     res = routes[route]
