@@ -42,9 +42,17 @@ SCRIPT = textwrap.dedent("""
         got = np.asarray(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))(a))
         want = np.zeros((8, 6, 2), np.float32)
         want[:, 3:5] = np.asarray(operand).reshape(8, 4, 2)[:, 1:3]
+        # Its transpose (RaggedTransposeKernel): the cotangent of rows 3-4 flows to rows 1-2.
+        ct = jnp.arange(8 * 6 * 2, dtype=jnp.float32).reshape(8 * 6, 2) + 1
+        g = lambda a, c: jax.vjp(f, a)[1](c)[0]
+        c = jax.device_put(ct, NamedSharding(mesh, spec))
+        grad = np.asarray(jax.jit(jax.shard_map(g, mesh=mesh, in_specs=(spec, spec), out_specs=spec))(a, c))
+        want_grad = np.zeros((8, 4, 2), np.float32)
+        want_grad[:, 1:3] = np.asarray(ct).reshape(8, 6, 2)[:, 3:5]
         rows = [dict(op=r.op, algorithm=r.algorithm, calls=r.calls, bytes=r.bytes)
                 for r in jaxcomm.stats()]
-        return dict(equal=bool(np.array_equal(got.reshape(8, 6, 2), want)), rows=rows)
+        return dict(equal=bool(np.array_equal(got.reshape(8, 6, 2), want)
+                               and np.array_equal(grad.reshape(8, 4, 2), want_grad)), rows=rows)
 
     mesh8 = jax.make_mesh((8,), ("x",))
     mesh81 = jax.make_mesh((8, 1), ("x", "y"))

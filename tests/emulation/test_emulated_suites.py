@@ -61,6 +61,7 @@ def test_suite_on_emulated_cuda(suite: str, tmp_path: Path) -> None:
     tail = (r.stdout + r.stderr)[-6000:]
     assert r.returncode == 0, tail
     assert " passed" in r.stdout, tail
+    print(suite, r.stdout.strip().splitlines()[-1])  # the counts (shown with -rA)
     calls = json.loads(report.read_text())["calls"]
     emulated = {a: n for a, n in calls.items() if a.startswith("cuda (emulated): ")}
     if suite in LAX_ON_CUDA:
