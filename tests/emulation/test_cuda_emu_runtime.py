@@ -7,8 +7,9 @@ events across streams and processes, the last-error rules (cudaGetLastError clea
 cudaPeekAtLastError does not, an event poll's cudaErrorNotReady stays), sticky errors,
 poisoned fresh memory, launch and pitch limits, the legacy stream's implicit ordering,
 peer access refused to the device itself, CUDA IPC between two processes, and the strict
-checks (a wait on an event never recorded, freeing memory queued work uses, an IPC mapping
-used after it was closed). The SIMT cases (tests/emulation/cpp/simt_test.cu, rewritten by
+checks (a wait on an event never recorded, freeing memory queued work uses, a host read on
+the legacy stream racing a non-blocking stream's queued work, an IPC mapping used after it
+was closed). The SIMT cases (tests/emulation/cpp/simt_test.cu, rewritten by
 host_cu.py as the build rewrites kernels.cu): barriers and dynamic shared memory, warp
 shuffles, ballots and matches, __syncthreads_count/_and, atomics, refused launch
 configurations, threads that returned counting as arrived, and a real deadlock reported
@@ -32,7 +33,8 @@ INCLUDES = [f"-I{ROOT / 'ffi'}", f"-I{ROOT / 'ffi/cuda_emu/runtime/include'}",
             f"-I{ROOT / 'ffi/cuda_emu/simt/include'}", f"-I{ROOT / 'tests/emulation/cpp'}"]
 SIMT_CASES = ["launches", "warps", "barriers"]
 CASES = ["stream_order", "last_error", "sticky", "poison", "launch_limits", "events_across_streams",
-         "legacy_stream", "peer_access", "strict_never_recorded", "strict_free_in_use", "ipc"]
+         "legacy_stream", "peer_access", "strict_never_recorded", "strict_free_in_use",
+         "strict_host_read_unsynchronized", "ipc"]
 
 
 def _compiler() -> str:
