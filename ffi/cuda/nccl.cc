@@ -38,8 +38,12 @@ bool Sym(void* lib, const char* name, F* out, std::string* missing) {
 std::string Load(NcclApi* api) {
   std::vector<std::string> candidates;
   if (!SearchPath().empty()) candidates.push_back(SearchPath());
+#ifdef JAXCOMM_CUDA_EMULATION  // the mock NCCL (ffi/cuda_emu/nccl) beside the module, never a real one
+  candidates.push_back("libjaxcomm_nccl_mock.so");
+#else
   candidates.push_back("libnccl.so.2");
   candidates.push_back("libnccl.so");
+#endif
   std::string tried;
   DlHandle lib;
   for (const std::string& c : candidates) {
