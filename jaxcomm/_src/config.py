@@ -222,7 +222,7 @@ _VARIABLES = (
              "they are a copy.", EACH_INSTANTIATE, "cuda", _choice("nccl", lower=False),
              native=True),
     Variable("JAXCOMM_NCCL_LIBRARY", "path", "",
-             "The NCCL library to load instead of the nvidia-nccl-cu13 wheel's libnccl.so.2.",
+             "The NCCL library to load instead of libnccl.so.2 (the one jax's CUDA extra, ``jax[cuda12]`` or ``jax[cuda13]``, installs).",
              AT_REGISTRATION, "cuda", _text),
     # --- multi-process start-up (jaxcomm.init)
     Variable("JAXCOMM_INIT_TIMEOUT_S", "seconds", "60",
