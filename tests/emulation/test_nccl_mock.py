@@ -560,5 +560,58 @@ def test_mismatched_collectives_are_named(tmp_path):
     assert mismatch[0] in results or mismatch[1] in results, results
 
 
+@pytest.fixture(scope="module")
+def backend_check(tmp_path_factory) -> Path:
+    """ffi/cuda_emu/nccl/backend_check.cc with the backend's ffi/cuda/nccl.cc and
+    nccl_comm.cc, built as the emulation builds them, on the installed runtime and mock."""
+    import shutil
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    import jax.ffi
+
+    root, libdir = Path(__file__).resolve().parents[2], _library_dir()
+    out = tmp_path_factory.mktemp("nccl_mock") / "backend_check"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", "-DJAXCOMM_CUDA_EMULATION",
+                    f"-I{root / 'ffi/cuda_emu/runtime/include'}", f"-I{root / 'ffi'}", "-isystem",
+                    jax.ffi.include_dir(), str(root / "ffi/cuda_emu/nccl/backend_check.cc"),
+                    str(root / "ffi/cuda/nccl.cc"), str(root / "ffi/cuda/nccl_comm.cc"), "-o", str(out),
+                    str(libdir / "libjaxcomm_cuda_emu_runtime.so"), f"-Wl,-rpath,{libdir}", "-ldl"],
+                   check=True)
+    return out
+
+
+def test_backend_nccl_code_on_the_mock(backend_check):
+    # The backend's loader finds the mock by its default name (JAXCOMM_CUDA_EMULATION);
+    # its registry creates 4 communicators non-blocking from 4 threads; Run polls them.
+    r = subprocess.run([str(backend_check), "all_reduce", "4"], capture_output=True, text=True,
+                       timeout=PROCESS_DEADLINE_S, env={**os.environ, "JAXCOMM_NCCL_MOCK_TIMEOUT_S": "60"})
+    assert (r.returncode, r.stdout) == (0, "OK\n"), r.stderr
+
+
+def test_backend_reports_a_rank_that_never_joins(backend_check):
+    # Ranks 0 and 1 of 3: the backend's deadline (1 s) ends the creation and aborts the
+    # half-made communicator (the mock's own deadline, 60 s, is far).
+    r = subprocess.run([str(backend_check), "absent", "3"], capture_output=True, text=True,
+                       timeout=PROCESS_DEADLINE_S, env={**os.environ, "JAXCOMM_NCCL_MOCK_TIMEOUT_S": "60"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines.pop() == "OK"
+
+    def timed_out(k: int) -> str:
+        return (f"backend_check rank {k}: creating the NCCL communicator of group check (rank {k} of 3) did not "
+                "finish within 1000 ms (timeout_s / JAXCOMM_TIMEOUT_S): some rank of the group never joined")
+
+    def saw_abort(k: int) -> str:  # the other rank's deadline came first, and it aborted
+        return (f"backend_check rank {k}: creating the NCCL communicator of group check (rank {k} of 3) failed: "
+                "remote process exited or there was a network error (ncclResult_t 6): mock NCCL: rank "
+                f"{k} of 3: rank {1 - k} aborted its communicator (ncclCommAbort) while rank {k} was waiting for "
+                "the other ranks to join (ncclCommInitRankConfig) (ranks that never joined: 2)")
+
+    assert sorted(lines) in ([timed_out(0), timed_out(1)], [timed_out(0), saw_abort(1)],
+                             [saw_abort(0), timed_out(1)]), lines
+
+
 if __name__ == "__main__":
     _rank_main(sys.argv[1:])
