@@ -434,16 +434,16 @@ pytestmark = pytest.mark.skipif(_library_dir() is None, reason="jaxcomm's mock N
 
 def _run_ranks(tmp_path: Path, scenario: str, R: int, devices: list[int] | None = None,
                env: dict[str, str] | None = None, ranks: list[int] | None = None,
-               rank_env: list[dict[str, str]] | None = None) -> list[str]:
+               rank_prefix: list[list[str]] | None = None) -> list[str]:
     """Runs `ranks` (default: all R) of `scenario` as processes, rank r on `devices[r]`
-    (default r) with `env` and `rank_env[r]` added; returns each one's stdout. Fails with
-    a rank's stderr if it failed, or if any outlives PROCESS_DEADLINE_S."""
+    (default r) with `env` added, its command after `rank_prefix[r]`; returns each one's
+    stdout. Fails with a rank's stderr if it failed, or if any outlives PROCESS_DEADLINE_S."""
     devices = list(range(R)) if devices is None else devices
     idfile = tmp_path / f"{scenario}.id"
-    base_env = {**os.environ, "JAXCOMM_NCCL_MOCK_TIMEOUT_S": "60", **(env or {})}
-    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(R), str(idfile), str(devices[r])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**base_env, **(rank_env[r] if rank_env else {})})
+    full_env = {**os.environ, "JAXCOMM_NCCL_MOCK_TIMEOUT_S": "60", **(env or {})}
+    procs = [subprocess.Popen([*(rank_prefix[r] if rank_prefix else []), sys.executable, __file__, scenario, str(r),
+                               str(R), str(idfile), str(devices[r])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
              for r in (range(R) if ranks is None else ranks)]
     outs = []
     deadline = time.monotonic() + PROCESS_DEADLINE_S
@@ -469,15 +469,17 @@ def _results(outs: list[str]) -> list[tuple[int, str]]:
     return found
 
 
-def _leftover_segments(prefix: str = "jxnccl_") -> list[str]:
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix)) if os.path.isdir("/dev/shm") else []
+def _leftover_segments(tmp_path: Path, scenario: str) -> list[str]:
+    """The shared memory segments of the scenario's communicator still in /dev/shm (named
+    after its unique id: ffi/cuda_emu/nccl/comm.cc)."""
+    nonce = int.from_bytes((tmp_path / f"{scenario}.id").read_bytes()[8:16], "little")
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"jxnccl_{nonce:016x}"))
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_collectives_and_send_recv_match_numpy(tmp_path, R):
-    before = _leftover_segments()
     _run_ranks(tmp_path, "collectives", R)
-    assert _leftover_segments() == before, "the mock left shared memory segments behind"
+    assert _leftover_segments(tmp_path, "collectives") == [], "the mock left shared memory segments behind"
 
 
 def test_ranks_as_threads_of_one_process(tmp_path):
@@ -504,9 +506,12 @@ def test_two_ranks_on_one_device_are_refused_at_init(tmp_path, R):
 
 
 def test_one_device_on_two_hosts_is_allowed(tmp_path):
-    # NCCL_HOSTID makes the ranks different hosts: device 0 of each is another GPU.
-    outs = _run_ranks(tmp_path, "init_result", 2, devices=[1, 1],
-                      rank_env=[{"NCCL_HOSTID": "host-a"}, {"NCCL_HOSTID": "host-b"}])
+    # Each rank in a UTS namespace of its own with its own host name: two hosts, so device 1
+    # of each is another GPU (NCCL tells hosts apart by their names).
+    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --uts is not permitted here")
+    on_host = [["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host] for host in ("host-a", "host-b")]
+    outs = _run_ranks(tmp_path, "init_result", 2, devices=[1, 1], rank_prefix=on_host)
     assert _results(outs) == [(SUCCESS, ""), (SUCCESS, "")]
 
 
@@ -516,9 +521,9 @@ def test_rank_that_never_joins_times_out(tmp_path):
     for me, (r, msg) in enumerate(_results(outs)):
         assert r == SYSTEM_ERROR
         assert re.fullmatch(rf"mock NCCL: rank {me} of 4: waited \d+ ms for the other ranks to join "
-                            r"\(ncclCommInitRankConfig\) and gave up \(JAXCOMM_NCCL_MOCK_TIMEOUT_S / "
-                            r"JAXCOMM_TIMEOUT_S: 1000 ms\) \(ranks that never joined: 3\)", msg), msg
-    assert not [n for n in _leftover_segments() if n.endswith("_ctl")]
+                            r"\(ncclCommInitRankConfig\) and gave up \(JAXCOMM_NCCL_MOCK_TIMEOUT_S: 1000 ms\) "
+                            r"\(ranks that never joined: 3\)", msg), msg
+    assert _leftover_segments(tmp_path, "init_result") == []
 
 
 def test_rank_that_never_calls_the_collective_times_out(tmp_path):
@@ -526,8 +531,7 @@ def test_rank_that_never_calls_the_collective_times_out(tmp_path):
     (r, msg), = _results(outs[:1])
     assert r == SYSTEM_ERROR
     assert re.fullmatch(r"mock NCCL: rank 0 of 2: waited \d+ ms for rank 1's part of ncclAllReduce #0 "
-                        r"\(4 x float32, sum\) and gave up \(JAXCOMM_NCCL_MOCK_TIMEOUT_S / "
-                        r"JAXCOMM_TIMEOUT_S: 1000 ms\)", msg), msg
+                        r"\(4 x float32, sum\) and gave up \(JAXCOMM_NCCL_MOCK_TIMEOUT_S: 1000 ms\)", msg), msg
 
 
 def test_peer_abort_fails_the_waiting_ranks(tmp_path):
