@@ -230,6 +230,13 @@ _VARIABLES = (
     Variable("JAXCOMM_NCCL_LIBRARY", "path", "",
              "The NCCL library to load instead of the nvidia-nccl-cu13 wheel's libnccl.so.2.",
              AT_REGISTRATION, "cuda", _text),
+    # --- CUDA emulation (ffi/cuda_emu/)
+    Variable("JAXCOMM_EMULATE_CUDA", "flag", "",
+             "``1``: every jaxcomm op of the process runs the CUDA backend's own code (its "
+             "handlers, routes, streams, events and kernels) on a CPU emulation of the CUDA "
+             "runtime, under XLA:CPU; ``jaxcomm.stats()`` then names it in each row's "
+             "algorithm (``cuda (emulated): ...``). For tests; see docs/cuda.md, \"The "
+             "emulation\".", AT_REGISTRATION, "cuda", _flag),
     # --- multi-process start-up (jaxcomm.init)
     Variable("JAXCOMM_INIT_TIMEOUT_S", "seconds", "60",
              "How long jaxcomm.init() waits for all processes to join.", AT_INIT, "launcher",
@@ -406,3 +413,8 @@ def cuda_one_rank_nccl() -> bool:
 def nccl_library() -> str:
     """JAXCOMM_NCCL_LIBRARY, or "" when unset."""
     return get("JAXCOMM_NCCL_LIBRARY") or ""
+
+
+def emulate_cuda() -> bool:
+    """JAXCOMM_EMULATE_CUDA=1: jaxcomm's ops run the CUDA backend on the emulated runtime."""
+    return bool(get("JAXCOMM_EMULATE_CUDA"))

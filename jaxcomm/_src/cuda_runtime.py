@@ -69,7 +69,8 @@ def available() -> bool:
 
 
 def nccl_library_path() -> str | None:
-    """libnccl.so.2 of the installed nvidia-nccl-cu13 wheel, or None.
+    """libnccl.so.2 of the installed nvidia-nccl-cu12 or -cu13 wheel (jax's CUDA extra
+    brings the one of its CUDA major; both install the same path), or None.
 
     Found without importing the package (the ``nvidia`` namespace package has no code).
     ``JAXCOMM_NCCL_LIBRARY`` names a library to use instead.

@@ -8,6 +8,9 @@
 #include <cstddef>
 #include <cstdint>
 
+// The runtime version the emulation stands for (CUDA 13.0).
+#define CUDART_VERSION 13000
+
 // ------------------------------------------------------------------------ errors
 enum cudaError {
   cudaSuccess = 0,
