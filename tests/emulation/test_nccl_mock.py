@@ -417,6 +417,40 @@ SCENARIOS: dict[str, Callable[[Rank, int, int, bytes], None]] = {
 }
 
 
+def _jax_route_main() -> None:
+    """jaxcomm's collectives under JAXCOMM_EMULATE_CUDA=1 on 4 devices of this process take
+    the CUDA backend's NCCL route (routes.h: groups of this process's GPUs, ops without own
+    kernels), i.e. this mock, and equal jax.lax's; stats() names the route."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["JAXCOMM_EMULATE_CUDA"] = "1"
+    import jax
+    import ml_dtypes
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jaxcomm
+
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def ops(m: Any) -> Callable[[Any], tuple[Any, ...]]:
+        return lambda v: (m.psum(v, "x") if m is jax.lax else m.all_reduce(v, "x"),
+                          m.all_gather(v, "x", tiled=True),
+                          (m.psum_scatter if m is jax.lax else m.reduce_scatter)(v, "x", scatter_dimension=1,
+                                                                                 tiled=True),
+                          m.all_to_all(v, "x", 1, 1, tiled=True))
+
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.int32):
+        x = jax.device_put(_data(0, 4 * 8 * 3, dtype, 7).reshape(4 * 3, 8), NamedSharding(mesh, P("x")))
+        got, want = (jax.jit(jax.shard_map(ops(m), mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 4))(x)
+                     for m in (jaxcomm, jax.lax))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=str(dtype))
+    routes = {(s.op, s.algorithm) for s in jaxcomm.stats()}
+    assert routes == {(op, "cuda (emulated): nccl")
+                      for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}, routes
+    print("OK", flush=True)
+
+
 def _rank_main(argv: list[str]) -> None:
     scenario, me, R, idfile, device = argv[0], int(argv[1]), int(argv[2]), Path(argv[3]), int(argv[4])
     rank = Rank(device)
@@ -617,5 +651,14 @@ def test_backend_reports_a_rank_that_never_joins(backend_check):
                              [saw_abort(0), timed_out(1)]), lines
 
 
+def test_jaxcomm_ops_take_the_nccl_route_on_the_mock():
+    if not list(_library_dir().glob("_jaxcomm_emu*")):
+        pytest.skip("this build has no CUDA emulation module")
+    r = subprocess.run([sys.executable, __file__, "jax_route"], capture_output=True, text=True,
+                       timeout=PROCESS_DEADLINE_S, cwd=Path(__file__).parent,
+                       env={**os.environ, "JAXCOMM_NCCL_MOCK_TIMEOUT_S": "60"})
+    assert (r.returncode, r.stdout.splitlines()[-1:]) == (0, ["OK"]), r.stderr
+
+
 if __name__ == "__main__":
-    _rank_main(sys.argv[1:])
+    _jax_route_main() if sys.argv[1:] == ["jax_route"] else _rank_main(sys.argv[1:])
