@@ -138,16 +138,14 @@ std::string Comm::Who() const {
   return "mock NCCL: rank " + std::to_string(rank_) + " of " + std::to_string(nranks_);
 }
 
-const char* Comm::error_message() const {
-  std::lock_guard<std::mutex> lock(error_mu_);
-  return error_.c_str();
-}
+const char* Comm::error_message() const { return error_text_.load(); }
 
 ncclResult_t Comm::Fail(ncclResult_t r, const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(error_mu_);
-    if (!error_.empty()) return r;  // the first error stays
-    error_ = why;
+    if (error_) return r;  // the first error stays
+    error_ = std::make_unique<const std::string>(why);
+    error_text_.store(error_->c_str());
   }
   const int before = state_.exchange(r);
   // The peers of a working communicator stop waiting for this rank (ncclRemoteError)

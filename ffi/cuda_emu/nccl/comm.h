@@ -121,8 +121,11 @@ class Comm : public std::enable_shared_from_this<Comm> {
   std::atomic<int> state_{ncclInProgress};  // the asynchronous state
   std::atomic<int> outstanding_{0};         // host functions enqueued and not finished
 
-  mutable std::mutex error_mu_;
-  std::string error_;  // set once
+  // The first error, set once: its text never changes, so error_message()'s pointer stays
+  // valid (ncclGetLastError hands it out) while other threads fail the communicator too.
+  std::mutex error_mu_;
+  std::unique_ptr<const std::string> error_;
+  std::atomic<const char*> error_text_{""};
 
   std::mutex launch_mu_;  // numbering and enqueueing, in one order
   uint64_t collectives_ = 0;
