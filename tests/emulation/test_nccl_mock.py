@@ -1,6 +1,7 @@
-"""The mock NCCL (ffi/cuda_emu/nccl) between 1, 2 and 4 processes, against NumPy.
+"""The mock NCCL (ffi/cuda_emu/nccl) between 1, 2 and 4 processes, against NumPy; the CUDA
+backend's own NCCL code on it; jaxcomm's ops through it under JAXCOMM_EMULATE_CUDA=1.
 
-Each test starts its ranks as processes running this file (``python test_nccl_mock.py
+Most tests start their ranks as processes running this file (``python test_nccl_mock.py
 SCENARIO RANK NRANKS ...``). A rank drives the mock through ctypes the way jaxcomm's CUDA
 backend does (ffi/cuda/nccl_comm.cc, nccl_ops.cc): non-blocking ncclCommInitRankConfig
 polled with ncclCommGetAsyncError, collectives on a stream, all_to_all and ppermute as
@@ -114,8 +115,8 @@ class Rank:
     # --- communicator
     def init(self, nranks: int, uid: bytes, rank: int, blocking: int = 0) -> int:
         cfg = config(blocking)
-        return self.nccl.ncclCommInitRankConfig(ctypes.byref(self.comm), nranks, UniqueId(uid), rank,
-                                                ctypes.byref(cfg))
+        return self.nccl.ncclCommInitRankConfig(ctypes.byref(self.comm), nranks, UniqueId.from_buffer_copy(uid),
+                                                rank, ctypes.byref(cfg))
 
     def async_error(self) -> int:
         state = ctypes.c_int(-1)
@@ -134,7 +135,7 @@ class Rank:
     def sync(self) -> None:
         self.check_cuda(self.cuda.cudaStreamSynchronize(self.stream))
 
-    # --- device memory (the test double's)
+    # --- device memory (the emulated runtime's)
     def to_device(self, a: np.ndarray) -> ctypes.c_void_p:
         p = ctypes.c_void_p()
         self.check_cuda(self.cuda.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(max(a.nbytes, 1))))
@@ -160,9 +161,9 @@ def _share_unique_id(rank: Rank, me: int, idfile: Path) -> bytes:
         uid = UniqueId()
         rank.check(rank.nccl.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
         tmp = idfile.with_suffix(".tmp")
-        tmp.write_bytes(bytes(uid.internal))
+        tmp.write_bytes(bytes(uid))  # all 128 bytes (the field itself would stop at a NUL)
         tmp.rename(idfile)
-        return bytes(uid.internal)
+        return bytes(uid)
     deadline = time.monotonic() + POLL_DEADLINE_S
     while not idfile.exists():
         assert time.monotonic() < deadline, "rank 0 never wrote the unique id"
