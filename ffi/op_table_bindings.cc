@@ -12,6 +12,7 @@
 #include "cpu/moe_dispatch.h"
 #include "cpu/moe_kernels.h"
 #include "cpu/moe_split.h"
+#include "cpu/put.h"
 #include "cpu/ragged.h"
 
 namespace nb = nanobind;

@@ -30,6 +30,7 @@ from jaxcomm._src.ops.ragged import ragged_all_to_all
 from jaxcomm._src.ops.reduce import all_reduce, reduce_scatter
 
 from jaxcomm import ft, moe  # noqa: E402  (jaxcomm.ft.all_reduce, jaxcomm.moe.dispatch / combine)
+from jaxcomm import tp  # noqa: E402  (jaxcomm.tp.all_gather_matmul, matmul_reduce_scatter, put_start / put_done)
 from jaxcomm import lax  # noqa: E402  (jax.lax's collectives, computed by jaxcomm)
 from jaxcomm._src.dropin.switch import LaxSwitch, use_for_lax  # noqa: E402
 from jaxcomm import trace  # noqa: E402  (flight recorder: dump, analyze, export)
@@ -55,6 +56,11 @@ __all__ = [
     "reduce_scatter",
     "reset_stats",
     "stats",
+    "tp",
     "trace",
     "use_for_lax",
 ]
+
+from jaxcomm._src import roofline as _roofline  # noqa: E402
+
+_roofline.register()  # jax.experimental.roofline's rules for jaxcomm's collectives, where absl is

@@ -15,6 +15,7 @@ import jaxcomm
 from jaxcomm import _jaxcomm
 from jaxcomm._src import cuda_runtime, primitive
 from jaxcomm._src.moe import fp8, fused
+from jaxcomm._src.tp import put as tp_put
 from jaxcomm._src.ops import ragged, reduce, table
 from conftest import per_device
 
@@ -47,8 +48,8 @@ def _header_lists() -> tuple[dict[str, tuple], dict[str, dict[str, str]], dict[s
 
 def test_python_view_equals_the_header():
     ops, attrs, codes = _header_lists()
-    assert len(ops) == 13 and set(attrs) == set(ops)
-    assert {n for n, e in ops.items() if e[3]} == {"moe_recv"}
+    assert len(ops) == 15 and set(attrs) == set(ops)
+    assert {n for n, e in ops.items() if e[3]} == {"moe_recv", "put_done"}
     assert {n for n, e in ops.items() if e[4]} == {"moe_fp8_quantize"}
     for name, (operands, results, backends, variadic, local) in ops.items():
         entry = table.OPS[name]
@@ -80,7 +81,7 @@ def test_every_op_has_one_primitive_from_primitive_py():
     # Every op of the table has a primitive, made by primitive.define or define_local...
     found = {}
     for module in (*(importlib.import_module(f"jaxcomm._src.ops.{m}") for m in OP_MODULES),
-                   fused, fp8):
+                   fused, fp8, tp_put):
         found.update({p.name: module.__name__ for p in vars(module).values()
                       if isinstance(p, primitive.Primitive)})
     assert {f"jaxcomm_{name}" for name in table.OPS} <= set(found), set(table.OPS)

@@ -33,12 +33,15 @@
   X(moe_transport_send, MoeTransportSend, 5, 2, CPU_CUDA)   \
   X(moe_recv, MoeRecv, 2, 2, CPU_CUDA)                      \
   X(moe_dispatch, MoeDispatch, 2, 4, CPU)                   \
-  X(ft_all_reduce, FtAllReduce, 1, 2, CPU)
+  X(ft_all_reduce, FtAllReduce, 1, 2, CPU)                  \
+  X(put_start, PutStart, 1, 2, CPU)                         \
+  X(put_done, PutDone, 2, 2, CPU)
 
 // Ops whose operand count above is a minimum, X(name): moe_recv takes the send half's two
 // results, then every operand the send published, which XLA keeps alive until the round
-// is over (cpu/moe_split.h).
-#define JAXCOMM_VARIADIC_OPS(X) X(moe_recv)
+// is over (cpu/moe_split.h); put_done likewise takes put_start's two results, then the
+// put's operand (cpu/put.h).
+#define JAXCOMM_VARIADIC_OPS(X) X(moe_recv) X(put_done)
 
 // Kernels a program calls on one device's data, outside any group (no call attributes,
 // no state, an execute stage alone), X as JAXCOMM_OPS's; backends CUDA. moe_fp8_quantize:
@@ -62,6 +65,8 @@
 #define JAXCOMM_ATTRS_moe_dispatch(A) \
   A(I64, num_experts) A(I64, slab) A(I64, fp8) A(I64, zero_unused) A(I64, check_ids) A(I64, split)
 #define JAXCOMM_ATTRS_ft_all_reduce(A)
+#define JAXCOMM_ATTRS_put_start(A) A(I64S, sources)
+#define JAXCOMM_ATTRS_put_done(A)
 #define JAXCOMM_ATTRS_moe_fp8_quantize(A)  // a local op: no common attributes either
 
 // Appends op `name`'s own attributes to an FFI binding: BindCallAttrs(b)

@@ -76,9 +76,16 @@ ffi::Future MoeRecv(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
                     ffi::AnyBuffer table, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> data_out,
                     ffi::Result<ffi::AnyBuffer> table_out, std::string_view call_site, std::string_view axis,
                     int64_t timeout_ms, ffi::Span<const int64_t>, int64_t, ffi::Span<const int64_t>) {
-  Common c{st, run, ordinal, "moe_recv", call_site, axis, timeout_ms};
-  if (table.size_bytes() < sizeof(StatusBlock) || table_out->untyped_data() != table.untyped_data() ||
-      data_out->untyped_data() != data.untyped_data()) {
+  return AwaitSend(Common{st, run, ordinal, "moe_recv", call_site, axis, timeout_ms}, data, table, *data_out,
+                   *table_out);
+}
+
+}  // namespace
+
+ffi::Future AwaitSend(const Common& c, const ffi::AnyBuffer& data, const ffi::AnyBuffer& table,
+                      const ffi::AnyBuffer& data_out, const ffi::AnyBuffer& table_out) {
+  if (table.size_bytes() < sizeof(StatusBlock) || table_out.untyped_data() != table.untyped_data() ||
+      data_out.untyped_data() != data.untyped_data()) {
     return Reject(c, "malformed split-phase receive (its results must alias the send's)");
   }
   StatusBlock* b = Block(table.untyped_data());
@@ -101,8 +108,6 @@ ffi::Future MoeRecv(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi::
   return future;
 }
 
-}  // namespace
-
 void OpenSend(void* table, const void* data) {
   StatusBlock* b = Block(table);
   std::memset(b, 0, sizeof(*b));
@@ -111,10 +116,12 @@ void OpenSend(void* table, const void* data) {
   __atomic_store_n(&b->state, kPending, __ATOMIC_RELEASE);
 }
 
-ffi::Future LaunchSend(const Common& c, Peer mine, size_t work_bytes, WorkFn work, void* table) {
+ffi::Future LaunchSend(const Common& c, Peer mine, size_t work_bytes, WorkFn work, void* table,
+                       LaunchOptions options) {
   auto owned = std::make_shared<OwnedCommon>(c);
-  Registry::Get().pool().Post([owned, mine, work_bytes, work = std::move(work), table]() mutable {
-    ffi::Future round = Launch(owned->view(), mine, work_bytes, std::move(work));
+  Registry::Get().pool().Post([owned, mine, work_bytes, work = std::move(work), table,
+                               options = std::move(options)]() mutable {
+    ffi::Future round = Launch(owned->view(), mine, work_bytes, std::move(work), std::move(options));
     round.OnReady([table](const std::optional<ffi::Error>& error) { Complete(table, error); });
   });
   return Done();

@@ -37,7 +37,13 @@ void OpenSend(void* table, const void* data);
 // Launch() on a pool thread: returns at once, even on the last rank to arrive (whose
 // thread would otherwise run the data movement). The round's outcome goes to the status
 // block at `table`, completing the receive half waiting on it.
-ffi::Future LaunchSend(const Common& c, Peer mine, size_t work_bytes, WorkFn work, void* table);
+ffi::Future LaunchSend(const Common& c, Peer mine, size_t work_bytes, WorkFn work, void* table,
+                       LaunchOptions options = {});
+
+// The receive half's wait (moe_recv, and put_done of cpu/put.h): checks that the results
+// alias the send's (`data`, `table`) and completes when the send's round is over.
+ffi::Future AwaitSend(const Common& c, const ffi::AnyBuffer& data, const ffi::AnyBuffer& table,
+                      const ffi::AnyBuffer& data_out, const ffi::AnyBuffer& table_out);
 
 // The receive half: operands (data, table, keep-alive operands...), results (data, table)
 // aliased to the first two operands.

@@ -140,6 +140,16 @@ void RegisterCuda(nb::module_& m) {
      "Allocates `bytes` through the handlers' scratch code from an allocator with XLA:GPU's "
      "alignment contract (on host memory, at most 1 GiB): (error, address); tests only.");
 
+  m.def("cuda_versions", [] {
+    int runtime = 0, driver = 0;
+    nb::dict d;
+    d["built"] = CUDART_VERSION;
+    d["runtime"] = cudaRuntimeGetVersion(&runtime) == cudaSuccess ? runtime : 0;
+    d["driver"] = cudaDriverGetVersion(&driver) == cudaSuccess ? driver : 0;
+    return d;
+  }, "{'built': CUDART_VERSION, 'runtime': cudaRuntimeGetVersion, 'driver': cudaDriverGetVersion "
+     "(0: no driver)}, as 1000 * major + 10 * minor.");
+
   m.def("cuda_device_count", [] {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;

@@ -504,17 +504,19 @@ def _results(outs: list[str]) -> list[tuple[int, str]]:
     return found
 
 
-def _leftover_segments(tmp_path: Path, scenario: str) -> list[str]:
-    """The shared memory segments of the scenario's communicator still in /dev/shm (named
-    after its unique id: ffi/cuda_emu/nccl/comm.cc)."""
-    nonce = int.from_bytes((tmp_path / f"{scenario}.id").read_bytes()[8:16], "little")
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"jxnccl_{nonce:016x}"))
+def _leftover_segments(idfile: Path) -> list[str]:
+    """The shared-memory segments left of the job whose unique id is in ``idfile``: those
+    named by its nonce (ffi/cuda_emu/nccl/comm.cc PrefixOf). Other jobs' (tests running at
+    the same time, on other workers or other checkouts) are not this job's."""
+    nonce = int.from_bytes(idfile.read_bytes()[8:16], "little")
+    prefix = f"jxnccl_{nonce:016x}"
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix)) if os.path.isdir("/dev/shm") else []
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_collectives_and_send_recv_match_numpy(tmp_path, R):
     _run_ranks(tmp_path, "collectives", R)
-    assert _leftover_segments(tmp_path, "collectives") == [], "the mock left shared memory segments behind"
+    assert _leftover_segments(tmp_path / "collectives.id") == [], "the mock left shared memory segments behind"
 
 
 def test_ranks_as_threads_of_one_process(tmp_path):
@@ -558,7 +560,7 @@ def test_rank_that_never_joins_times_out(tmp_path):
         assert re.fullmatch(rf"mock NCCL: rank {me} of 4: waited \d+ ms for the other ranks to join "
                             r"\(ncclCommInitRankConfig\) and gave up \(JAXCOMM_NCCL_MOCK_TIMEOUT_S: 1000 ms\) "
                             r"\(ranks that never joined: 3\)", msg), msg
-    assert _leftover_segments(tmp_path, "init_result") == []
+    assert _leftover_segments(tmp_path / "init_result.id") == []
 
 
 def test_rank_that_never_calls_the_collective_times_out(tmp_path):

@@ -7,9 +7,12 @@ machine's toolkit with a shim cuda_runtime_api.h that pretends CUDA 12.4: CUDART
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 import shutil
 import subprocess
+import sys
 import tomllib
 
 import jax.ffi
@@ -69,3 +72,41 @@ def test_no_extra_pins_an_nccl_of_one_cuda_major():
         for requirement in requirements:
             assert not requirement.startswith("nvidia-nccl"), (name, requirement)
     assert "cuda" not in project.get("optional-dependencies", {})
+
+
+def configure(tmp_path: pathlib.Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Configures jaxcomm's top-level CMake project (as pip's scikit-build-core does: the
+    extension itself is a sub-build, not configured here)."""
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("no cmake on PATH")
+    cmd = [cmake, "-S", str(ROOT), "-B", str(tmp_path / "build"), "-DSKBUILD=ON",
+           f"-DPython_EXECUTABLE={sys.executable}", f"-DXLA_FFI_INCLUDE_DIR={jax.ffi.include_dir()}",
+           "-Dnanobind_ROOT=unused-by-the-top-level-project", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+@needs_nvcc
+def test_auto_falls_back_to_cpu_only_when_the_toolkit_cannot_build_it(tmp_path):
+    # An architecture this nvcc cannot compile for stands for any toolkit that cannot build
+    # the backend (CUDA < 12, a broken install, a compiler error).
+    done = configure(tmp_path, "-DJAXCOMM_CUDA=AUTO", "-DCMAKE_CUDA_ARCHITECTURES=5")
+    assert done.returncode == 0, done.stderr
+    assert "jaxcomm CUDA backend: OFF (JAXCOMM_CUDA=AUTO)" in done.stdout
+    assert "cannot build the CUDA\n  backend, so this is a CPU-only build" in done.stderr
+
+
+@needs_nvcc
+def test_configure_warns_when_jax_cuda_plugin_is_another_major(tmp_path):
+    nvcc_major = re.search(r"release (\d+)\.", subprocess.run([NVCC, "--version"], capture_output=True,
+                                                              text=True).stdout).group(1)
+    other = "12" if nvcc_major == "13" else "13"
+    plugin = tmp_path / "site" / f"jax_cuda{other}_plugin"
+    plugin.mkdir(parents=True)
+    (plugin / "__init__.py").write_text("")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    done = configure(tmp_path, "-DJAXCOMM_CUDA=ON", env=env)
+    assert done.returncode == 0, done.stderr
+    message = " ".join(done.stderr.split())
+    assert (f"the CUDA backend is built with CUDA {nvcc_major}" in message
+            and f"jax CUDA plugin is for CUDA {other}" in message), done.stderr

@@ -8,7 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
-// The runtime version the emulation stands for (CUDA 13.0).
+// The version the declarations follow (CUDA 13.0), as the real header defines it: code that
+// guards newer calls by it (ffi/cuda/ipc.cc) takes the same branch as on CUDA 13.
 #define CUDART_VERSION 13000
 
 // ------------------------------------------------------------------------ errors

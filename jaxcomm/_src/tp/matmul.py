@@ -1,0 +1,193 @@
+"""Collective matmuls: all_gather_matmul and matmul_reduce_scatter as rings of chunk
+matmuls, each step's block travelling by a one-sided put (put.py) while the step's matmul
+runs. Gradients by custom_vjp: each op's backward is the other op (so it overlaps too).
+
+Ring schedule (R ranks, this rank r, a block cut into ``chunks`` pieces, piece p moving in
+direction d_p = +1 or -1 around the ring):
+  all_gather_matmul: at step s piece p holds rows of rank (r - d_p s) mod R; the step
+    starts its put to rank r + d_p, multiplies it into its place in the result, and takes
+    the received piece for the next step.
+  matmul_reduce_scatter: the partial sums of block b visit ranks b + d_p, b + 2 d_p, ...,
+    b; at step s rank r adds its partial of block (r - d_p (s + 1)) mod R to the
+    accumulator received and puts it on, the next step's partial computed meanwhile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomm._src import compat, groups
+from jaxcomm._src.ops import common
+from jaxcomm._src.tp import put
+
+DIRECTIONS = ("one_way", "bidirectional")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """A collective matmul's static plan (hashable: custom_vjp's static argument)."""
+
+    axis_name: Any
+    size: int          # ranks in the group
+    axis: int          # the gathered (scattered) dimension of x (of the result)
+    pieces: tuple      # (start, size) of each piece within a block, along ``axis``
+    shifts: tuple      # each piece's direction: +1 or -1
+    timeout_s: float | None
+    precision: Any
+
+    def perm(self, shift: int) -> tuple[tuple[int, int], ...]:
+        return tuple((i, (i + shift) % self.size) for i in range(self.size))
+
+
+def plan(op: str, axis_name: Any, axis: int, block: int, *, chunks: int | None, direction: str | None,
+         timeout_s: float | None, precision: Any) -> Ring:
+    """The ring for a block of ``block`` rows along ``axis``: by default one-way over 2
+    ranks (both directions lead to the same peer) and bidirectional above, as the shard_map
+    docs' collective matmul; ``chunks`` pieces per block (default: one per direction)."""
+    axes = groups.normalize_axes(f"tp.{op}", axis_name)
+    size = groups.group_size(axes)
+    if direction is None:
+        direction = "bidirectional" if size > 2 and block >= 2 else "one_way"
+    if direction not in DIRECTIONS:
+        raise ValueError(f"jaxcomm.tp.{op}: direction must be one of {DIRECTIONS}, got {direction!r}")
+    if chunks is None:
+        chunks = 2 if direction == "bidirectional" else 1
+    chunks = common.as_int(f"tp.{op}", "chunks", chunks)
+    if chunks < 1 or (direction == "bidirectional" and chunks < 2):
+        raise ValueError(f"jaxcomm.tp.{op}: chunks must be at least {2 if direction == 'bidirectional' else 1} "
+                         f"for direction {direction!r}, got {chunks}")
+    sizes = [len(a) for a in np.array_split(np.arange(block), min(chunks, max(block, 1)))]
+    starts = np.cumsum([0] + sizes[:-1])
+    pieces = tuple((int(a), int(n)) for a, n in zip(starts, sizes) if n > 0) or ((0, 0),)
+    shifts = tuple(1 if direction == "one_way" or i % 2 == 0 else -1 for i in range(len(pieces)))
+    return Ring(axis_name, size, axis, pieces, shifts, timeout_s, precision)
+
+
+def _dot(a: jax.Array, w: jax.Array, ring: Ring, acc: Any) -> jax.Array:
+    return jnp.matmul(a, w, precision=ring.precision, preferred_element_type=acc)
+
+
+def accumulator(dtype: Any) -> Any:
+    """The dtype chunk products are accumulated in: float32 for half precision."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else dtype
+
+
+def gather_matmul(x: jax.Array, w: jax.Array, ring: Ring, *, gathered: bool = False
+                  ) -> tuple[jax.Array, jax.Array | None]:
+    """(all_gather(x, axis=ring.axis, tiled=True) @ w, and that gathered x if ``gathered``)."""
+    R, g, m = ring.size, ring.axis, x.shape[ring.axis]
+    acc, out_dtype = accumulator(x.dtype), x.dtype
+    me = compat.jax_lax.axis_index(ring.axis_name) if R > 1 else 0
+    y = jnp.zeros(x.shape[:g] + (R * m,) + x.shape[g + 1:-1] + (w.shape[1],), out_dtype)
+    full = jnp.zeros(x.shape[:g] + (R * m,) + x.shape[g + 1:], x.dtype) if gathered else None
+    held = [jax.lax.slice_in_dim(x, a, a + n, axis=g) for a, n in ring.pieces]
+    for s in range(R):
+        # Start every piece's put before this step's matmuls, so that they overlap.
+        pending = [put.start(h, ring.axis_name, ring.perm(d), ring.timeout_s)
+                   for h, d in zip(held, ring.shifts)] if s < R - 1 else []
+        for h, (a, _), d in zip(held, ring.pieces, ring.shifts):
+            row = ((me - d * s) % R) * m + a
+            y = jax.lax.dynamic_update_slice_in_dim(y, _dot(h, w, ring, acc).astype(out_dtype), row, g)
+            if gathered:
+                full = jax.lax.dynamic_update_slice_in_dim(full, h, row, g)
+        held = [finish() for finish in pending]
+    return y, full
+
+
+def matmul_scatter(x: jax.Array, w: jax.Array, ring: Ring) -> jax.Array:
+    """psum_scatter(x @ w, scatter_dimension=ring.axis, tiled=True), summed in the
+    accumulator dtype along the ring."""
+    R, g = ring.size, ring.axis
+    mb = x.shape[g] // R
+    acc, out_dtype = accumulator(x.dtype), x.dtype
+    me = compat.jax_lax.axis_index(ring.axis_name) if R > 1 else 0
+
+    def partial(s: int) -> list[jax.Array]:
+        # This rank's share of each piece of block (r - d (s + 1)) mod R.
+        out = []
+        for (a, n), d in zip(ring.pieces, ring.shifts):
+            row = ((me - d * (s + 1)) % R) * mb + a
+            out.append(_dot(jax.lax.dynamic_slice_in_dim(x, row, n, g), w, ring, acc))
+        return out
+
+    sums = partial(0)
+    for s in range(1, R):
+        pending = [put.start(v, ring.axis_name, ring.perm(d), ring.timeout_s) for v, d in zip(sums, ring.shifts)]
+        mine = partial(s)  # runs while the accumulators travel
+        sums = [finish() + v for finish, v in zip(pending, mine)]
+    return jnp.concatenate(sums, axis=g).astype(out_dtype) if len(sums) > 1 else sums[0].astype(out_dtype)
+
+
+# ------------------------------------------------------------------------------ gradients
+
+def _like(ct: jax.Array, primal_vma: frozenset, dtype: Any) -> jax.Array:
+    """A cotangent typed as its primal: summed over the axes it varies over and the primal
+    does not (the transpose of the implicit cast to varying), cast to varying where the
+    primal varies."""
+    ct = ct.astype(dtype)
+    if not compat.check_vma_enabled():
+        return ct
+    have = compat.vma(jax.typeof(ct))
+    extra = tuple(a for a in have if a not in primal_vma)
+    if extra:
+        ct = compat.jax_lax.psum(ct, extra)
+    return compat.pvary(ct, tuple(a for a in primal_vma if a not in compat.vma(jax.typeof(ct))))
+
+
+def _contract_rows(a: jax.Array, b: jax.Array, acc: Any) -> jax.Array:
+    """a^T b over every dimension but the last: [..., K] x [..., N] -> [K, N]."""
+    lead = tuple(range(a.ndim - 1))
+    return jax.lax.dot_general(a, b, ((lead, lead), ((), ())), preferred_element_type=acc)
+
+
+def _vma(x: jax.Array) -> frozenset:
+    return compat.vma(jax.typeof(x)) if compat.check_vma_enabled() else frozenset()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def all_gather_matmul_p(x: jax.Array, w: jax.Array, ring: Ring) -> jax.Array:
+    return gather_matmul(x, w, ring)[0]
+
+
+def _agm_fwd(x, w, ring):
+    y, full = gather_matmul(x, w, ring, gathered=True)
+    return y, (full, x, w)
+
+
+def _agm_bwd(ring, res, ct):
+    full, x, w = res
+    # d/dx: the cotangent's rows reduce-scattered back, i.e. matmul_reduce_scatter(ct, w^T).
+    dx = matmul_scatter(ct, w.T, ring)
+    dw = _contract_rows(full, ct, accumulator(w.dtype))
+    return _like(dx, _vma(x), x.dtype), _like(dw, _vma(w), w.dtype)
+
+
+all_gather_matmul_p.defvjp(_agm_fwd, _agm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul_reduce_scatter_p(x: jax.Array, w: jax.Array, ring: Ring) -> jax.Array:
+    return matmul_scatter(x, w, ring)
+
+
+def _mrs_fwd(x, w, ring):
+    return matmul_scatter(x, w, ring), (x, w)
+
+
+def _mrs_bwd(ring, res, ct):
+    x, w = res
+    # d/dx: the cotangent gathered back, i.e. all_gather_matmul(ct, w^T).
+    dx, full_ct = gather_matmul(ct, w.T, ring, gathered=True)
+    dw = _contract_rows(x, full_ct, accumulator(w.dtype))
+    return _like(dx, _vma(x), x.dtype), _like(dw, _vma(w), w.dtype)
+
+
+matmul_reduce_scatter_p.defvjp(_mrs_fwd, _mrs_bwd)

@@ -1,0 +1,348 @@
+"""jaxcomm.tp: one-sided puts and the collective matmuls, in one process (8 devices).
+
+References: jax.lax.ppermute for the puts; the unfused jax.lax compositions
+(all_gather then matmul, matmul then psum_scatter) for the matmuls, and for exactness in
+float32 the same ring written with jax.lax (same chunk products, same order of additions);
+jax.grad of the unfused compositions and jax.test_util.check_grads for the gradients.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.test_util import check_grads
+
+import jaxcomm
+from conftest import rand, run_sharded
+
+RING8 = [(i, (i + 1) % 8) for i in range(8)]
+
+
+# ------------------------------------------------------------------------------ puts
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.int64])
+@pytest.mark.parametrize("perm", [RING8, [(0, 3), (3, 0), (5, 6)]], ids=["ring", "partial"])
+def test_put_equals_ppermute(mesh8, dtype, perm):
+    if dtype == jnp.int64:
+        jax.config.update("jax_enable_x64", True)
+    try:
+        x = rand((8 * 3, 5), dtype)
+        a = rand((8 * 4, 4), jnp.float32, seed=1)
+
+        def body(v, a):
+            pending = jaxcomm.tp.put_start(v, "x", perm)
+            h = a @ a.T                      # overlapped with the put
+            return jaxcomm.tp.put_done(pending), jax.lax.ppermute(v, "x", perm), h
+
+        got, want, h = run_sharded(body, mesh8, (P("x"), P("x")), (P("x"), P("x"), P("x")), x, a)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_put_runs_between_start_and_done(mesh8):
+    """XLA schedules work that does not depend on the received block between the halves."""
+    def body(v, a):
+        pending = jaxcomm.tp.put_start(v, "x", RING8)
+        h = a @ a.T
+        return jaxcomm.tp.put_done(pending) + h.sum()
+
+    shard = jax.sharding.NamedSharding(mesh8, P("x"))
+    x = jax.device_put(jnp.ones((64, 64)), shard)
+    f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("x"), P("x")), out_specs=P("x")))
+    text = f.lower(x, x).compile().as_text()
+    order = [m.group(0) for m in re.finditer(r"jaxcomm_put_start|jaxcomm_put_done|\bdot\(|convolution\(", text)]
+    assert order.index("jaxcomm_put_start") < len(order) - 1 - order[::-1].index("jaxcomm_put_done")
+    assert any("dot" in o or "convolution" in o for o in order), text
+
+
+def test_put_gradient_and_vmap(mesh8):
+    x = rand((8 * 2, 3), jnp.float32)
+
+    def put(v):
+        return jaxcomm.tp.put_done(jaxcomm.tp.put_start(v, "x", RING8))
+
+    def body(v):
+        g = jax.grad(lambda u: (put(u) * jnp.arange(3.0)).sum())(v)
+        g_ref = jax.grad(lambda u: (jax.lax.ppermute(u, "x", RING8) * jnp.arange(3.0)).sum())(v)
+        batched = jax.vmap(put, in_axes=1, out_axes=1)(v)
+        return g, g_ref, batched, jax.lax.ppermute(v, "x", RING8)
+
+    g, g_ref, batched, want = run_sharded(body, mesh8, P("x"), (P("x"),) * 4, x)
+    np.testing.assert_array_equal(g, g_ref)
+    np.testing.assert_array_equal(batched, want)
+
+
+def test_put_bad_input(mesh8):
+    with pytest.raises(ValueError, match=r"jaxcomm.tp.put_start: perm \(\(0, 1\), \(2, 1\)\) is not a permutation"):
+        run_sharded(lambda v: jaxcomm.tp.put_done(jaxcomm.tp.put_start(v, "x", [(0, 1), (2, 1)])),
+                    mesh8, P("x"), P("x"), np.ones(8, np.float32))
+    with pytest.raises(TypeError, match="jaxcomm.tp.put_done: expects what jaxcomm.tp.put_start returned, got ndarray"):
+        jaxcomm.tp.put_done(np.ones(3))
+
+    def twice(v):
+        pending = jaxcomm.tp.put_start(v, "x", RING8)
+        jaxcomm.tp.put_done(pending)
+        return jaxcomm.tp.put_done(pending)
+    with pytest.raises(ValueError, match="jaxcomm.tp.put_done: this PendingPut was already completed"):
+        run_sharded(twice, mesh8, P("x"), P("x"), np.ones(8, np.float32))
+
+
+# ------------------------------------------------------------------------ references
+
+def lax_agm(x, w, axis, g):
+    return jax.lax.all_gather(x, axis, axis=g, tiled=True) @ w
+
+
+def lax_mrs(x, w, axis, g):
+    return jax.lax.psum_scatter(x @ w, axis, scatter_dimension=g, tiled=True)
+
+
+def lax_ring_mrs(x, w, axis, g, R):
+    """matmul_reduce_scatter's one-way ring written with jax.lax: the same products, added
+    in the same order (block b: rank b+1's share first)."""
+    me = jax.lax.axis_index(axis)
+    mb = x.shape[g] // R
+    perm = [(i, (i + 1) % R) for i in range(R)]
+
+    def share(s):
+        return jax.lax.dynamic_slice_in_dim(x, ((me - 1 - s) % R) * mb, mb, g) @ w
+    acc = share(0)
+    for s in range(1, R):
+        acc = jax.lax.ppermute(acc, axis, perm) + share(s)
+    return acc
+
+
+def _specs(ndim, g, axis="x"):
+    spec = [None] * ndim
+    spec[g] = axis
+    return P(*spec)
+
+
+# ------------------------------------------------------------------------ matmul values
+
+CASES = [  # (x shape per rank, gather/scatter axis, N, keywords)
+    ((4, 16), 0, 8, {}),
+    ((4, 16), 0, 8, {"direction": "one_way"}),
+    ((5, 16), 0, 8, {"direction": "bidirectional", "chunks": 3}),   # uneven pieces: 2, 2, 1
+    ((2, 3, 16), 1, 8, {}),                                        # a leading batch dimension
+    ((3, 2, 4, 16), 1, 8, {"direction": "one_way", "chunks": 2}),
+]
+
+
+@pytest.mark.parametrize("shape,g,N,kw", CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32])
+def test_all_gather_matmul_exact(mesh8, shape, g, N, kw, dtype):
+    x = rand((shape[0] * 8,) + shape[1:] if g == 0 else shape[:g] + (shape[g] * 8,) + shape[g + 1:], dtype)
+    w = rand((shape[-1], N * 8), dtype, seed=1)
+    spec = _specs(len(shape), g)
+    wspec = P(None, "x")
+    got, want = run_sharded(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "x", gather_axis=g, **kw),
+                                          lax_agm(x, w, "x", g)),
+                            mesh8, (spec, wspec), (_specs(len(shape), len(shape) - 1), ) * 2, x, w)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("shape,g,N,kw", CASES)
+def test_matmul_reduce_scatter(mesh8, shape, g, N, kw):
+    full = shape[:g] + (shape[g] * 8,) + shape[g + 1:]
+    xs = P(*([None] * (len(shape) - 1) + ["x"]))
+    x_i, w_i = rand(full[:-1] + (full[-1] * 8,), jnp.int32), rand((shape[-1] * 8, N), jnp.int32, seed=1)
+    got, want = run_sharded(lambda x, w: (jaxcomm.tp.matmul_reduce_scatter(x, w, "x", scatter_dimension=g, **kw),
+                                          lax_mrs(x, w, "x", g)),
+                            mesh8, (xs, P("x")), (_specs(len(shape), g),) * 2, x_i, w_i)
+    np.testing.assert_array_equal(got, want)     # integers: exact
+    x_f = np.random.default_rng(2).normal(size=x_i.shape).astype(np.float32)
+    w_f = np.random.default_rng(3).normal(size=w_i.shape).astype(np.float32)
+    got, want = run_sharded(lambda x, w: (jaxcomm.tp.matmul_reduce_scatter(x, w, "x", scatter_dimension=g, **kw),
+                                          lax_mrs(x, w, "x", g)),
+                            mesh8, (xs, P("x")), (_specs(len(shape), g),) * 2, x_f, w_f)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_reduce_scatter_float32_same_order_exact(mesh8):
+    x = np.random.default_rng(0).normal(size=(16, 64)).astype(np.float32)
+    w = np.random.default_rng(1).normal(size=(64, 12)).astype(np.float32)
+    got, want = run_sharded(lambda x, w: (jaxcomm.tp.matmul_reduce_scatter(x, w, "x", direction="one_way"),
+                                          lax_ring_mrs(x, w, "x", 0, 8)),
+                            mesh8, (P(None, "x"), P("x")), (P("x"), P("x")), x, w)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(mesh8, dtype):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 64)).astype(dtype)
+    w = (rng.normal(size=(64, 64)) / 8).astype(dtype)
+    f32 = np.float32
+
+    def body(x, w, hx, hw):
+        return (jaxcomm.tp.all_gather_matmul(x, w, "x"), jaxcomm.tp.matmul_reduce_scatter(hx, hw, "x"))
+    agm, mrs = run_sharded(body, mesh8, (P("x"), P(None, "x"), P(None, "x"), P("x")), (P(None, "x"), P("x")),
+                           x, w, x, w)
+    assert agm.dtype == dtype and mrs.dtype == dtype
+    exact = x.astype(f32) @ w.astype(f32)
+    # One rounding of a float32 sum: within half an ulp of the exact product's dtype.
+    np.testing.assert_allclose(agm.astype(f32), exact.astype(dtype).astype(f32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(mrs.astype(f32), exact.astype(dtype).astype(f32), rtol=1e-2, atol=1e-2)
+
+
+def test_groups_of_a_2d_mesh(mesh2x4):
+    """Over "ep" of a ("dp", "ep") mesh: one ring per dp index."""
+    x, w = rand((2 * 4 * 3, 8), jnp.int32), rand((8, 4 * 5), jnp.int32, seed=1)
+    got, want = run_sharded(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "ep"), lax_agm(x, w, "ep", 0)),
+                            mesh2x4, (P(("dp", "ep")), P(None, "ep")), (P("dp", "ep"),) * 2, x, w)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_degenerate_shapes():
+    one = jax.make_mesh((1,), ("x",))
+    x, w = rand((3, 4), jnp.float32), rand((4, 5), jnp.float32, seed=1)
+    got = run_sharded(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "x"),
+                                    jaxcomm.tp.matmul_reduce_scatter(x, w, "x")),
+                      one, (P("x"), P()), (P("x"), P("x")), x, w)
+    np.testing.assert_array_equal(got[0], x @ w)
+    np.testing.assert_array_equal(got[1], x @ w)
+    mesh = jax.make_mesh((8,), ("x",))
+    z = np.zeros((0, 4), np.float32)
+    got = run_sharded(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "x"),
+                                    jaxcomm.tp.matmul_reduce_scatter(x, w, "x")),
+                      mesh, (P("x"), P()), (P("x"), P("x")), z, w)
+    assert got[0].shape == (0, 5) and got[1].shape == (0, 5)
+
+
+# ------------------------------------------------------------------------ gradients
+
+def _mlp(tp_ops, x, w1, w2, axis="x", g=0):
+    if tp_ops:
+        h = jaxcomm.tp.all_gather_matmul(x, w1, axis, gather_axis=g)
+        return jaxcomm.tp.matmul_reduce_scatter(jnp.tanh(h), w2, axis, scatter_dimension=g)
+    return lax_mrs(jnp.tanh(lax_agm(x, w1, axis, g)), w2, axis, g)
+
+
+@pytest.mark.parametrize("direction", ["one_way", "bidirectional"])
+def test_gradients_match_unfused(mesh8, direction):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype(np.float32)
+    w1 = rng.normal(size=(6, 8 * 3)).astype(np.float32)
+    w2 = rng.normal(size=(8 * 3, 6)).astype(np.float32)
+    rep = rng.normal(size=(6, 6)).astype(np.float32)
+
+    def loss(tp_ops, x, w1, w2, rep):
+        # rep is replicated (invariant): its gradient is summed over the ranks.
+        y = _mlp(tp_ops, x, w1, w2) if not tp_ops else (
+            jaxcomm.tp.matmul_reduce_scatter(jnp.tanh(jaxcomm.tp.all_gather_matmul(x, w1, "x", direction=direction)),
+                                             w2, "x", direction=direction))
+        y2 = (jaxcomm.tp.all_gather_matmul(y, rep, "x") if tp_ops else lax_agm(y, rep, "x", 0))
+        return jax.lax.psum((y2 ** 2).sum(), "x")
+
+    def body(x, w1, w2, rep):
+        return (jax.grad(partial(loss, True), argnums=(0, 1, 2, 3))(x, w1, w2, rep),
+                jax.grad(partial(loss, False), argnums=(0, 1, 2, 3))(x, w1, w2, rep))
+
+    specs = (P("x"), P(None, "x"), P("x"), P())
+    got, want = run_sharded(body, mesh8, specs, (specs, specs), x, w1, w2, rep)
+    for a, b in zip(got, want):
+        # Float32 sums of different orders: within a few ulps of the largest entry.
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+
+
+def test_check_grads(x64):
+    # Auto axes: check_grads perturbs the arguments without their sharding.
+    mesh8 = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2, 16, 4))
+    w1 = rng.normal(size=(4, 16))
+    w2 = rng.normal(size=(16, 4))
+
+    f = jax.jit(jax.shard_map(lambda x, w1, w2: _mlp(True, x, w1, w2, g=1), mesh=mesh8,
+                              in_specs=(P(None, "x"), P(None, "x"), P("x")), out_specs=P(None, "x")))
+    args = [jax.device_put(a, NamedSharding(mesh8, s))
+            for a, s in zip((x, w1, w2), (P(None, "x"), P(None, "x"), P("x")))]
+    check_grads(f, args, order=1, modes=["rev"], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------ vmap
+
+def test_vmap_inside_shard_map(mesh8):
+    x, w = rand((3, 16, 4), jnp.int32), rand((3, 4, 8 * 2), jnp.int32, seed=1)
+    vm = jax.vmap(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "x"),
+                                jaxcomm.tp.matmul_reduce_scatter(jaxcomm.tp.all_gather_matmul(x, w, "x"), w.T, "x")))
+    ref = jax.vmap(lambda x, w: (lax_agm(x, w, "x", 0), lax_mrs(lax_agm(x, w, "x", 0), w.T, "x", 0)))
+    got, want = run_sharded(lambda x, w: (vm(x, w), ref(x, w)), mesh8, (P(None, "x"), P(None, None, "x")),
+                            ((P(None, None, "x"), P(None, "x")),) * 2, x, w)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda x, w: jaxcomm.tp.all_gather_matmul(x[0], w, "x"), ValueError,
+     "jaxcomm.tp.all_gather_matmul: x must have at least 2 dimensions ([..., rows, K]), got shape (4,)"),
+    (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w[None], "x"), ValueError,
+     "jaxcomm.tp.all_gather_matmul: w must have 2 dimensions ([K, N]), got shape (1, 4, 8)"),
+    (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w.T, "x"), ValueError,
+     "jaxcomm.tp.all_gather_matmul: x's last dimension (4) must equal w's first (8); shapes (1, 4) and (8, 4)"),
+    (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w.astype(jnp.int32), "x"), TypeError,
+     "jaxcomm.tp.all_gather_matmul: x and w must have one dtype, got float32 and int32"),
+    (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w, "x", gather_axis=1), ValueError,
+     "jaxcomm.tp.all_gather_matmul: gather_axis=1 names x's contracted (last) dimension; it must name a row "
+     "dimension (use jaxcomm.all_gather and a dot otherwise)"),
+    (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w, "x", gather_axis=2), ValueError,
+     "jaxcomm.tp.all_gather_matmul: gather_axis=2 is out of range for x of shape (1, 4)"),
+    (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w, "x", direction="ring"), ValueError,
+     "jaxcomm.tp.all_gather_matmul: direction must be one of ('one_way', 'bidirectional'), got 'ring'"),
+    (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w, "x", direction="bidirectional", chunks=1), ValueError,
+     "jaxcomm.tp.all_gather_matmul: chunks must be at least 2 for direction 'bidirectional', got 1"),
+    (lambda x, w: jaxcomm.tp.matmul_reduce_scatter(x, w, "x"), ValueError,
+     "jaxcomm.tp.matmul_reduce_scatter: x's dimension 0 (1) is not divisible by the group size 8"),
+    (lambda x, w: jaxcomm.tp.matmul_reduce_scatter(x, w, "y"), NameError,
+     "jaxcomm.tp.matmul_reduce_scatter: unknown axis name 'y'. jaxcomm collectives run inside jax.shard_map"),
+], ids=["x1d", "w3d", "K", "dtype", "contracted", "range", "direction", "chunks", "divisible", "axis"])
+def test_bad_input(mesh8, call, error, message):
+    x, w = np.ones((8, 4), np.float32), np.ones((4, 8), np.float32)
+    with pytest.raises(error, match=re.escape(message)):
+        run_sharded(call, mesh8, (P("x"), P()), P("x"), x, w)
+
+
+# ------------------------------------------------------------------------ docs, example
+
+@pytest.mark.parametrize("name", ["all_gather_matmul", "matmul_reduce_scatter", "put_start"])
+def test_docstring_examples(name):
+    """The >>> examples of jaxcomm.tp's docstrings (tests/test_docs.py's namespace)."""
+    import doctest
+    globs = dict(jax=jax, jnp=jnp, np=np, P=P, NamedSharding=NamedSharding, jaxcomm=jaxcomm)
+    (test,) = doctest.DocTestFinder(recurse=False).find(getattr(jaxcomm.tp, name), name, globs=globs)
+    assert test.examples
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0
+
+
+def test_tp_mlp_example_runs():
+    """examples/tp_mlp.py checks itself against the single-device reference, then trains."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "tp_mlp.py"), "--steps", "3"],
+                          env=env, capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "match the single-device reference" in proc.stdout
+    losses = [float(line.split("loss")[1].split()[0]) for line in proc.stdout.splitlines()
+              if line.startswith("step")]
+    assert len(losses) == 3 and losses[2] < losses[0]
