@@ -180,7 +180,7 @@ def _data(me: int, n: int, dtype: Any, seed: int) -> np.ndarray:
 def _reduce(parts: list[np.ndarray], op: int) -> np.ndarray:
     """The mock's rule: in rank order, half precision accumulated in float32, rounded once."""
     acc_type = np.float32 if parts[0].dtype.itemsize == 2 else parts[0].dtype
-    fn = {SUM: np.add, PROD: np.multiply, MAX: np.maximum, MIN: np.minimum}[op]
+    fn = {SUM: np.add, PROD: np.multiply, MAX: np.fmax, MIN: np.fmin}[op]
     acc = parts[0].astype(acc_type)
     for p in parts[1:]:
         acc = fn(acc, p.astype(acc_type))
@@ -244,6 +244,18 @@ def _scenario_collectives(rank: Rank, me: int, R: int, uid: bytes) -> None:
             rank.check(nccl.ncclRecv(y, ctypes.c_size_t(n * R), code, (me - 1) % R, c, s), "ncclRecv")
             rank.check(rank.wait_while_in_progress(nccl.ncclGroupEnd()), "ncclGroupEnd")
             np.testing.assert_array_equal(rank.from_device(y, n * R, dtype), every[(me - 1) % R])
+    # max and min drop a NaN (fmax/fmin, as NCCL's kernels): rank 0's NaNs lose.
+    for dtype, code in ((np.float32, FLOAT32), (ml_dtypes.bfloat16, BFLOAT16)):
+        every = [_data(p, 8, dtype, 99) for p in range(R)]
+        every[0][::2] = np.nan
+        x = rank.to_device(every[me])
+        for op in (MAX, MIN):
+            y = rank.empty(8, dtype)
+            rank.check(nccl.ncclAllReduce(x, y, ctypes.c_size_t(8), code, op, c, s), "ncclAllReduce")
+            got, want = rank.from_device(y, 8, dtype), _reduce(every, op)
+            assert (R == 1) == np.isnan(want.astype(np.float32)).any()
+            np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32),  # NaN == NaN
+                                          err_msg=f"op {op} {dtype} with NaNs")
     _group_semantics(rank, me, R)
     rank.check(rank.wait_while_in_progress(nccl.ncclCommFinalize(c)), "ncclCommFinalize")
     rank.check(nccl.ncclCommDestroy(c), "ncclCommDestroy")
