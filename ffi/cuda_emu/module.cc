@@ -11,7 +11,10 @@
 #include <nanobind/stl/vector.h>
 
 #include "core/registry.h"
+#include "cuda/xla_context.h"
 #include "cuda_emu/runtime/emu.h"
+#include "cuda_emu/seam/seam.h"
+#include "cuda_emu/seam/stages.h"
 
 namespace nb = nanobind;
 
@@ -23,6 +26,19 @@ NB_MODULE(_jaxcomm_emu, m) {
   m.doc() = "jaxcomm's CUDA backend on the emulated CUDA runtime (CPU only)";
   jaxcomm::cuda::RegisterCuda(m);
 
+  // In place of bindings.cc's cuda_targets (which XLA:CPU would run without initialize).
+  m.def("emu_cuda_targets", [] {
+    nb::dict targets;
+    for (const jaxcomm::cuda::Stages* s = jaxcomm::cuda_emu::EmulatedStages(); s->op != nullptr; ++s) {
+      nb::dict d;
+      d["instantiate"] = nb::capsule(reinterpret_cast<void*>(s->instantiate));
+      d["execute"] = nb::capsule(reinterpret_cast<void*>(s->execute));
+      targets[s->op] = d;
+    }
+    return targets;
+  }, "Maps op name -> {stage: capsule} for XLA:CPU: each execute stage runs the op's "
+     "initialize stage first (XLA:CPU runs none).");
+
   m.def("emu_device_count", [] { return jaxcomm::cuda_emu::DeviceCount(); },
         "Devices the emulated runtime has.");
   m.def("emu_strict_violations", [] { return jaxcomm::cuda_emu::TakeStrictViolations(); },
@@ -31,6 +47,15 @@ NB_MODULE(_jaxcomm_emu, m) {
         "Turns the strict checks on or off (they are on by default).");
   m.def("emu_sticky_error", [] { return jaxcomm::cuda_emu::StickyErrorWhy(); },
         "Why the emulated context holds a sticky error ('' if it does not).");
+
+  m.def("emu_scratch_probe", [](size_t bytes, size_t alignment) {
+    std::string error;
+    void* p = jaxcomm::cuda_emu::seam::AllocateScratch(0, bytes, alignment, &error);
+    const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+    if (p != nullptr) cudaFree(p);
+    return nb::make_tuple(error, address);
+  }, nb::arg("bytes"), nb::arg("alignment") = jaxcomm::cuda::kScratchAlignment,
+     "Allocates and frees scratch through the emulated XLA seam: (XLA's refusal or '', address).");
 
   // The same as _jaxcomm's (ffi/module.cc), over this module's flight recorder.
   m.def("trace_stats", [] {

@@ -4,7 +4,6 @@
 #include <cuda.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 
 #include "cuda_emu/runtime/emu.h"
@@ -25,12 +24,9 @@ Runtime& Runtime::Get() {
   return *rt;
 }
 
-Runtime::Runtime() {
-  if (const char* s = std::getenv("JAXCOMM_TIMEOUT_S")) {
-    const long v = std::strtol(s, nullptr, 10);
-    if (v > 0) timeout = std::chrono::seconds(v);
-  }
-}
+Runtime::Runtime() = default;
+
+void SetWaitDeadline(std::chrono::seconds limit) { Runtime::Get().timeout = limit; }
 
 Stream* Runtime::LegacyStream(int device) {
   std::lock_guard<std::mutex> lock(mu);

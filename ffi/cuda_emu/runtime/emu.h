@@ -20,6 +20,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -66,6 +67,10 @@ void SetStrict(bool on);
 // The stream the XLA seam gives a handler of device `ordinal` (the role of XLA:GPU's
 // compute stream): a blocking stream, created once per device.
 cudaStream_t XlaStream(int ordinal);
+
+// The deadline of the emulation's own waits (default 600 s; tests shorten it). A GPU
+// waits forever; the emulation then raises a sticky cudaErrorLaunchTimeout instead.
+void SetWaitDeadline(std::chrono::seconds limit);
 
 // The number of emulated devices (JAXCOMM_EMU_DEVICES, default 8).
 int DeviceCount();

@@ -124,8 +124,10 @@ class Runtime {
   std::mutex violations_mu;
   std::vector<std::string> violations;
 
-  // The deadline of any wait inside the emulation (JAXCOMM_TIMEOUT_S, default 300 s).
-  std::chrono::seconds timeout{300};
+  // The deadline of a host wait inside the emulation (a stream's wait on its dependencies
+  // gets twice as long): longer than jaxcomm's default deadline (300 s), whose waits are
+  // the ones meant to fire. SetWaitDeadline changes it.
+  std::chrono::seconds timeout{600};
 
   Stream* LegacyStream(int device);
   // The stream a cudaStream_t names (nullptr, cudaStreamLegacy: the current device's

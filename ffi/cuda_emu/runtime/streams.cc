@@ -114,7 +114,7 @@ void Stream::Run() {
       queue_.pop_front();
       running_touches_ = t.touches;
     }
-    // A GPU would wait forever; the emulation gives up after twice jaxcomm's deadline (so
+    // A GPU would wait forever; the emulation gives up after twice its deadline (so that
     // jaxcomm's own deadlines fire first) and poisons the context.
     std::string unmet;
     if (!WaitAll(t.deps, Deadline() + Runtime::Get().timeout, &unmet)) {

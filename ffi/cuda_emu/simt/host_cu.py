@@ -4,8 +4,9 @@ against the SIMT layer (ffi/cuda_emu/simt/include/jaxcomm_simt.h).
 Three rewrites, each on its own line so that the line numbers (and `#line`) still point
 into the .cu file in compiler messages:
 
-- ``K<<<grid, block, shared, stream>>>(args)`` -> ``::jaxcomm::simt::Launch(grid, block,
-  shared, stream, K, args)`` (K may be a template-id such as ``GatherKernel<kMode, In, Out>``);
+- ``K<<<grid, block, shared, stream>>>(args)`` -> ``::jaxcomm::simt::Launch("K", grid,
+  block, shared, stream, K, args)`` (K may be a template-id such as
+  ``GatherKernel<kMode, In, Out>``; its text names it in errors);
 - ``extern __shared__ T name[];`` -> ``T* name = ::jaxcomm::simt::DynamicShared<T>();``;
 - ``__shared__`` -> ``static thread_local`` (one block runs at a time on a worker thread).
 
@@ -59,7 +60,8 @@ def rewrite(src: str) -> str:
         kernel = src[k0:start]
         config = src[start + 3:stop]
         out.append(src[pos:k0])
-        out.append(f"::jaxcomm::simt::Launch({config}, {kernel}, ")
+        name = " ".join(kernel.split())
+        out.append(f'::jaxcomm::simt::Launch("{name}", {config}, {kernel}, ')
         pos = paren + 1
     return "".join(out)
 

@@ -1,6 +1,6 @@
 // The SIMT layer: what device code compiled for the host needs (ffi/cuda/kernels.cu,
 // rewritten by ffi/cuda_emu/simt/host_cu.py: `K<<<grid, block, shared, stream>>>(args)`
-// becomes `::jaxcomm::simt::Launch(grid, block, shared, stream, K, args)`, `__shared__`
+// becomes `::jaxcomm::simt::Launch("K", grid, block, shared, stream, K, args)`, `__shared__`
 // variables become per-worker-thread statics, `extern __shared__` arrays the block's
 // dynamic shared memory).
 //
@@ -75,7 +75,7 @@ int LaneId();
 void RunGrid(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()>& body, const char* name);
 
 template <typename... P, typename... A>
-void Launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, void (*kernel)(P...), A&&... args) {
+void Launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, void (*kernel)(P...), A&&... args) {
   const cudaError_t bad = ::jaxcomm::cuda_emu::CheckLaunch(grid, block, shared_bytes);
   if (bad != cudaSuccess) {
     ::jaxcomm::cuda_emu::SetLastError(bad);  // as a launch: dropped, not sticky
@@ -85,8 +85,8 @@ void Launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, voi
   auto params = std::make_shared<std::tuple<std::decay_t<P>...>>(std::forward<A>(args)...);
   const cudaError_t e = ::jaxcomm::cuda_emu::Enqueue(
       stream,
-      [grid, block, shared_bytes, kernel, params] {
-        RunGrid(grid, block, shared_bytes, [&] { std::apply(kernel, *params); }, "a kernel");
+      [name, grid, block, shared_bytes, kernel, params] {
+        RunGrid(grid, block, shared_bytes, [&] { std::apply(kernel, *params); }, name);
       },
       "a kernel launch");
   if (e != cudaSuccess) ::jaxcomm::cuda_emu::SetLastError(e);
@@ -156,6 +156,16 @@ unsigned __match_any_sync(unsigned, T v) {
   return ::jaxcomm::simt::WarpMatchAny(bits);
 }
 inline unsigned __activemask() { return __ballot_sync(0xffffffffu, 1); }
+
+// CUDA's global min/max overloads.
+inline int max(int a, int b) { return a < b ? b : a; }
+inline int min(int a, int b) { return b < a ? b : a; }
+inline unsigned max(unsigned a, unsigned b) { return a < b ? b : a; }
+inline unsigned min(unsigned a, unsigned b) { return b < a ? b : a; }
+inline long long max(long long a, long long b) { return a < b ? b : a; }
+inline long long min(long long a, long long b) { return b < a ? b : a; }
+inline float max(float a, float b) { return std::fmax(a, b); }
+inline float min(float a, float b) { return std::fmin(a, b); }
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
