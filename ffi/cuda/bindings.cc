@@ -68,7 +68,8 @@ XLA_FFI_Error* FakeAllocate(XLA_FFI_DeviceMemory_Allocate_Args* args) {
   if (args->size > kFakeScratchCapacity) {
     return reinterpret_cast<XLA_FFI_Error*>(new FakeError{"RESOURCE_EXHAUSTED: out of memory"});
   }
-  args->data = std::aligned_alloc(256, (args->size + 255) / 256 * 256 + 256);
+  // As XLA's device allocators: no memory (and no error) for 0 bytes.
+  args->data = args->size == 0 ? nullptr : std::aligned_alloc(256, (args->size + 255) / 256 * 256);
   return nullptr;
 }
 XLA_FFI_Error* FakeFree(XLA_FFI_DeviceMemory_Free_Args* args) {

@@ -56,8 +56,9 @@ std::string Load(NcclApi* api) {
     tried += "\n  " + c + ": " + (why ? why : "not found");
   }
   if (!lib) {
-    return "jaxcomm CUDA backend: cannot load NCCL (install the nvidia-nccl-cu13 wheel, e.g. "
-           "pip install 'jaxcomm[cuda]'); tried:" + tried;
+    return "jaxcomm CUDA backend: cannot load NCCL (install jax's CUDA extra, which brings it: "
+           "pip install 'jax[cuda13]' (nvidia-nccl-cu13) or 'jax[cuda12]' (nvidia-nccl-cu12); or set "
+           "JAXCOMM_NCCL_LIBRARY=/path/libnccl.so.2); tried:" + tried;
   }
   void* h = lib.get();
   std::string missing;

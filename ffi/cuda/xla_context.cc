@@ -2,6 +2,8 @@
 // memory from XLA's FFI. The CPU emulation compiles its own definitions instead.
 #include "cuda/xla_context.h"
 
+#include <algorithm>
+
 namespace jaxcomm::cuda {
 namespace {
 
@@ -28,6 +30,8 @@ DeviceScratch::~DeviceScratch() {
 }
 
 void* DeviceScratch::Allocate(size_t bytes, std::string* error) {
+  // XLA's allocator answers a request of 0 bytes with no memory; callers want an address.
+  bytes = std::max(bytes, kScratchAlignment);
   XLA_FFI_DeviceMemory_Allocate_Args args;
   args.struct_size = XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE;
   args.extension_start = nullptr;
@@ -40,7 +44,7 @@ void* DeviceScratch::Allocate(size_t bytes, std::string* error) {
              std::to_string(kScratchAlignment) + ": " + Consume(api_, e);
     return nullptr;
   }
-  if (args.data == nullptr && bytes != 0) {
+  if (args.data == nullptr) {
     *error = "XLA's scratch allocator returned no memory for " + std::to_string(bytes) + " bytes";
     return nullptr;
   }

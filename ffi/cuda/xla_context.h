@@ -54,8 +54,8 @@ class DeviceScratch {
   DeviceScratch& operator=(DeviceScratch&&) = delete;
   ~DeviceScratch();
 
-  // `bytes` of device memory aligned to kScratchAlignment, or nullptr with XLA's reason
-  // in `*error` (the allocator's own message, not only that it failed).
+  // `bytes` (at least kScratchAlignment) of device memory aligned to kScratchAlignment,
+  // or nullptr with XLA's reason in `*error` (the allocator's own message).
   void* Allocate(size_t bytes, std::string* error);
 
  private:

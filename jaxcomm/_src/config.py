@@ -221,8 +221,14 @@ _VARIABLES = (
              "``nccl``: one-rank groups go through NCCL too (to test NCCL on one GPU); unset: "
              "they are a copy.", EACH_INSTANTIATE, "cuda", _choice("nccl", lower=False),
              native=True),
+    Variable("JAXCOMM_NCCL_MOCK_TIMEOUT_S", "count", "300",
+             "The CUDA emulation's mock NCCL (ffi/cuda_emu/nccl): how long any of its waits "
+             "(for the ranks to join, for a peer's part of an operation) lasts before the "
+             "communicator fails, in whole seconds, where a real NCCL waits until aborted. Read "
+             "when a communicator is created.", EACH_INSTANTIATE, "cuda", _count("seconds"),
+             native=True),
     Variable("JAXCOMM_NCCL_LIBRARY", "path", "",
-             "The NCCL library to load instead of the nvidia-nccl-cu13 wheel's libnccl.so.2.",
+             "The NCCL library to load instead of libnccl.so.2 (the one jax's CUDA extra, ``jax[cuda12]`` or ``jax[cuda13]``, installs).",
              AT_REGISTRATION, "cuda", _text),
     # --- CUDA emulation (ffi/cuda_emu/)
     Variable("JAXCOMM_EMULATE_CUDA", "flag", "",

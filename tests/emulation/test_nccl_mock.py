@@ -1,6 +1,7 @@
-"""The mock NCCL (ffi/cuda_emu/nccl) between 1, 2 and 4 processes, against NumPy.
+"""The mock NCCL (ffi/cuda_emu/nccl) between 1, 2 and 4 processes, against NumPy; the CUDA
+backend's own NCCL code on it; jaxcomm's ops through it under JAXCOMM_EMULATE_CUDA=1.
 
-Each test starts its ranks as processes running this file (``python test_nccl_mock.py
+Most tests start their ranks as processes running this file (``python test_nccl_mock.py
 SCENARIO RANK NRANKS ...``). A rank drives the mock through ctypes the way jaxcomm's CUDA
 backend does (ffi/cuda/nccl_comm.cc, nccl_ops.cc): non-blocking ncclCommInitRankConfig
 polled with ncclCommGetAsyncError, collectives on a stream, all_to_all and ppermute as
@@ -114,8 +115,8 @@ class Rank:
     # --- communicator
     def init(self, nranks: int, uid: bytes, rank: int, blocking: int = 0) -> int:
         cfg = config(blocking)
-        return self.nccl.ncclCommInitRankConfig(ctypes.byref(self.comm), nranks, UniqueId(uid), rank,
-                                                ctypes.byref(cfg))
+        return self.nccl.ncclCommInitRankConfig(ctypes.byref(self.comm), nranks, UniqueId.from_buffer_copy(uid),
+                                                rank, ctypes.byref(cfg))
 
     def async_error(self) -> int:
         state = ctypes.c_int(-1)
@@ -134,7 +135,7 @@ class Rank:
     def sync(self) -> None:
         self.check_cuda(self.cuda.cudaStreamSynchronize(self.stream))
 
-    # --- device memory (the test double's)
+    # --- device memory (the emulated runtime's)
     def to_device(self, a: np.ndarray) -> ctypes.c_void_p:
         p = ctypes.c_void_p()
         self.check_cuda(self.cuda.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(max(a.nbytes, 1))))
@@ -160,9 +161,9 @@ def _share_unique_id(rank: Rank, me: int, idfile: Path) -> bytes:
         uid = UniqueId()
         rank.check(rank.nccl.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
         tmp = idfile.with_suffix(".tmp")
-        tmp.write_bytes(bytes(uid.internal))
+        tmp.write_bytes(bytes(uid))  # all 128 bytes (the field itself would stop at a NUL)
         tmp.rename(idfile)
-        return bytes(uid.internal)
+        return bytes(uid)
     deadline = time.monotonic() + POLL_DEADLINE_S
     while not idfile.exists():
         assert time.monotonic() < deadline, "rank 0 never wrote the unique id"
@@ -179,7 +180,7 @@ def _data(me: int, n: int, dtype: Any, seed: int) -> np.ndarray:
 def _reduce(parts: list[np.ndarray], op: int) -> np.ndarray:
     """The mock's rule: in rank order, half precision accumulated in float32, rounded once."""
     acc_type = np.float32 if parts[0].dtype.itemsize == 2 else parts[0].dtype
-    fn = {SUM: np.add, PROD: np.multiply, MAX: np.maximum, MIN: np.minimum}[op]
+    fn = {SUM: np.add, PROD: np.multiply, MAX: np.fmax, MIN: np.fmin}[op]
     acc = parts[0].astype(acc_type)
     for p in parts[1:]:
         acc = fn(acc, p.astype(acc_type))
@@ -243,6 +244,18 @@ def _scenario_collectives(rank: Rank, me: int, R: int, uid: bytes) -> None:
             rank.check(nccl.ncclRecv(y, ctypes.c_size_t(n * R), code, (me - 1) % R, c, s), "ncclRecv")
             rank.check(rank.wait_while_in_progress(nccl.ncclGroupEnd()), "ncclGroupEnd")
             np.testing.assert_array_equal(rank.from_device(y, n * R, dtype), every[(me - 1) % R])
+    # max and min drop a NaN (fmax/fmin, as NCCL's kernels): rank 0's NaNs lose.
+    for dtype, code in ((np.float32, FLOAT32), (ml_dtypes.bfloat16, BFLOAT16)):
+        every = [_data(p, 8, dtype, 99) for p in range(R)]
+        every[0][::2] = np.nan
+        x = rank.to_device(every[me])
+        for op in (MAX, MIN):
+            y = rank.empty(8, dtype)
+            rank.check(nccl.ncclAllReduce(x, y, ctypes.c_size_t(8), code, op, c, s), "ncclAllReduce")
+            got, want = rank.from_device(y, 8, dtype), _reduce(every, op)
+            assert (R == 1) == np.isnan(want.astype(np.float32)).any()
+            np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32),  # NaN == NaN
+                                          err_msg=f"op {op} {dtype} with NaNs")
     _group_semantics(rank, me, R)
     rank.check(rank.wait_while_in_progress(nccl.ncclCommFinalize(c)), "ncclCommFinalize")
     rank.check(nccl.ncclCommDestroy(c), "ncclCommDestroy")
@@ -417,6 +430,40 @@ SCENARIOS: dict[str, Callable[[Rank, int, int, bytes], None]] = {
 }
 
 
+def _jax_route_main() -> None:
+    """jaxcomm's collectives under JAXCOMM_EMULATE_CUDA=1 on 4 devices of this process take
+    the CUDA backend's NCCL route (routes.h: groups of this process's GPUs, ops without own
+    kernels), i.e. this mock, and equal jax.lax's; stats() names the route."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["JAXCOMM_EMULATE_CUDA"] = "1"
+    import jax
+    import ml_dtypes
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jaxcomm
+
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def ops(m: Any) -> Callable[[Any], tuple[Any, ...]]:
+        return lambda v: (m.psum(v, "x") if m is jax.lax else m.all_reduce(v, "x"),
+                          m.all_gather(v, "x", tiled=True),
+                          (m.psum_scatter if m is jax.lax else m.reduce_scatter)(v, "x", scatter_dimension=1,
+                                                                                 tiled=True),
+                          m.all_to_all(v, "x", 1, 1, tiled=True))
+
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.int32):
+        x = jax.device_put(_data(0, 4 * 8 * 3, dtype, 7).reshape(4 * 3, 8), NamedSharding(mesh, P("x")))
+        got, want = (jax.jit(jax.shard_map(ops(m), mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 4))(x)
+                     for m in (jaxcomm, jax.lax))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=str(dtype))
+    routes = {(s.op, s.algorithm) for s in jaxcomm.stats()}
+    assert routes == {(op, "cuda (emulated): nccl")
+                      for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}, routes
+    print("OK", flush=True)
+
+
 def _rank_main(argv: list[str]) -> None:
     scenario, me, R, idfile, device = argv[0], int(argv[1]), int(argv[2]), Path(argv[3]), int(argv[4])
     rank = Rank(device)
@@ -434,16 +481,16 @@ pytestmark = pytest.mark.skipif(_library_dir() is None, reason="jaxcomm's mock N
 
 def _run_ranks(tmp_path: Path, scenario: str, R: int, devices: list[int] | None = None,
                env: dict[str, str] | None = None, ranks: list[int] | None = None,
-               rank_env: list[dict[str, str]] | None = None) -> list[str]:
+               rank_prefix: list[list[str]] | None = None) -> list[str]:
     """Runs `ranks` (default: all R) of `scenario` as processes, rank r on `devices[r]`
-    (default r) with `env` and `rank_env[r]` added; returns each one's stdout. Fails with
-    a rank's stderr if it failed, or if any outlives PROCESS_DEADLINE_S."""
+    (default r) with `env` added, its command after `rank_prefix[r]`; returns each one's
+    stdout. Fails with a rank's stderr if it failed, or if any outlives PROCESS_DEADLINE_S."""
     devices = list(range(R)) if devices is None else devices
     idfile = tmp_path / f"{scenario}.id"
-    base_env = {**os.environ, "JAXCOMM_NCCL_MOCK_TIMEOUT_S": "60", **(env or {})}
-    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(R), str(idfile), str(devices[r])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**base_env, **(rank_env[r] if rank_env else {})})
+    full_env = {**os.environ, "JAXCOMM_NCCL_MOCK_TIMEOUT_S": "60", **(env or {})}
+    procs = [subprocess.Popen([*(rank_prefix[r] if rank_prefix else []), sys.executable, __file__, scenario, str(r),
+                               str(R), str(idfile), str(devices[r])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
              for r in (range(R) if ranks is None else ranks)]
     outs = []
     deadline = time.monotonic() + PROCESS_DEADLINE_S
@@ -508,9 +555,12 @@ def test_two_ranks_on_one_device_are_refused_at_init(tmp_path, R):
 
 
 def test_one_device_on_two_hosts_is_allowed(tmp_path):
-    # NCCL_HOSTID makes the ranks different hosts: device 0 of each is another GPU.
-    outs = _run_ranks(tmp_path, "init_result", 2, devices=[1, 1],
-                      rank_env=[{"NCCL_HOSTID": "host-a"}, {"NCCL_HOSTID": "host-b"}])
+    # Each rank in a UTS namespace of its own with its own host name: two hosts, so device 1
+    # of each is another GPU (NCCL tells hosts apart by their names).
+    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --uts is not permitted here")
+    on_host = [["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host] for host in ("host-a", "host-b")]
+    outs = _run_ranks(tmp_path, "init_result", 2, devices=[1, 1], rank_prefix=on_host)
     assert _results(outs) == [(SUCCESS, ""), (SUCCESS, "")]
 
 
@@ -520,9 +570,9 @@ def test_rank_that_never_joins_times_out(tmp_path):
     for me, (r, msg) in enumerate(_results(outs)):
         assert r == SYSTEM_ERROR
         assert re.fullmatch(rf"mock NCCL: rank {me} of 4: waited \d+ ms for the other ranks to join "
-                            r"\(ncclCommInitRankConfig\) and gave up \(JAXCOMM_NCCL_MOCK_TIMEOUT_S / "
-                            r"JAXCOMM_TIMEOUT_S: 1000 ms\) \(ranks that never joined: 3\)", msg), msg
-    assert not [n for n in _leftover_segments(tmp_path / "init_result.id") if n.endswith("_ctl")]
+                            r"\(ncclCommInitRankConfig\) and gave up \(JAXCOMM_NCCL_MOCK_TIMEOUT_S: 1000 ms\) "
+                            r"\(ranks that never joined: 3\)", msg), msg
+    assert _leftover_segments(tmp_path / "init_result.id") == []
 
 
 def test_rank_that_never_calls_the_collective_times_out(tmp_path):
@@ -530,8 +580,7 @@ def test_rank_that_never_calls_the_collective_times_out(tmp_path):
     (r, msg), = _results(outs[:1])
     assert r == SYSTEM_ERROR
     assert re.fullmatch(r"mock NCCL: rank 0 of 2: waited \d+ ms for rank 1's part of ncclAllReduce #0 "
-                        r"\(4 x float32, sum\) and gave up \(JAXCOMM_NCCL_MOCK_TIMEOUT_S / "
-                        r"JAXCOMM_TIMEOUT_S: 1000 ms\)", msg), msg
+                        r"\(4 x float32, sum\) and gave up \(JAXCOMM_NCCL_MOCK_TIMEOUT_S: 1000 ms\)", msg), msg
 
 
 def test_peer_abort_fails_the_waiting_ranks(tmp_path):
@@ -564,5 +613,67 @@ def test_mismatched_collectives_are_named(tmp_path):
     assert mismatch[0] in results or mismatch[1] in results, results
 
 
+@pytest.fixture(scope="module")
+def backend_check(tmp_path_factory) -> Path:
+    """ffi/cuda_emu/nccl/backend_check.cc with the backend's ffi/cuda/nccl.cc and
+    nccl_comm.cc, built as the emulation builds them, on the installed runtime and mock."""
+    import shutil
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    import jax.ffi
+
+    root, libdir = Path(__file__).resolve().parents[2], _library_dir()
+    out = tmp_path_factory.mktemp("nccl_mock") / "backend_check"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", "-DJAXCOMM_CUDA_EMULATION",
+                    f"-I{root / 'ffi/cuda_emu/runtime/include'}", f"-I{root / 'ffi'}", "-isystem",
+                    jax.ffi.include_dir(), str(root / "ffi/cuda_emu/nccl/backend_check.cc"),
+                    str(root / "ffi/cuda/nccl.cc"), str(root / "ffi/cuda/nccl_comm.cc"), "-o", str(out),
+                    str(libdir / "libjaxcomm_cuda_emu_runtime.so"), f"-Wl,-rpath,{libdir}", "-ldl"],
+                   check=True)
+    return out
+
+
+def test_backend_nccl_code_on_the_mock(backend_check):
+    # The backend's loader finds the mock by its default name (JAXCOMM_CUDA_EMULATION);
+    # its registry creates 4 communicators non-blocking from 4 threads; Run polls them.
+    r = subprocess.run([str(backend_check), "all_reduce", "4"], capture_output=True, text=True,
+                       timeout=PROCESS_DEADLINE_S, env={**os.environ, "JAXCOMM_NCCL_MOCK_TIMEOUT_S": "60"})
+    assert (r.returncode, r.stdout) == (0, "OK\n"), r.stderr
+
+
+def test_backend_reports_a_rank_that_never_joins(backend_check):
+    # Ranks 0 and 1 of 3: the backend's deadline (1 s) ends the creation and aborts the
+    # half-made communicator (the mock's own deadline, 60 s, is far).
+    r = subprocess.run([str(backend_check), "absent", "3"], capture_output=True, text=True,
+                       timeout=PROCESS_DEADLINE_S, env={**os.environ, "JAXCOMM_NCCL_MOCK_TIMEOUT_S": "60"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines.pop() == "OK"
+
+    def timed_out(k: int) -> str:
+        return (f"backend_check rank {k}: creating the NCCL communicator of group check (rank {k} of 3) did not "
+                "finish within 1000 ms (timeout_s / JAXCOMM_TIMEOUT_S): some rank of the group never joined")
+
+    def saw_abort(k: int) -> str:  # the other rank's deadline came first, and it aborted
+        return (f"backend_check rank {k}: creating the NCCL communicator of group check (rank {k} of 3) failed: "
+                "remote process exited or there was a network error (ncclResult_t 6): mock NCCL: rank "
+                f"{k} of 3: rank {1 - k} aborted its communicator (ncclCommAbort) while rank {k} was waiting for "
+                "the other ranks to join (ncclCommInitRankConfig) (ranks that never joined: 2)")
+
+    assert sorted(lines) in ([timed_out(0), timed_out(1)], [timed_out(0), saw_abort(1)],
+                             [saw_abort(0), timed_out(1)]), lines
+
+
+def test_jaxcomm_ops_take_the_nccl_route_on_the_mock():
+    if not list(_library_dir().glob("_jaxcomm_emu*")):
+        pytest.skip("this build has no CUDA emulation module")
+    r = subprocess.run([sys.executable, __file__, "jax_route"], capture_output=True, text=True,
+                       timeout=PROCESS_DEADLINE_S, cwd=Path(__file__).parent,
+                       env={**os.environ, "JAXCOMM_NCCL_MOCK_TIMEOUT_S": "60"})
+    assert (r.returncode, r.stdout.splitlines()[-1:]) == (0, ["OK"]), r.stderr
+
+
 if __name__ == "__main__":
-    _rank_main(sys.argv[1:])
+    _jax_route_main() if sys.argv[1:] == ["jax_route"] else _rank_main(sys.argv[1:])

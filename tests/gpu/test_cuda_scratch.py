@@ -26,7 +26,7 @@ def test_requested_alignment_is_one_xla_accepts():
     assert alignment <= xla_max and alignment & (alignment - 1) == 0
 
 
-@pytest.mark.parametrize("nbytes", [1, 4096, 3 << 20])
+@pytest.mark.parametrize("nbytes", [0, 1, 4096, 3 << 20])
 def test_scratch_allocates_under_xlas_contract(nbytes):
     error, address = _jaxcomm.cuda_scratch_probe(nbytes)
     assert error == ""

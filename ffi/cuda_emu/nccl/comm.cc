@@ -4,11 +4,11 @@
 
 #include <cinttypes>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
 
+#include "core/env.h"
 #include "cuda_emu/nccl/reduce.h"
 
 namespace jaxcomm::nccl_mock {
@@ -47,16 +47,9 @@ RankEntry* Entries(const ShmSegment& ctl) {
   return reinterpret_cast<RankEntry*>(ctl.data() + sizeof(CtlHeader));
 }
 
-std::chrono::milliseconds TimeoutFromEnv() {
-  for (const char* var : {"JAXCOMM_NCCL_MOCK_TIMEOUT_S", "JAXCOMM_TIMEOUT_S"}) {
-    const char* v = std::getenv(var);
-    if (v != nullptr && *v != '\0') {
-      char* end = nullptr;
-      const double s = std::strtod(v, &end);
-      if (end != v && s > 0) return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
-    }
-  }
-  return std::chrono::seconds(300);
+// JAXCOMM_NCCL_MOCK_TIMEOUT_S (jaxcomm/_src/config.py); a malformed value goes to `errors`.
+std::chrono::milliseconds TimeoutFromEnv(std::vector<std::string>* errors) {
+  return std::chrono::seconds(env::Count("JAXCOMM_NCCL_MOCK_TIMEOUT_S", "seconds", 300, errors));
 }
 
 // NCCL's busIdToInt64: the hex digits of "0000:01:00.0", separators skipped.
@@ -75,18 +68,11 @@ int64_t BusIdToInt(const char* bus) {
   return v;
 }
 
-// NCCL tells hosts apart by a hash of the host name (NCCL_HOSTID replaces it).
+// NCCL tells hosts apart by a hash of the host name.
 uint64_t HostHash() {
-  const char* forced = std::getenv("NCCL_HOSTID");
-  std::string host;
-  if (forced != nullptr && *forced != '\0') {
-    host = forced;
-  } else {
-    char name[256] = {};
-    gethostname(name, sizeof(name) - 1);
-    host = name;
-  }
-  return std::hash<std::string>{}(host);
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  return std::hash<std::string>{}(name);
 }
 
 std::string Millis(std::chrono::milliseconds ms) { return std::to_string(ms.count()) + " ms"; }
@@ -141,7 +127,7 @@ std::string PrefixOf(const ncclUniqueId& id, bool* valid) {
 Comm::Comm(const ncclUniqueId& id, int nranks, int rank, bool blocking)
     : prefix_([&] { bool v; return PrefixOf(id, &v); }()),
       id_valid_([&] { bool v; PrefixOf(id, &v); return v; }()),
-      nranks_(nranks), rank_(rank), blocking_(blocking), timeout_(TimeoutFromEnv()),
+      nranks_(nranks), rank_(rank), blocking_(blocking), timeout_(TimeoutFromEnv(&config_errors_)),
       sent_(nranks > 0 ? nranks : 0), received_(nranks > 0 ? nranks : 0) {}
 
 Comm::~Comm() { StopJoining(); }
@@ -152,16 +138,14 @@ std::string Comm::Who() const {
   return "mock NCCL: rank " + std::to_string(rank_) + " of " + std::to_string(nranks_);
 }
 
-const char* Comm::error_message() const {
-  std::lock_guard<std::mutex> lock(error_mu_);
-  return error_.c_str();
-}
+const char* Comm::error_message() const { return error_text_.load(); }
 
 ncclResult_t Comm::Fail(ncclResult_t r, const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(error_mu_);
-    if (!error_.empty()) return r;  // the first error stays
-    error_ = why;
+    if (error_) return r;  // the first error stays
+    error_ = std::make_unique<const std::string>(why);
+    error_text_.store(error_->c_str());
   }
   const int before = state_.exchange(r);
   // The peers of a working communicator stop waiting for this rank (ncclRemoteError)
@@ -175,6 +159,7 @@ ncclResult_t Comm::Fail(ncclResult_t r, const std::string& why) {
 }
 
 ncclResult_t Comm::Init() {
+  if (!config_errors_.empty()) return Fail(ncclInvalidArgument, Who() + ": " + config_errors_.front());
   if (!id_valid_) {
     return Fail(ncclInvalidArgument, Who() + ": the unique id was not made by this library's ncclGetUniqueId");
   }
@@ -294,7 +279,7 @@ ncclResult_t Comm::Wait(const std::function<bool(std::string*)>& done, Clock::ti
     if (now >= deadline) {
       *why = Who() + ": waited " +
              Millis(std::chrono::duration_cast<std::chrono::milliseconds>(now - start)) + " for " + waiting_for +
-             " and gave up (JAXCOMM_NCCL_MOCK_TIMEOUT_S / JAXCOMM_TIMEOUT_S: " + Millis(timeout_) + ")";
+             " and gave up (JAXCOMM_NCCL_MOCK_TIMEOUT_S: " + Millis(timeout_) + ")";
       return ncclSystemError;
     }
     // Spin briefly (the peer is usually close behind), then back off to 1 ms.

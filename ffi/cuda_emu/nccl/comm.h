@@ -11,8 +11,8 @@
 // as a host function (cudaLaunchHostFunc), in stream order. Only the public runtime API is
 // used, so it runs on the emulated runtime (ffi/cuda_emu/runtime) unchanged.
 //
-// Every wait has a deadline (JAXCOMM_NCCL_MOCK_TIMEOUT_S, else JAXCOMM_TIMEOUT_S, else
-// 300 s) and ends early when this communicator, or the peer it waits for, is aborted. A
+// Every wait has a deadline (JAXCOMM_NCCL_MOCK_TIMEOUT_S, default 300 s: where NCCL would
+// wait until aborted) and ends early when this communicator, or the peer it waits for, is aborted. A
 // failure on the stream becomes the communicator's asynchronous error
 // (ncclCommGetAsyncError), its message the communicator's last error (ncclGetLastError).
 #pragma once
@@ -108,6 +108,7 @@ class Comm : public std::enable_shared_from_this<Comm> {
   const bool id_valid_;
   const int nranks_, rank_;
   const bool blocking_;
+  std::vector<std::string> config_errors_;  // a malformed JAXCOMM_NCCL_MOCK_TIMEOUT_S
   const std::chrono::milliseconds timeout_;
   int device_ = -1;
   int64_t bus_id_ = 0;
@@ -120,8 +121,11 @@ class Comm : public std::enable_shared_from_this<Comm> {
   std::atomic<int> state_{ncclInProgress};  // the asynchronous state
   std::atomic<int> outstanding_{0};         // host functions enqueued and not finished
 
-  mutable std::mutex error_mu_;
-  std::string error_;  // set once
+  // The first error, set once: its text never changes, so error_message()'s pointer stays
+  // valid (ncclGetLastError hands it out) while other threads fail the communicator too.
+  std::mutex error_mu_;
+  std::unique_ptr<const std::string> error_;
+  std::atomic<const char*> error_text_{""};
 
   std::mutex launch_mu_;  // numbering and enqueueing, in one order
   uint64_t collectives_ = 0;

@@ -1,5 +1,6 @@
 #include "cuda_emu/nccl/reduce.h"
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -25,8 +26,11 @@ T Apply(ncclRedOp_t op, T a, T b) {
       } else {
         return a * b;
       }
-    case ncclMax: return b > a ? b : a;
-    case ncclMin: return b < a ? b : a;
+    // Floating point: fmax/fmin, as NCCL's kernels (a NaN loses to a number).
+    case ncclMax:
+      if constexpr (std::is_floating_point_v<T>) return std::fmax(a, b); else return b > a ? b : a;
+    case ncclMin:
+      if constexpr (std::is_floating_point_v<T>) return std::fmin(a, b); else return b < a ? b : a;
     default: return a;
   }
 }
