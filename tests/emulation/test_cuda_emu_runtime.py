@@ -66,25 +66,26 @@ def simt_test(tmp_path_factory) -> Path:
     return out
 
 
-def test_cases_listed(runtime_test: Path) -> None:
-    listed = subprocess.run([str(runtime_test), "--list"], check=True, capture_output=True,
-                            text=True).stdout.split()
-    assert sorted(listed) == sorted(CASES)
+def _run_case(binary: Path, case: str) -> None:
+    r = subprocess.run([str(binary), case], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def _listed(binary: Path) -> list[str]:
+    return sorted(subprocess.run([str(binary), "--list"], check=True, capture_output=True,
+                                 text=True).stdout.split())
+
+
+def test_cases_listed(runtime_test: Path, simt_test: Path) -> None:
+    assert _listed(runtime_test) == sorted(CASES)
+    assert _listed(simt_test) == sorted(SIMT_CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_runtime(runtime_test: Path, case: str) -> None:
-    r = subprocess.run([str(runtime_test), case], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-
-
-def test_simt_cases_listed(simt_test: Path) -> None:
-    listed = subprocess.run([str(simt_test), "--list"], check=True, capture_output=True,
-                            text=True).stdout.split()
-    assert sorted(listed) == sorted(SIMT_CASES)
+    _run_case(runtime_test, case)
 
 
 @pytest.mark.parametrize("case", SIMT_CASES)
 def test_simt(simt_test: Path, case: str) -> None:
-    r = subprocess.run([str(simt_test), case], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    _run_case(simt_test, case)
