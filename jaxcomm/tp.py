@@ -68,9 +68,12 @@ def all_gather_matmul(x: Any, w: Any, axis_name: Any, *, gather_axis: int = 0, c
       gather_axis: x's dimension to gather (default 0: rows).
       chunks: pieces each block is cut into, each its own put (default: 1 one-way, 2
         bidirectional).
-      direction: ``"one_way"`` (a ring, every piece to rank + 1) or ``"bidirectional"``
+      direction: ``"one_way"`` (a ring, every piece to rank + 1), ``"bidirectional"``
         (alternate pieces to rank + 1 and rank - 1, as in the shard_map docs' collective
-        matmul); default one-way on 2 ranks, bidirectional above.
+        matmul) or ``"none"`` (no ring: ``jaxcomm.all_gather``, then one matmul). Default:
+        ``"none"`` where a block is under 256 KiB (a ring step's synchronisation costs
+        more than such a block's transfer could hide), else one-way on 2 ranks and
+        bidirectional above.
       precision: passed to the chunk matmuls (``jnp.matmul``).
       timeout_s: deadline of each put (default ``JAXCOMM_TIMEOUT_S``).
 
@@ -94,7 +97,7 @@ def all_gather_matmul(x: Any, w: Any, axis_name: Any, *, gather_axis: int = 0, c
     """
     x, w, axis = _operands("all_gather_matmul", x, w, gather_axis, "gather_axis")
     ring = _matmul.plan("all_gather_matmul", axis_name, axis, x.shape[axis], chunks=chunks, direction=direction,
-                        timeout_s=timeout_s, precision=precision)
+                        timeout_s=timeout_s, precision=precision, step_bytes=x.size * x.dtype.itemsize)
     return _matmul.all_gather_matmul_p(x, w, ring)
 
 
@@ -141,6 +144,8 @@ def matmul_reduce_scatter(x: Any, w: Any, axis_name: Any, *, scatter_dimension: 
     if x.shape[axis] % ring.size:
         raise ValueError(f"jaxcomm.tp.matmul_reduce_scatter: x's dimension {axis} ({x.shape[axis]}) is not "
                          f"divisible by the group size {ring.size}")
+    acc = _matmul.accumulator(x.dtype)
+    step_bytes = x.size // x.shape[-1] // ring.size * w.shape[1] * acc.itemsize  # one block's partial sums
     ring = _matmul.plan("matmul_reduce_scatter", axis_name, axis, x.shape[axis] // ring.size, chunks=chunks,
-                        direction=direction, timeout_s=timeout_s, precision=precision)
+                        direction=direction, timeout_s=timeout_s, precision=precision, step_bytes=step_bytes)
     return _matmul.matmul_reduce_scatter_p(x, w, ring)

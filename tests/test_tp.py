@@ -130,10 +130,11 @@ def _specs(ndim, g, axis="x"):
 # ------------------------------------------------------------------------ matmul values
 
 CASES = [  # (x shape per rank, gather/scatter axis, N, keywords)
-    ((4, 16), 0, 8, {}),
+    ((4, 16), 0, 8, {}),                                           # small: no ring by default
+    ((4, 16), 0, 8, {"direction": "bidirectional"}),
     ((4, 16), 0, 8, {"direction": "one_way"}),
     ((5, 16), 0, 8, {"direction": "bidirectional", "chunks": 3}),   # uneven pieces: 2, 2, 1
-    ((2, 3, 16), 1, 8, {}),                                        # a leading batch dimension
+    ((2, 3, 16), 1, 8, {"direction": "bidirectional"}),            # a leading batch dimension
     ((3, 2, 4, 16), 1, 8, {"direction": "one_way", "chunks": 2}),
 ]
 
@@ -186,7 +187,8 @@ def test_half_precision(mesh8, dtype):
     f32 = np.float32
 
     def body(x, w, hx, hw):
-        return (jaxcomm.tp.all_gather_matmul(x, w, "x"), jaxcomm.tp.matmul_reduce_scatter(hx, hw, "x"))
+        kw = dict(direction="bidirectional")
+        return (jaxcomm.tp.all_gather_matmul(x, w, "x", **kw), jaxcomm.tp.matmul_reduce_scatter(hx, hw, "x", **kw))
     agm, mrs = run_sharded(body, mesh8, (P("x"), P(None, "x"), P(None, "x"), P("x")), (P(None, "x"), P("x")),
                            x, w, x, w)
     assert agm.dtype == dtype and mrs.dtype == dtype
@@ -199,7 +201,8 @@ def test_half_precision(mesh8, dtype):
 def test_groups_of_a_2d_mesh(mesh2x4):
     """Over "ep" of a ("dp", "ep") mesh: one ring per dp index."""
     x, w = rand((2 * 4 * 3, 8), jnp.int32), rand((8, 4 * 5), jnp.int32, seed=1)
-    got, want = run_sharded(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "ep"), lax_agm(x, w, "ep", 0)),
+    got, want = run_sharded(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "ep", direction="bidirectional"),
+                                          lax_agm(x, w, "ep", 0)),
                             mesh2x4, (P(("dp", "ep")), P(None, "ep")), (P("dp", "ep"),) * 2, x, w)
     np.testing.assert_array_equal(got, want)
 
@@ -222,14 +225,14 @@ def test_degenerate_shapes():
 
 # ------------------------------------------------------------------------ gradients
 
-def _mlp(tp_ops, x, w1, w2, axis="x", g=0):
+def _mlp(tp_ops, x, w1, w2, axis="x", g=0, direction=None):
     if tp_ops:
-        h = jaxcomm.tp.all_gather_matmul(x, w1, axis, gather_axis=g)
-        return jaxcomm.tp.matmul_reduce_scatter(jnp.tanh(h), w2, axis, scatter_dimension=g)
+        h = jaxcomm.tp.all_gather_matmul(x, w1, axis, gather_axis=g, direction=direction)
+        return jaxcomm.tp.matmul_reduce_scatter(jnp.tanh(h), w2, axis, scatter_dimension=g, direction=direction)
     return lax_mrs(jnp.tanh(lax_agm(x, w1, axis, g)), w2, axis, g)
 
 
-@pytest.mark.parametrize("direction", ["one_way", "bidirectional"])
+@pytest.mark.parametrize("direction", ["one_way", "bidirectional", "none"])
 def test_gradients_match_unfused(mesh8, direction):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 6)).astype(np.float32)
@@ -242,7 +245,7 @@ def test_gradients_match_unfused(mesh8, direction):
         y = _mlp(tp_ops, x, w1, w2) if not tp_ops else (
             jaxcomm.tp.matmul_reduce_scatter(jnp.tanh(jaxcomm.tp.all_gather_matmul(x, w1, "x", direction=direction)),
                                              w2, "x", direction=direction))
-        y2 = (jaxcomm.tp.all_gather_matmul(y, rep, "x") if tp_ops else lax_agm(y, rep, "x", 0))
+        y2 = (jaxcomm.tp.all_gather_matmul(y, rep, "x", direction=direction) if tp_ops else lax_agm(y, rep, "x", 0))
         return jax.lax.psum((y2 ** 2).sum(), "x")
 
     def body(x, w1, w2, rep):
@@ -256,7 +259,8 @@ def test_gradients_match_unfused(mesh8, direction):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
 
-def test_check_grads(x64):
+@pytest.mark.parametrize("direction", ["bidirectional", "none"])
+def test_check_grads(x64, direction):
     # Auto axes: check_grads perturbs the arguments without their sharding.
     mesh8 = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     rng = np.random.default_rng(1)
@@ -264,7 +268,7 @@ def test_check_grads(x64):
     w1 = rng.normal(size=(4, 16))
     w2 = rng.normal(size=(16, 4))
 
-    f = jax.jit(jax.shard_map(lambda x, w1, w2: _mlp(True, x, w1, w2, g=1), mesh=mesh8,
+    f = jax.jit(jax.shard_map(lambda x, w1, w2: _mlp(True, x, w1, w2, g=1, direction=direction), mesh=mesh8,
                               in_specs=(P(None, "x"), P(None, "x"), P("x")), out_specs=P(None, "x")))
     args = [jax.device_put(a, NamedSharding(mesh8, s))
             for a, s in zip((x, w1, w2), (P(None, "x"), P(None, "x"), P("x")))]
@@ -275,8 +279,10 @@ def test_check_grads(x64):
 
 def test_vmap_inside_shard_map(mesh8):
     x, w = rand((3, 16, 4), jnp.int32), rand((3, 4, 8 * 2), jnp.int32, seed=1)
-    vm = jax.vmap(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "x"),
-                                jaxcomm.tp.matmul_reduce_scatter(jaxcomm.tp.all_gather_matmul(x, w, "x"), w.T, "x")))
+    kw = dict(direction="bidirectional")
+    vm = jax.vmap(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "x", **kw),
+                                jaxcomm.tp.matmul_reduce_scatter(jaxcomm.tp.all_gather_matmul(x, w, "x", **kw), w.T,
+                                                                 "x", **kw)))
     ref = jax.vmap(lambda x, w: (lax_agm(x, w, "x", 0), lax_mrs(lax_agm(x, w, "x", 0), w.T, "x", 0)))
     got, want = run_sharded(lambda x, w: (vm(x, w), ref(x, w)), mesh8, (P(None, "x"), P(None, None, "x")),
                             ((P(None, None, "x"), P(None, "x")),) * 2, x, w)
@@ -301,7 +307,7 @@ def test_vmap_inside_shard_map(mesh8):
     (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w, "x", gather_axis=2), ValueError,
      "jaxcomm.tp.all_gather_matmul: gather_axis=2 is out of range for x of shape (1, 4)"),
     (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w, "x", direction="ring"), ValueError,
-     "jaxcomm.tp.all_gather_matmul: direction must be one of ('one_way', 'bidirectional'), got 'ring'"),
+     "jaxcomm.tp.all_gather_matmul: direction must be one of ('one_way', 'bidirectional', 'none'), got 'ring'"),
     (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w, "x", direction="bidirectional", chunks=1), ValueError,
      "jaxcomm.tp.all_gather_matmul: chunks must be at least 2 for direction 'bidirectional', got 1"),
     (lambda x, w: jaxcomm.tp.matmul_reduce_scatter(x, w, "x"), ValueError,

@@ -17,9 +17,11 @@ x = rng.integers(-4, 4, size=(R * 3, 8)).astype(np.float32)
 w1 = rng.integers(-4, 4, size=(8, R * 2)).astype(np.float32)
 w2 = rng.integers(-4, 4, size=(R * 2, 8)).astype(np.float32)
 
+KW = dict(direction=os.environ["TP_DIRECTION"])
+
 def block(x, w1, w2):
-    h = jaxcomm.tp.all_gather_matmul(x, w1, "tp")
-    return jaxcomm.tp.matmul_reduce_scatter(h * h, w2, "tp")
+    h = jaxcomm.tp.all_gather_matmul(x, w1, "tp", **KW)
+    return jaxcomm.tp.matmul_reduce_scatter(h * h, w2, "tp", **KW)
 
 def loss(x, w1, w2):
     return jax.lax.psum((block(x, w1, w2) ** 2).sum(), "tp") / 1e4
@@ -51,8 +53,9 @@ print("RESULT", '{"ok": true}')
 """
 
 
-@pytest.mark.parametrize("processes,devices", [(2, 1), (2, 2)])
-def test_tp_across_processes(processes, devices):
-    res = run_script(BODY, processes, devices, timeout_s=120)
+@pytest.mark.parametrize("processes,devices,direction", [(2, 1, "one_way"), (2, 2, "bidirectional"),
+                                                         (2, 2, "none")])
+def test_tp_across_processes(processes, devices, direction):
+    res = run_script(BODY, processes, devices, timeout_s=120, env={"TP_DIRECTION": direction})
     assert_ok(res)
     assert results(res) == {p: {"ok": True} for p in range(processes)}
