@@ -335,7 +335,8 @@ def test_docstring_examples(name):
     assert runner.failures == 0 and runner.tries > 0
 
 
-def test_tp_mlp_example_runs():
+@pytest.mark.parametrize("direction", ["bidirectional", "one_way"])
+def test_tp_mlp_example_runs(direction):
     """examples/tp_mlp.py checks itself against the single-device reference, then trains."""
     import os
     import subprocess
@@ -344,7 +345,8 @@ def test_tp_mlp_example_runs():
     root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "tp_mlp.py"), "--steps", "3"],
+    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "tp_mlp.py"), "--steps", "3",
+                           "--direction", direction],
                           env=env, capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
