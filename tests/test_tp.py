@@ -354,3 +354,20 @@ def test_tp_mlp_example_runs(direction):
     losses = [float(line.split("loss")[1].split()[0]) for line in proc.stdout.splitlines()
               if line.startswith("step")]
     assert len(losses) == 3 and losses[2] < losses[0]
+
+
+def test_put_deadline_names_the_missing_rank(mesh8):
+    """A rank that never starts its put: the others' put_done fails at the deadline, naming
+    the op, axis, call site and the rank; the process stays usable."""
+    def body(v):
+        def with_put(v):
+            return jaxcomm.tp.put_done(jaxcomm.tp.put_start(v, "x", RING8, timeout_s=1))
+        return jax.lax.cond(jax.lax.axis_index("x") == 0, lambda v: v, with_put, v)
+
+    with pytest.raises(Exception, match=r"DEADLINE_EXCEEDED: jaxcomm.put_start over axis 'x' \(group 0 = "
+                       r"partitions \[0 1 2 3 4 5 6 7\]\), rank \d \(partition \d\), call site "
+                       r"test_tp.py:\d+ \(with_put\).* timed out after 1 s .* waiting for ranks \[0\]"):
+        run_sharded(body, mesh8, P("x"), P("x"), np.ones(8, np.float32))
+    got = run_sharded(lambda v: jaxcomm.tp.put_done(jaxcomm.tp.put_start(v, "x", RING8)), mesh8, P("x"), P("x"),
+                      np.arange(8, dtype=np.float32))
+    np.testing.assert_array_equal(got, np.roll(np.arange(8, dtype=np.float32), 1))
