@@ -15,7 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxcomm._src import compat
 from jaxcomm._src.ops import common
+from jaxcomm._src.tp import globalview as _global
 from jaxcomm._src.tp import matmul as _matmul
 from jaxcomm._src.tp.put import PendingPut, put_done, put_start
 
@@ -45,6 +47,33 @@ def _operands(op: str, x: Any, w: Any, axis: Any, axis_label: str) -> tuple[jax.
         raise ValueError(f"jaxcomm.tp.{op}: {axis_label}={axis} names x's contracted (last) dimension; "
                          f"it must name a row dimension (use jaxcomm.all_gather and a dot otherwise)")
     return x, w, axis
+
+
+def _in_shard_map(axis_name: Any) -> bool:
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    return all(compat.axis_exists(a) for a in names)
+
+
+def _global_ring(op: str, x: jax.Array, w: jax.Array, axis_name: Any, axis: int, chunks: Any,
+                 direction: Any, timeout_s: Any, precision: Any,
+                 step_bytes: Any) -> tuple[Any, tuple, _matmul.Ring]:
+    """The global view's (mesh, other row axes, ring): x's rows (dimension ``axis``) are
+    split over the other mesh axes its sharding names there, then ``axis_name``."""
+    if not isinstance(axis_name, str):
+        raise NotImplementedError(f"jaxcomm.tp.{op}: the global view takes one mesh axis name, got {axis_name!r}; "
+                                  f"call it inside jax.shard_map for a tuple of axes")
+    mesh, rows = _global.mesh_and_rows(op, x, w, axis_name, axis)
+    R = int(dict(zip(mesh.axis_names, mesh.axis_sizes))[axis_name])
+    shards = R
+    for a in rows:
+        shards *= int(dict(zip(mesh.axis_names, mesh.axis_sizes))[a])
+    if x.shape[axis] % shards:
+        raise ValueError(f"jaxcomm.tp.{op}: x's dimension {axis} ({x.shape[axis]}) is not divisible by the "
+                         f"{shards} ranks of mesh axes {rows + (axis_name,)}")
+    block = x.shape[axis] // shards  # rows per rank (gathered op: of x; scattering op: of the result)
+    ring = _matmul.plan(op, axis_name, axis, block, chunks=chunks, direction=direction, timeout_s=timeout_s,
+                        precision=precision, step_bytes=step_bytes(R, block), size=R)
+    return mesh, rows, ring
 
 
 def all_gather_matmul(x: Any, w: Any, axis_name: Any, *, gather_axis: int = 0, chunks: int | None = None,
@@ -96,6 +125,10 @@ def all_gather_matmul(x: Any, w: Any, axis_name: Any, *, gather_axis: int = 0, c
         (64, 32)
     """
     x, w, axis = _operands("all_gather_matmul", x, w, gather_axis, "gather_axis")
+    if not _in_shard_map(axis_name):
+        mesh, rows, ring = _global_ring("all_gather_matmul", x, w, axis_name, axis, chunks, direction, timeout_s,
+                                        precision, lambda R, block: block * x.size // x.shape[axis] * x.dtype.itemsize)
+        return _global.all_gather_matmul(x, w, ring, mesh, rows)
     ring = _matmul.plan("all_gather_matmul", axis_name, axis, x.shape[axis], chunks=chunks, direction=direction,
                         timeout_s=timeout_s, precision=precision, step_bytes=x.size * x.dtype.itemsize)
     return _matmul.all_gather_matmul_p(x, w, ring)
@@ -139,6 +172,13 @@ def matmul_reduce_scatter(x: Any, w: Any, axis_name: Any, *, scatter_dimension: 
         ((64, 16), 32.0)
     """
     x, w, axis = _operands("matmul_reduce_scatter", x, w, scatter_dimension, "scatter_dimension")
+    if not _in_shard_map(axis_name):
+        acc = _matmul.accumulator(x.dtype)
+        mesh, rows, ring = _global_ring("matmul_reduce_scatter", x, w, axis_name, axis, chunks, direction,
+                                        timeout_s, precision,
+                                        lambda R, block: block * x.size // x.shape[axis] // x.shape[-1]
+                                        * w.shape[1] * acc.itemsize)
+        return _global.matmul_reduce_scatter(x, w, ring, mesh, rows)
     ring = _matmul.plan("matmul_reduce_scatter", axis_name, axis, 0, chunks=chunks, direction=direction,
                         timeout_s=timeout_s, precision=precision)
     if x.shape[axis] % ring.size:

@@ -371,3 +371,46 @@ def test_put_deadline_names_the_missing_rank(mesh8):
     got = run_sharded(lambda v: jaxcomm.tp.put_done(jaxcomm.tp.put_start(v, "x", RING8)), mesh8, P("x"), P("x"),
                       np.arange(8, dtype=np.float32))
     np.testing.assert_array_equal(got, np.roll(np.arange(8, dtype=np.float32), 1))
+
+
+# ------------------------------------------------------------------------ global view
+
+@pytest.mark.parametrize("direction", ["bidirectional", "one_way", "none"])
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+def test_global_view(direction, explicit):
+    """Under jax.jit on NamedSharding arrays, no shard_map: x rows over ("dp", "tp"), w_up
+    columns and w_down rows over "tp"; values and gradients against NumPy / jax.grad of the
+    plain product, the layouts as stated, the puts in the program."""
+    types = (jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=types)
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, size=(2, 16, 8)).astype(np.float32)
+    w1 = rng.integers(-3, 3, size=(8, 12)).astype(np.float32)
+    w2 = rng.integers(-3, 3, size=(12, 8)).astype(np.float32)
+    specs = (P(None, ("dp", "tp")), P(None, "tp"), P("tp"))
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w1, w2), specs)]
+
+    def block(x, w1, w2):
+        h = jaxcomm.tp.all_gather_matmul(x, w1, "tp", gather_axis=1, direction=direction)
+        return jaxcomm.tp.matmul_reduce_scatter(h * h, w2, "tp", scatter_dimension=1, direction=direction)
+
+    f = jax.jit(block)
+    np.testing.assert_array_equal(np.asarray(f(*args)), (x @ w1) ** 2 @ w2)
+    if explicit:
+        assert jax.typeof(f(*args)).sharding.spec == P(None, ("dp", "tp"), None)
+    grads = jax.jit(jax.grad(lambda *a: (block(*a) ** 2).sum(), argnums=(0, 1, 2)))(*args)
+    want = jax.grad(lambda x, w1, w2: ((((x @ w1) ** 2) @ w2) ** 2).sum(), argnums=(0, 1, 2))(x, w1, w2)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+    assert ("jaxcomm_put_start" in f.lower(*args).compile().as_text()) == (direction != "none")
+
+
+def test_global_view_errors():
+    mesh = jax.make_mesh((8,), ("tp",))
+    x = jax.device_put(np.ones((12, 4), np.float32), NamedSharding(mesh, P()))
+    with pytest.raises(ValueError, match=re.escape("jaxcomm.tp.all_gather_matmul: x's dimension 0 (12) is not "
+                                                   "divisible by the 8 ranks of mesh axes ('tp',)")):
+        jax.jit(lambda x: jaxcomm.tp.all_gather_matmul(x, jnp.ones((4, 8)), "tp"))(x)
+    with pytest.raises(NameError, match=re.escape("jaxcomm.tp.all_gather_matmul: axis 'model' is not bound by an "
+                                                  "enclosing shard_map")):
+        jax.jit(lambda x: jaxcomm.tp.all_gather_matmul(x, jnp.ones((4, 8)), "model"))(x)

@@ -107,6 +107,8 @@ class Case:
         self.specs = (P(("dp", "tp")), P(None, "tp"), P("tp"))
         host = (rng.normal(size=(dp * M, D)), rng.normal(size=(D, F)) / np.sqrt(D), rng.normal(size=(F, D)) / np.sqrt(F))
         self.args = [jax.device_put(a.astype(dt), NamedSharding(self.mesh, s)) for a, s in zip(host, self.specs)]
+        # The compute side's x: every rank holds its group's M rows already (no gather).
+        self.gathered = jax.device_put(np.tile(host[0], (tp, 1)).astype(dt), NamedSharding(self.mesh, self.specs[0]))
 
     def blocks(self) -> dict[str, Callable[..., Any]]:
         """Each side's per-rank block, (x, w_up, w_down) -> y."""
@@ -130,12 +132,13 @@ class Case:
             "ring": ring,
             "unfused": lambda x, w1, w2: jaxcomm.reduce_scatter(
                 jax.nn.gelu(jaxcomm.all_gather(x, "tp", tiled=True) @ w1) @ w2, "tp", tiled=True),
-            "compute": lambda x, w1, w2: (jax.nn.gelu(jnp.tile(x, (tp, 1)) @ w1) @ w2)[:x.shape[0]],
+            # x: the gathered rows (Case.gathered); the R partial blocks summed locally.
+            "compute": lambda x, w1, w2: (jax.nn.gelu(x @ w1) @ w2).reshape(tp, -1, x.shape[1]).sum(0),
             "comm": lambda x, w1, w2: jaxcomm.reduce_scatter(jaxcomm.all_gather(x, "tp", tiled=True), "tp",
                                                              tiled=True),
         }
 
-    def step(self, block: Callable[..., Any], mode: str) -> Callable[[], Any]:
+    def step(self, block: Callable[..., Any], mode: str, gathered: bool = False) -> Callable[[], Any]:
         import jax
         from jax.sharding import PartitionSpec as P
 
@@ -148,10 +151,11 @@ class Case:
                 return jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
             out_specs = self.specs
         f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=self.specs, out_specs=out_specs, check_vma=False))
-        return lambda: f(*self.args)
+        args = [self.gathered, *self.args[1:]] if gathered else self.args
+        return lambda: f(*args)
 
     def sides(self, mode: str) -> dict[str, Callable[[], Any]]:
-        return {name: self.step(b, mode) for name, b in self.blocks().items()}
+        return {name: self.step(b, mode, gathered=name == "compute") for name, b in self.blocks().items()}
 
 
 def _alternate(sides: dict[str, Callable[[], Any]], rounds: int, iters: int) -> dict[str, float]:

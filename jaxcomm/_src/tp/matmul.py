@@ -67,13 +67,15 @@ class Ring:
 
 
 def plan(op: str, axis_name: Any, axis: int, block: int, *, chunks: int | None, direction: str | None,
-         timeout_s: float | None, precision: Any, transport: str = "put", step_bytes: int = 0) -> Ring:
+         timeout_s: float | None, precision: Any, transport: str = "put", step_bytes: int = 0,
+         size: int | None = None) -> Ring:
     """The ring for a block of ``block`` rows along ``axis`` (``step_bytes`` moving per
     step): by default no ring below RING_MIN_BYTES, one-way over 2 ranks (both directions
     lead to the same peer) and bidirectional above, as the shard_map docs' collective
-    matmul; ``chunks`` pieces per block (default: one per direction)."""
-    axes = groups.normalize_axes(f"tp.{op}", axis_name)
-    size = groups.group_size(axes)
+    matmul; ``chunks`` pieces per block (default: one per direction). ``size``: the group
+    size, for a ring planned outside shard_map (the global view); else the bound axes'."""
+    if size is None:
+        size = groups.group_size(groups.normalize_axes(f"tp.{op}", axis_name))
     if direction is None:
         if size > 1 and step_bytes < RING_MIN_BYTES:
             direction = "none"
