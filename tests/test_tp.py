@@ -313,7 +313,8 @@ def test_vmap_inside_shard_map(mesh8):
     (lambda x, w: jaxcomm.tp.matmul_reduce_scatter(x, w, "x"), ValueError,
      "jaxcomm.tp.matmul_reduce_scatter: x's dimension 0 (1) is not divisible by the group size 8"),
     (lambda x, w: jaxcomm.tp.matmul_reduce_scatter(x, w, "y"), NameError,
-     "jaxcomm.tp.matmul_reduce_scatter: unknown axis name 'y'. jaxcomm collectives run inside jax.shard_map"),
+     "jaxcomm.tp.matmul_reduce_scatter: axis 'y' is not bound by an enclosing shard_map, and x has no "
+     "NamedSharding over a mesh with that axis"),
 ], ids=["x1d", "w3d", "K", "dtype", "contracted", "range", "direction", "chunks", "divisible", "axis"])
 def test_bad_input(mesh8, call, error, message):
     x, w = np.ones((8, 4), np.float32), np.ones((4, 8), np.float32)
