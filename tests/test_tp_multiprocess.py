@@ -1,6 +1,7 @@
 """jaxcomm.tp across processes (shared memory between the processes of this host):
-the collective matmuls and their gradients against NumPy, and a split-phase put against
-jax.lax.ppermute, in 2 processes x 1 device and 2 processes x 2 devices."""
+the collective matmuls and their gradients against NumPy, and split-phase puts (small, and
+large enough to stream by ranges) against NumPy's roll, in 2 processes x 1 device and 2
+processes x 2 devices."""
 
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ np.testing.assert_array_equal(gathered(y), want_y)
 np.testing.assert_array_equal(gathered(moved), want_moved)
 for g, want in zip(grads, want_grads):
     np.testing.assert_allclose(gathered(g), np.asarray(want), rtol=1e-5)
+# A put large enough to stream through shared memory by ranges (1.2 MB a rank).
+n = 300001
+ring = [(i, (i + 1) % R) for i in range(R)]
+put = jax.jit(jax.shard_map(lambda v: jaxcomm.tp.put_done(jaxcomm.tp.put_start(v, "tp", ring)), mesh=mesh,
+                            in_specs=P("tp"), out_specs=P("tp")))
+big = np.arange(R * n, dtype=np.float32)
+moved = put(jax.device_put(big, NamedSharding(mesh, P("tp"))))
+np.testing.assert_array_equal(gathered(moved), np.roll(big.reshape(R, n), 1, axis=0).reshape(-1))
 print("RESULT", '{"ok": true}')
 """
 

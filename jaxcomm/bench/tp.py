@@ -9,8 +9,9 @@ Sides, timed in alternating blocks in one run (median seconds per jitted step):
   tp       jaxcomm.tp (one-sided puts overlapping the chunk matmuls)
   lax      (a) jax.lax.all_gather then dot; dot then jax.lax.psum_scatter
   ring     (b) the shard_map docs' collective matmul: the same chunk ring over jax.lax.ppermute
+           (bidirectional above 2 ranks)
   unfused  (c) jaxcomm.all_gather then dot; dot then jaxcomm.reduce_scatter
-  compute  the matmuls alone (the gathered operand made locally, no communication)
+  compute  the tp side's chunk matmuls alone: the same ring with every block kept where it is
   comm     jaxcomm's all_gather and reduce_scatter alone (no matmul)
 ``hidden`` is the share of the communication the tp side hides: (compute + comm - tp) /
 comm, clipped to [0, 1]. ``comm %`` is comm / (compute + comm): where it is below a third
@@ -107,8 +108,6 @@ class Case:
         self.specs = (P(("dp", "tp")), P(None, "tp"), P("tp"))
         host = (rng.normal(size=(dp * M, D)), rng.normal(size=(D, F)) / np.sqrt(D), rng.normal(size=(F, D)) / np.sqrt(F))
         self.args = [jax.device_put(a.astype(dt), NamedSharding(self.mesh, s)) for a, s in zip(host, self.specs)]
-        # The compute side's x: every rank holds its group's M rows already (no gather).
-        self.gathered = jax.device_put(np.tile(host[0], (tp, 1)).astype(dt), NamedSharding(self.mesh, self.specs[0]))
 
     def blocks(self) -> dict[str, Callable[..., Any]]:
         """Each side's per-rank block, (x, w_up, w_down) -> y."""
@@ -118,27 +117,27 @@ class Case:
         from jaxcomm._src.tp import matmul
         tp = self.tp
 
-        def ring(x, w1, w2):
-            plan = lambda axis_rows: matmul.plan("bench", "tp", 0, axis_rows, chunks=None, direction=None,  # noqa: E731
-                                                 timeout_s=None, precision=None, transport="lax")
-            h = jax.nn.gelu(matmul.all_gather_matmul_p(x, w1, plan(x.shape[0])))
-            return matmul.matmul_reduce_scatter_p(h, w2, plan(x.shape[0]))
+        def ring(transport):
+            def block(x, w1, w2):
+                r = matmul.plan("bench", "tp", 0, x.shape[0], chunks=None, direction="bidirectional" if tp > 2
+                                else "one_way", timeout_s=None, precision=None, transport=transport)
+                return matmul.matmul_reduce_scatter_p(jax.nn.gelu(matmul.all_gather_matmul_p(x, w1, r)), w2, r)
+            return block
 
         return {
             "tp": lambda x, w1, w2: jaxcomm.tp.matmul_reduce_scatter(
                 jax.nn.gelu(jaxcomm.tp.all_gather_matmul(x, w1, "tp")), w2, "tp"),
             "lax": lambda x, w1, w2: jax.lax.psum_scatter(
                 jax.nn.gelu(jax.lax.all_gather(x, "tp", tiled=True) @ w1) @ w2, "tp", tiled=True),
-            "ring": ring,
+            "ring": ring("lax"),
             "unfused": lambda x, w1, w2: jaxcomm.reduce_scatter(
                 jax.nn.gelu(jaxcomm.all_gather(x, "tp", tiled=True) @ w1) @ w2, "tp", tiled=True),
-            # x: the gathered rows (Case.gathered); the R partial blocks summed locally.
-            "compute": lambda x, w1, w2: (jax.nn.gelu(x @ w1) @ w2).reshape(tp, -1, x.shape[1]).sum(0),
+            "compute": ring("local"),
             "comm": lambda x, w1, w2: jaxcomm.reduce_scatter(jaxcomm.all_gather(x, "tp", tiled=True), "tp",
                                                              tiled=True),
         }
 
-    def step(self, block: Callable[..., Any], mode: str, gathered: bool = False) -> Callable[[], Any]:
+    def step(self, block: Callable[..., Any], mode: str) -> Callable[[], Any]:
         import jax
         from jax.sharding import PartitionSpec as P
 
@@ -151,11 +150,10 @@ class Case:
                 return jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
             out_specs = self.specs
         f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=self.specs, out_specs=out_specs, check_vma=False))
-        args = [self.gathered, *self.args[1:]] if gathered else self.args
-        return lambda: f(*args)
+        return lambda: f(*self.args)
 
     def sides(self, mode: str) -> dict[str, Callable[[], Any]]:
-        return {name: self.step(b, mode, gathered=name == "compute") for name, b in self.blocks().items()}
+        return {name: self.step(b, mode) for name, b in self.blocks().items()}
 
 
 def _alternate(sides: dict[str, Callable[[], Any]], rounds: int, iters: int) -> dict[str, float]:

@@ -52,7 +52,9 @@ class Ring:
     timeout_s: float | None
     precision: Any
     # "put": jaxcomm's one-sided puts; "lax": jax.lax.ppermute, i.e. the shard_map docs'
-    # collective matmul (the benchmark's baseline, python -m jaxcomm.bench tp).
+    # collective matmul; "local": no communication, each block stays (wrong values, the
+    # same matmuls: the benchmark's compute-alone side). The last two are the baselines of
+    # python -m jaxcomm.bench tp.
     transport: str = "put"
 
     def perm(self, shift: int) -> tuple[tuple[int, int], ...]:
@@ -63,6 +65,8 @@ class Ring:
         perm = self.perm(shift)
         if self.transport == "lax":
             return lambda: compat.jax_lax.ppermute(block, self.axis_name, perm)
+        if self.transport == "local":
+            return lambda: block
         return put.start(block, self.axis_name, perm, self.timeout_s)
 
 
