@@ -415,3 +415,26 @@ def test_global_view_errors():
     with pytest.raises(NameError, match=re.escape("jaxcomm.tp.all_gather_matmul: axis 'model' is not bound by an "
                                                   "enclosing shard_map")):
         jax.jit(lambda x: jaxcomm.tp.all_gather_matmul(x, jnp.ones((4, 8)), "model"))(x)
+
+
+# ------------------------------------------------------------------------ benchmark
+
+def test_bench_tp_runs():
+    """python -m jaxcomm.bench tp: every side agrees in shape and runs; the derived columns."""
+    import os
+    import subprocess
+    import sys
+    from jaxcomm.bench import tp as bench_tp
+    r = dict(tp=0.5, lax=1.0, ring=0.75, unfused=0.8, compute=0.4, comm=0.2)
+    d = bench_tp.derived(r)
+    assert (d["vs_lax"], d["vs_ring"], d["comm_share"]) == pytest.approx((2.0, 1.5, 1 / 3))
+    assert d["hidden"] == pytest.approx(0.5)        # 0.4 + 0.2 - 0.5 of the 0.2 of communication
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-m", "jaxcomm.bench", "tp", "--tp", "2", "--tokens", "64",
+                           "--decode-tokens", "4", "--d-model", "32", "--d-ff", "16", "--rounds", "1", "--iters", "1"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("2   4 ")]
+    assert [(r[2], r[4]) for r in rows[-4:]] == [("train", "fwd"), ("train", "fwd+bwd"), ("decode", "fwd"),
+                                                  ("decode", "fwd+bwd")]

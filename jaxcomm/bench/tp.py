@@ -46,7 +46,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--d-ff", type=int, default=1024, help="MLP width over the whole tp group")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--rounds", type=int, default=4, help="alternating blocks per side")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating blocks per side (0: warm-up only)")
     ap.add_argument("--iters", type=int, default=5, help="timed steps per block")
     ap.add_argument("--processes", type=int, default=0, help="N processes x 1 device (jaxcomm.launch --bind cores)")
     ap.add_argument("--timeline", default="", help="write one tp step's timeline (PNG) here")
@@ -171,7 +171,7 @@ def _alternate(sides: dict[str, Callable[[], Any]], rounds: int, iters: int) -> 
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn())
                 samples[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return {k: statistics.median(v) if v else float("nan") for k, v in samples.items()}
 
 
 def derived(r: dict[str, Any]) -> dict[str, float]:
@@ -201,8 +201,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def timeline(case: Case, path: str) -> None:
-    """Plots one forward step of the tp side: XLA's thunks per device thread (jax.profiler)
-    and the flight recorder's put rounds (enqueue to end), aligned at the first put_start."""
+    """Plots one forward step of the tp side: XLA's thunks per device (jax.profiler's
+    Perfetto trace) and the flight recorder's put rounds (enqueue to end), the recorder's
+    clock aligned with the profiler's at the first put_start."""
     import gzip
     import glob
     import re
@@ -214,37 +215,34 @@ def timeline(case: Case, path: str) -> None:
     for _ in range(3):
         jax.block_until_ready(fn())
     d = tempfile.mkdtemp(prefix="jaxcomm-tp-profile-")
-    before = {id(e) for e in []}
     with jax.profiler.trace(d, create_perfetto_trace=True):
         jax.block_until_ready(fn())
     snap = jaxcomm.trace.snapshot()
-    del before
     (trace_file,) = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
     events = json.load(gzip.open(trace_file))
     events = events["traceEvents"] if isinstance(events, dict) else events
-    # Custom-call names -> targets, from the compiled program's text.
-    text = jax.jit(jax.shard_map(case.blocks()["tp"], mesh=case.mesh, in_specs=case.specs,
-                                 out_specs=jax.sharding.PartitionSpec(("dp", "tp")), check_vma=False)
-                   ).lower(*case.args).compile().as_text()
-    targets = dict(re.findall(r"%?([\w.-]+) = [^\n]*custom_call_target=\"(jaxcomm_\w+)\"", text))
-    thunks = [e for e in events if e.get("ph") == "X" and "device_ordinal" in e.get("args", {})]
+    # XLA's thunks, each named after its HLO instruction (jaxcomm_put_start.12, ynn_fusion.3, ...).
+    thunks = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("hlo_op") == e.get("name")
+              and "device_ordinal" in e["args"]]
     if not thunks:
         print("timeline: the profiler recorded no XLA thunks", file=sys.stderr)
         return
     puts = [e for e in snap["entries"] if e["op"] == "put_start" and e["end_us"]]
-    starts = [e for e in thunks if targets.get(e["args"].get("hlo_op", "")) == "jaxcomm_put_start"]
+    starts = [e for e in thunks if e["name"].startswith("jaxcomm_put_start")]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     t0 = min(e["ts"] for e in thunks)
     fig, ax = plt.subplots(figsize=(12, 0.5 + 0.45 * 2 * len(jax.local_devices())))
-    colors = {"jaxcomm_put_start": "tab:green", "jaxcomm_put_done": "tab:red"}
-    for e in thunks:
+    def color(name: str) -> str:
+        if name.startswith("jaxcomm_put_start"):
+            return "tab:green"
+        if name.startswith("jaxcomm_put_done"):
+            return "tab:red"
+        return "tab:blue" if re.search(r"dot|ynn|gemm|matmul|convolution", name) else "silver"
+    for e in sorted(thunks, key=lambda e: color(e["name"]) != "silver"):  # the other thunks underneath
         dev = int(e["args"]["device_ordinal"])
-        target = targets.get(e["args"].get("hlo_op", ""), "")
-        color = colors.get(target, "tab:blue" if re.search(r"dot|ynn|gemm|matmul|convolution",
-                                                          e["args"].get("hlo_op", "")) else "lightgray")
-        ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1) / 1e3)], (2 * dev, 0.8), color=color)
+        ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1) / 1e3)], (2 * dev, 0.8), color=color(e["name"]))
     if puts and starts:
         # The recorder's clock (system time, us) against the profiler's: align this run's
         # last puts with the profiler's put_start thunks.
@@ -256,8 +254,12 @@ def timeline(case: Case, path: str) -> None:
     ax.set_yticks([2 * i + 0.8 for i in range(len(jax.local_devices()))])
     ax.set_yticklabels([f"device {i}" for i in range(len(jax.local_devices()))])
     ax.set_xlabel("ms")
-    ax.set_title(f"one jaxcomm.tp MLP forward step, tp={case.tp}, M={case.M}: matmuls (blue), put_start "
-                 f"(green), put_done waits (red), puts in flight (orange, flight recorder)", fontsize=9)
+    ax.set_title(f"one jaxcomm.tp MLP forward step, tp={case.tp}, M={case.M}: XLA's thunks (matmuls blue, "
+                 f"put_start green, put_done red, other grey),\nputs in flight (orange, flight recorder)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"timeline written to {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

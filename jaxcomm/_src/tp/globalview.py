@@ -19,14 +19,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxcomm._src import compat
+from jaxcomm._src import globalview
 from jaxcomm._src.tp import matmul
 
 
@@ -76,15 +74,8 @@ def partitioned(local: Callable[..., jax.Array], args: list[jax.Array], in_specs
         return jnp.zeros(out_shape.shape, out_shape.dtype, out_sharding=typed)
 
     def partition(given, arg_shapes, result_shape):
-        concrete = given
-        if getattr(given, "empty", True) or tuple(given.axis_names) != tuple(abstract.axis_names):
-            devices = np.asarray(compat.device_assignment(arg_shapes[0].sharding), dtype=object)
-            concrete = Mesh(devices.reshape(abstract.axis_sizes), abstract.axis_names)
-
-        def lower(*xs):
-            with jax.sharding.use_abstract_mesh(concrete.abstract_mesh), jax.enable_x64(x64):
-                return local(*xs)
-        return (concrete, lower, NamedSharding(concrete, out_spec),
+        concrete = globalview.partition_mesh(given, abstract, arg_shapes)
+        return (concrete, globalview.per_rank(local, concrete, x64), NamedSharding(concrete, out_spec),
                 tuple(NamedSharding(concrete, s) for s in in_specs))
 
     call.def_partition(partition, infer_sharding_from_operands=lambda m, a, r: NamedSharding(m, out_spec),
