@@ -60,3 +60,7 @@ __all__ = [
     "trace",
     "use_for_lax",
 ]
+
+from jaxcomm._src import roofline as _roofline  # noqa: E402
+
+_roofline.register()  # jax.experimental.roofline's rules for jaxcomm's collectives, where absl is

@@ -5,10 +5,14 @@
 #   scripts/gpu_check.sh [OUT_DIR]      (default: $OUT, else ./gpu_check_out)
 #
 # One global deadline (GPU_CHECK_DEADLINE_S, default 500 s) across the stages, results
-# first: each stage gets what is left of it, minus a reserve for the summary, and a
-# stage without time left is recorded as skipped. Stages, in order:
+# first: each stage gets what is left of it, minus a reserve for the summary and the
+# grace between SIGINT and SIGKILL, and a stage without time left is recorded as skipped.
+# A timed-out stage gets SIGINT (pytest still writes tests.xml), and every process it
+# started, ranks in their own sessions included, is ended after it (gpu_check_lib.sh).
+# Stages, in order:
 #   versions  driver, GPU, nvcc, Python, jax, jaxlib, the CUDA plugin, NCCL (first)
-#   build     pip install --target (no venv, no system change: PEP 668 does not apply)
+#   build     pip install --target (no venv, no system change: PEP 668 does not apply;
+#             no index, no network)
 #             with nvcc and JAXCOMM_CUDA=ON; the module is copied into jaxcomm/. Without
 #             nvcc, or when the build fails, a module built elsewhere for this Python by
 #             scripts/build_gpu_module.sh and carried into jaxcomm/ is used.
@@ -19,7 +23,8 @@
 #   jit       through jax.jit on one GPU, four collectives 4 B..1 GiB and MoE, against
 #             jax.lax on the same data (tests/gpu/figures.py jit)
 #   mp        4 processes sharing the GPU: dispatch+combine through CUDA IPC against a
-#             device-to-device copy (tests/gpu/figures.py mp)
+#             device-to-device copy (tests/gpu/figures.py mp; timed without the checks,
+#             which the tests stage runs)
 #   tests     pytest of the GPU test files, -ra (every failure's message and traceback
 #             kept), then the host-side ones (tests/gpu/test_kernel_logic.py is left to CI)
 # Without a GPU every stage after versions is skipped with the reason, so that a dry run
@@ -49,36 +54,11 @@ PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 [ -d /usr/local/cuda/bin ] && export PATH="$PATH:/usr/local/cuda/bin"
 
-left() { echo $(( DEADLINE - ($(date +%s) - T0) - RESERVE )); }
-
-# record NAME RC SECONDS NOTE
-record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$STAGES"; }
-
-# stage NAME CAP LOG CMD...: runs CMD with min(CAP, time left) seconds, output appended
-# to LOG (and to check.log); records rc and duration.
-stage() {
-  local name=$1 cap=$2 log=$3
-  shift 3
-  local budget t0 rc
-  budget=$(left)
-  [ "$budget" -gt "$cap" ] && budget=$cap
-  if [ "$budget" -lt 10 ]; then
-    echo "=== $name: skipped, the global deadline is near"
-    record "$name" -1 0 "skipped: no time left"
-    return 0
-  fi
-  echo "=== $name (limit ${budget}s, $(( $(date +%s) - T0 ))s into the check)"
-  t0=$(date +%s)
-  timeout --kill-after=5 "$budget" "$@" 2>&1 | tee -a "$log"
-  rc=${PIPESTATUS[0]}
-  record "$name" "$rc" $(( $(date +%s) - t0 )) "$([ "$rc" = 124 ] && echo "timed out after ${budget}s")"
-  echo "=== $name: rc=$rc"
-}
-
-skip() {
-  echo "=== $1: skipped, $2"
-  record "$1" -1 0 "skipped: $2"
-}
+# left, record, skip, stage, sweep: the stage machinery (timeouts that keep pytest's XML,
+# leftover ranks ended).
+source "$REPO/scripts/gpu_check_lib.sh"
+# Ranks a killed earlier run left behind would hold the GPU: end them first.
+sweep "$MARKER_PREFIX-"
 
 SELECTED=",${GPU_CHECK_STAGES:-build,loopback,decode,jit,mp,tests},"
 selected() { [[ "$SELECTED" == *",$1,"* ]]; }
@@ -97,7 +77,8 @@ selected() { [[ "$SELECTED" == *",$1,"* ]]; }
   "$PY" - <<'PYEOF' 2>&1
 import importlib.metadata as md, sys
 print("python:", sys.version.split()[0], sys.executable)
-for name in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "nvidia-nccl-cu13",
+for name in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
+             "jax-cuda12-pjrt", "nvidia-nccl-cu13", "nvidia-nccl-cu12",
              "nvidia-cuda-runtime", "numpy", "nanobind", "scikit-build-core", "pytest"):
     try:
         print(f"{name}: {md.version(name)}")
@@ -126,7 +107,8 @@ else
   [ -f "$MODULE" ] && PREBUILT="$WORK/prebuilt.so" && cp "$MODULE" "$PREBUILT"
   SITE="$WORK/site"
   stage build "${GPU_CHECK_BUILD_S:-300}" "$OUT_DIR/build.log" env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "$PY" -m pip install --no-deps --no-build-isolation --no-cache-dir --target "$SITE" -v . \
+    "$PY" -m pip install --no-index --disable-pip-version-check --no-deps --no-build-isolation \
+    --no-cache-dir --target "$SITE" -v . \
     -C cmake.define.JAXCOMM_CUDA=ON -C build-dir="$WORK/build"
   built=$(ls "$SITE"/jaxcomm/_jaxcomm*.so 2> /dev/null | head -n 1)
   if [ -n "$built" ]; then
@@ -182,7 +164,7 @@ elif ! selected tests; then
   skip tests "not in GPU_CHECK_STAGES"
 else
   # -o addopts=: without pyproject's pytest-xdist workers (one GPU; xdist may be absent).
-  stage tests 400 "$OUT_DIR/tests.log" "$PY" -m pytest -q -ra -o addopts= -p no:cacheprovider \
+  stage tests 400 "$OUT_DIR/tests.log" "${PYTEST[@]}" -q -ra -o addopts= -p no:cacheprovider \
     tests/gpu/test_collectives_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_moe_inference_gpu.py \
     tests/gpu/test_multiprocess_gpu.py \
     tests/gpu/test_cuda_host.py --timeout=240 --junitxml="$OUT_DIR/tests.xml" -o junit_family=xunit1

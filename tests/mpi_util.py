@@ -50,9 +50,12 @@ def free_port() -> int:
 
 
 def run_mpi(body: str, n: int, *, env: dict[str, str] | None = None, timeout_s: float = 180.0,
-            launcher_args: tuple[str, ...] = (), before_init: str = "") -> tuple[int, dict[int, str]]:
+            launcher_args: tuple[str, ...] = (), before_init: str = "",
+            launcher: list[str] | None = None) -> tuple[int, dict[int, str]]:
     """Runs ``body`` as ``n`` processes under ``mpirun``; (exit status, {rank: output}).
-    ``before_init``: code run before the prologue's ``jaxcomm.init()`` (mpi4py.rc)."""
+    ``before_init``: code run before the prologue's ``jaxcomm.init()`` (mpi4py.rc).
+    ``launcher``: the argv that starts the ``n`` processes in place of ``mpirun -n N``
+    (``VirtualCluster.mpiexec``: across network namespaces)."""
     workdir = tempfile.mkdtemp(prefix="jaxcomm-mpi-test-")
     try:
         path = os.path.join(workdir, "script.py")
@@ -68,7 +71,7 @@ def run_mpi(body: str, n: int, *, env: dict[str, str] | None = None, timeout_s: 
                    "JAX_COORDINATOR_PORT": str(free_port()),
                    "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                    **(env or {})}
-        cmd = ["mpirun", "-n", str(n)]
+        cmd = list(launcher) if launcher is not None else ["mpirun", "-n", str(n)]
         if _is_open_mpi():
             cmd += ["--oversubscribe", "--bind-to", "none"]
         cmd += [*launcher_args, sys.executable, path]

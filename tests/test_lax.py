@@ -249,6 +249,12 @@ EXPLICIT_OPS = {
     "all_gather_reduced": lambda lax, v: jax.lax.pcast(
         lax.all_gather(v, "ep", to="reduced", axis=1), "ep", to="varying"),
     "varying_psum": lambda lax, v: lax.psum(v, ("dp", "ep")),
+    # FSDP's parameters (jax's test_shmap_unreduced_fsdp_grad): an operand already typed
+    # reduced over another axis (dp), gathered over ep to="reduced"; its cotangent is
+    # unreduced over both.
+    "all_gather_reduced_over_reduced": lambda lax, v: jax.lax.pcast(lax.all_gather(
+        jax.lax.pcast(lax.psum(v, "dp"), "dp", to="reduced"), "ep", to="reduced", axis=1,
+        tiled=True), ("dp", "ep"), to="varying"),
 }
 
 
@@ -261,16 +267,18 @@ def test_explicit_sharding_types(mesh2x4):
 
 
 def test_explicit_sharding_grads(mesh2x4):
-    # Their transposes: reduced cast (psum), all_gather(to="reduced") (psum_scatter), this
-    # rank's block (invariant gather); all_gather(to="reduced")'s goes through jax's
-    # transpose of the reduced cast (an XLA all-reduce), checked apart.
+    # Their transposes: reduced cast (psum), unreduced psum_scatter (all_gather to="reduced"),
+    # this rank's block (invariant gather), a reduce-scatter of partial sums
+    # (all_gather(to="reduced"), also of an operand reduced over another axis; that case's
+    # own cast to reduced over dp transposes to an XLA all-reduce, so it is checked apart).
     def grads(ops):
         return lambda lax, v: {op: jax.grad(lambda u: jnp.sum(jnp.sin(EXPLICIT_OPS[op](lax, u))))(v)
                                for op in ops}
     x = rand((N, 2, 3), "float32", 27)
+    fsdp = "all_gather_reduced_over_reduced"
     with jax.set_mesh(mesh2x4):
-        same(mesh2x4, grads([op for op in EXPLICIT_OPS if op != "all_gather_reduced"]), x)
-        same(mesh2x4, grads(["all_gather_reduced"]), x, fast=False)
+        same(mesh2x4, grads([op for op in EXPLICIT_OPS if op != fsdp]), x)
+        same(mesh2x4, grads([fsdp]), x, fast=False)
 
 
 def test_native_ops_take_unreduced_sums(mesh2x4):

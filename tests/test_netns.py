@@ -191,3 +191,26 @@ def test_mpi_launches_across_hosts(cluster: VirtualCluster) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     ranks = sorted(l.split()[1:] for l in res.stdout.splitlines() if l.startswith("RANK"))
     assert ranks == [["0", "node0", "10"], ["1", "node0", "10"], ["2", "node1", "10"], ["3", "node1", "10"]], res.stdout
+
+
+@pytest.mark.skipif(_mpi() is None, reason="needs an MPI's mpiexec on PATH and mpi4py")
+@pytest.mark.xdist_group("mpi")
+def test_mpi_transport_across_hosts(cluster: VirtualCluster) -> None:
+    """jaxcomm's MPI transport between real hosts: 2 hosts x 2 processes started by
+    mpiexec across the namespaces, no JAXCOMM_HOST_ID (the hosts are found by name), every
+    op and MoE dispatch/combine against NumPy, and the hierarchical algorithm over shared
+    memory within a host and MPI between them."""
+    from mpi_util import format_output, run_mpi
+    mpiexec, _ = _mpi()
+    body = (pathlib.Path(__file__).parent / "multiprocess" / "check_ops.py").read_text() + """
+print("ALGORITHMS", sorted({s.algorithm for s in jaxcomm.stats() if s.algorithm.startswith("hier")}), flush=True)
+print("HOST", socket.gethostname(), flush=True)
+"""
+    code, out = run_mpi("import socket\n" + body, 4, env={**_env(2), "JAXCOMM_TRANSPORT": "mpi"},
+                        timeout_s=300, launcher=cluster.mpiexec(mpiexec, 4, 2))
+    assert code == 0, format_output(out)
+    for rank in range(4):
+        assert "ALL CHECKED" in out[rank], format_output(out)
+        assert "CHECKED hierarchical" in out[rank], format_output(out)
+        assert f"HOST {cluster.hostnames[rank // 2]}" in out[rank], format_output(out)
+        assert "'hierarchical shm+mpi'" in out[rank], format_output(out)

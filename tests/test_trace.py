@@ -374,6 +374,20 @@ def test_plot(clean_run, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_title_keeps_a_long_verdict_whole():
+    # A MISMATCH verdict of 8 processes with 64-hex-digit program hashes: the title holds
+    # each process's words and a readable prefix of each hash, on lines that fit.
+    hashes = [f"{i:x}" * 64 for i in range(8)]
+    verdict = "MISMATCH: " + ", ".join(f"process {i} ran program {h}" for i, h in enumerate(hashes))
+    title = exporter.plot_title(verdict)
+    lines = title.splitlines()
+    assert 1 < len(lines) <= 3 and all(len(l) <= exporter.TITLE_WIDTH for l in lines), title
+    for i, h in enumerate(hashes):
+        assert f"process {i} ran program {h[:8]}…" in title.replace("\n", " "), title
+    assert not any(h[:9] in title for h in hashes), title
+    assert exporter.plot_title("clean: 12 calls") == "clean: 12 calls"
+
+
 def test_injected_hang_names_the_missing_rank(children):
     proc, out = _run(children, "hang")
     assert "RAN-ERROR" in proc.stdout and "waiting for ranks [3]" in proc.stdout, proc.stdout

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -21,6 +22,7 @@
 #include "cuda/peers.h"
 #include "cuda/process_exchange.h"
 #include "cuda/state.h"
+#include "cuda/xla_context.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -50,6 +52,45 @@ const NcclApi& Nccl() {
 // stage parsed, as its error, without touching a device.
 ffi::Error ProbeExecute(CudaState* st, ffi::RemainingArgs, ffi::RemainingRets) {
   return ffi::Error(ffi::ErrorCode::kCancelled, "jaxcomm CUDA attribute probe: " + st->Summary());
+}
+
+// An XLA FFI API whose scratch allocator keeps XLA:GPU's contract (xla_context.h's
+// ScratchAlignmentRefusal) on host memory: the scratch probe runs DeviceScratch, the
+// handlers' own allocation code, against it.
+struct FakeError {
+  std::string message;
+};
+constexpr size_t kFakeScratchCapacity = size_t{1} << 30;
+XLA_FFI_Error* FakeAllocate(XLA_FFI_DeviceMemory_Allocate_Args* args) {
+  if (std::string why = ScratchAlignmentRefusal(args->alignment); !why.empty()) {
+    return reinterpret_cast<XLA_FFI_Error*>(new FakeError{"INVALID_ARGUMENT: " + why});
+  }
+  if (args->size > kFakeScratchCapacity) {
+    return reinterpret_cast<XLA_FFI_Error*>(new FakeError{"RESOURCE_EXHAUSTED: out of memory"});
+  }
+  // As XLA's device allocators: no memory (and no error) for 0 bytes.
+  args->data = args->size == 0 ? nullptr : std::aligned_alloc(256, (args->size + 255) / 256 * 256);
+  return nullptr;
+}
+XLA_FFI_Error* FakeFree(XLA_FFI_DeviceMemory_Free_Args* args) {
+  std::free(args->data);
+  return nullptr;
+}
+void FakeMessage(XLA_FFI_Error_GetMessage_Args* args) {
+  args->message = reinterpret_cast<FakeError*>(args->error)->message.c_str();
+}
+void FakeDestroy(XLA_FFI_Error_Destroy_Args* args) { delete reinterpret_cast<FakeError*>(args->error); }
+
+const XLA_FFI_Api* FakeScratchApi() {
+  static const XLA_FFI_Api api = [] {
+    XLA_FFI_Api a{};
+    a.XLA_FFI_DeviceMemory_Allocate = FakeAllocate;
+    a.XLA_FFI_DeviceMemory_Free = FakeFree;
+    a.XLA_FFI_Error_GetMessage = FakeMessage;
+    a.XLA_FFI_Error_Destroy = FakeDestroy;
+    return a;
+  }();
+  return &api;
 }
 
 }  // namespace
@@ -88,6 +129,28 @@ void RegisterCuda(nb::module_& m) {
     return d;
   }, "The FFI type registration of the CUDA handlers' per-instruction state.");
 
+  m.def("cuda_scratch_alignment", [] { return nb::make_tuple(kScratchAlignment, kXlaMaxScratchAlignment); },
+        "(alignment the CUDA handlers ask XLA's scratch allocator for, the most XLA accepts).");
+
+  m.def("cuda_scratch_probe", [](size_t bytes) {
+    DeviceScratch scratch(FakeScratchApi(), nullptr);
+    std::string error;
+    void* p = scratch.Allocate(bytes, &error);
+    return nb::make_tuple(error, reinterpret_cast<uintptr_t>(p));
+  }, nb::arg("bytes"),
+     "Allocates `bytes` through the handlers' scratch code from an allocator with XLA:GPU's "
+     "alignment contract (on host memory, at most 1 GiB): (error, address); tests only.");
+
+  m.def("cuda_versions", [] {
+    int runtime = 0, driver = 0;
+    nb::dict d;
+    d["built"] = CUDART_VERSION;
+    d["runtime"] = cudaRuntimeGetVersion(&runtime) == cudaSuccess ? runtime : 0;
+    d["driver"] = cudaDriverGetVersion(&driver) == cudaSuccess ? driver : 0;
+    return d;
+  }, "{'built': CUDART_VERSION, 'runtime': cudaRuntimeGetVersion, 'driver': cudaDriverGetVersion "
+     "(0: no driver)}, as 1000 * major + 10 * minor.");
+
   m.def("cuda_device_count", [] {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
@@ -111,7 +174,7 @@ void RegisterCuda(nb::module_& m) {
      "What process `process` published: its host key and its devices' UUIDs by local ordinal.");
 
   m.def("cuda_set_nccl_path", [](std::string path) { NcclApi::SetSearchPath(std::move(path)); },
-        "The libnccl.so.2 to try first (the nvidia-nccl-cu13 wheel's), before NCCL is loaded.");
+        "The libnccl.so.2 to try first (the nvidia-nccl wheel's), before NCCL is loaded.");
 
   m.def("cuda_nccl_version", [] { return Nccl().version; },
         "Loads NCCL if needed and returns its version code (e.g. 22803); raises when absent.");

@@ -13,6 +13,7 @@
 #include "cuda/kernels.h"
 #include "cuda/peers.h"
 #include "cuda/state.h"
+#include "cuda/xla_context.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcomm::cuda {
@@ -24,6 +25,7 @@ struct Call {
   cudaStream_t stream = nullptr;
   int device = 0;
   int64_t run_id = 0;
+  DeviceScratch* scratch = nullptr;  // the call's scratch memory (xla_context.h)
   Placement where;
   CallContext ctx;
   DeviceSlot slot;
@@ -34,7 +36,7 @@ struct Call {
 };
 
 // Locates this device's rank and takes what the initialize stage made for it.
-ffi::Error Begin(CudaState* st, cudaStream_t stream, int32_t ordinal, ffi::RunId run, Call* c);
+ffi::Error Begin(CudaState* st, XlaContext& xla, Call* c);
 // Fails this rank's call at validation, `why` prefixed with the call's context.
 ffi::Error Reject(const Call& c, const std::string& why);
 
@@ -47,7 +49,8 @@ ffi::Error CopyOnStream(const Call& c, void* dst, const void* src, size_t bytes)
 // A strided copy between `dst` and `src` (the copy's offsets are relative to them), split
 // where a pitch exceeds the device's maximum (logic::PlanCopy).
 ffi::Error CopyPlanned(const Call& c, char* dst, const char* src, const logic::Copy2D& copy);
-ffi::ErrorOr<char*> Scratch(const Call& c, ffi::ScratchAllocator& scratch, size_t bytes);
+// `bytes` of the call's scratch memory (kScratchAlignment); the error names XLA's reason.
+ffi::ErrorOr<char*> Scratch(const Call& c, size_t bytes);
 
 // The operand's layout split R ways along `axis` (logic::SplitAlong).
 logic::Split SplitOf(const ffi::AnyBuffer& b, int64_t axis, size_t R);
@@ -55,24 +58,24 @@ logic::Split SplitOf(const ffi::AnyBuffer& b, int64_t axis, size_t R);
 // ------------------------------------------------------------------- the NCCL route
 
 ffi::Error NcclAllReduce(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
-ffi::Error NcclAllGather(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
-ffi::Error NcclReduceScatter(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
-ffi::Error NcclAllToAll(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
+ffi::Error NcclAllGather(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
+ffi::Error NcclReduceScatter(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
+ffi::Error NcclAllToAll(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 ffi::Error NcclPermute(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 ffi::Error NcclBroadcast(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 
 // ------------------------------------------------------------------- the peer routes
 
-ffi::Error PeerAllReduce(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
+ffi::Error PeerAllReduce(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 ffi::Error PeerAllGather(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 ffi::Error PeerReduceScatter(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
-ffi::Error PeerAllToAll(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
+ffi::Error PeerAllToAll(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 ffi::Error PeerPermute(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 ffi::Error PeerBroadcast(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 // The MoE transport on any route but NCCL (one rank: its own buffers). With `split`, the
 // send half of a split-phase call: the movement runs on that stream (split.h) and the
 // receive half finds it by the result's address.
-ffi::Error MoeTransport(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& src,
+ffi::Error MoeTransportOnPeers(const Call& c, const ffi::AnyBuffer& src,
                         const ffi::AnyBuffer& dest, const ffi::AnyBuffer& pos, const ffi::AnyBuffer& w,
                         const ffi::AnyBuffer& g, ffi::AnyBuffer& result, cudaStream_t split = nullptr);
 // The receive half: XLA's stream waits for the send of `data` (aliased to `data_out`).

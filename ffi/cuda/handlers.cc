@@ -4,7 +4,10 @@
 //   execute      enqueues the call on XLA's stream, on the route's path; never waits for
 //                the device (the completion watcher does, watcher.h)
 // Each op's execute dispatches by route: a copy (one rank), NCCL (nccl_ops.cc) or the
-// peers' buffers in place (peer_ops.cc).
+// peers' buffers in place (peer_ops.cc). The one-operand collectives share one execute
+// body, their routes a table (JAXCOMM_CUDA_COLLECTIVES); the instantiate stages and the
+// bindings are generated from core/op_table.h, the attributes' checks from op_attrs.h.
+// What XLA gives a call (stream, device, run, scratch) comes through xla_context.h alone.
 #include "cuda/handlers.h"
 
 #include <cuda_runtime_api.h>
@@ -28,11 +31,13 @@ namespace jaxcomm::cuda {
 
 // ------------------------------------------------------------------ shared by the ops
 
-ffi::Error Begin(CudaState* st, cudaStream_t stream, int32_t ordinal, ffi::RunId run, Call* c) {
+ffi::Error Begin(CudaState* st, XlaContext& xla, Call* c) {
+  const int32_t ordinal = xla.device;
   c->st = st;
-  c->stream = stream;
+  c->stream = xla.stream;
   c->device = ordinal;
-  c->run_id = run.run_id;
+  c->run_id = xla.run_id;
+  c->scratch = &xla.scratch;
   c->where = st->Locate(ordinal);
   c->slot = st->Lookup(ordinal);
   c->ctx = st->Context(c->where, c->slot.execution);
@@ -94,13 +99,14 @@ ffi::Error CopyPlanned(const Call& c, char* dst, const char* src, const logic::C
   return ffi::Error::Success();
 }
 
-ffi::ErrorOr<char*> Scratch(const Call& c, ffi::ScratchAllocator& scratch, size_t bytes) {
-  auto p = scratch.Allocate(bytes, 256);
-  if (!p.has_value()) {
-    return ffi::Unexpected(ffi::Error::Internal(c.ctx.Describe() + ": cannot allocate " +
-                                                std::to_string(bytes) + " bytes of scratch"));
+ffi::ErrorOr<char*> Scratch(const Call& c, size_t bytes) {
+  std::string why;
+  void* p = c.scratch->Allocate(bytes, &why);
+  if (p == nullptr) {
+    return ffi::Unexpected(ffi::Error::Internal(c.ctx.Describe() + ": cannot allocate " + std::to_string(bytes) +
+                                                " bytes of scratch: " + why));
   }
-  return static_cast<char*>(*p);
+  return static_cast<char*>(p);
 }
 
 logic::Split SplitOf(const ffi::AnyBuffer& b, int64_t axis, size_t R) {
@@ -132,94 +138,62 @@ ffi::Error Watched(Call& c, const ffi::AnyBuffer& x, F&& f) {
 
 #define JAXCOMM_BEGIN(c) \
   Call c;                \
-  JAXCOMM_TRY(Begin(st, stream, ordinal, run, &c))
+  JAXCOMM_TRY(Begin(st, xla, &c))
 
 // --------------------------------------------------------------------------- execute
 
-ffi::Error AllReduce(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
-                     ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+// How a one-operand collective moves data on each route.
+using RouteFn = ffi::Error (*)(const Call&, const ffi::AnyBuffer&, ffi::AnyBuffer&);
+struct CollectiveRoutes {
+  RouteFn copy, nccl, peers;
+};
+
+ffi::Error RunCollective(const CollectiveRoutes& routes, XlaContext& xla, CudaState* st, const ffi::AnyBuffer& x,
+                         ffi::AnyBuffer& y) {
   JAXCOMM_BEGIN(c);
   return Watched(c, x, [&]() -> ffi::Error {
     switch (c.route()) {
-      case Route::kCopy: return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
-      case Route::kNccl: return NcclAllReduce(c, x, *y);
-      default: return PeerAllReduce(c, scratch, x, *y);
+      case Route::kCopy: return routes.copy(c, x, y);
+      case Route::kNccl: return routes.nccl(c, x, y);
+      default: return routes.peers(c, x, y);
     }
   });
 }
 
-ffi::Error AllGather(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
-                     ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
-  JAXCOMM_BEGIN(c);
-  return Watched(c, x, [&]() -> ffi::Error {
-    switch (c.route()) {
-      case Route::kCopy: return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
-      case Route::kNccl: return NcclAllGather(c, scratch, x, *y);
-      default: return PeerAllGather(c, x, *y);
-    }
-  });
+// One rank: its result is its operand.
+ffi::Error CopyWhole(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y) {
+  return CopyOnStream(c, y.untyped_data(), x.untyped_data(), x.size_bytes());
 }
 
-ffi::Error ReduceScatter(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
-                         ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
-  JAXCOMM_BEGIN(c);
-  return Watched(c, x, [&]() -> ffi::Error {
-    switch (c.route()) {
-      case Route::kCopy: return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
-      case Route::kNccl: return NcclReduceScatter(c, scratch, x, *y);
-      default: return PeerReduceScatter(c, x, *y);
-    }
-  });
+// One rank of a ppermute: its operand if it is its own source, else zeros.
+ffi::Error CopyOrZero(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y) {
+  if (c.attrs().sources[0] == 0) return CopyWhole(c, x, y);
+  JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(y.untyped_data(), 0, x.size_bytes(), c.stream));
+  return ffi::Error::Success();
 }
 
-ffi::Error AllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
-                    ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
-  JAXCOMM_BEGIN(c);
-  return Watched(c, x, [&]() -> ffi::Error {
-    switch (c.route()) {
-      case Route::kCopy: return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
-      case Route::kNccl: return NcclAllToAll(c, scratch, x, *y);
-      default: return PeerAllToAll(c, scratch, x, *y);
-    }
-  });
-}
+// The one-operand collectives, X(Handler, copy route, NCCL route, peer routes).
+#define JAXCOMM_CUDA_COLLECTIVES(X)                               \
+  X(AllReduce, CopyWhole, NcclAllReduce, PeerAllReduce)           \
+  X(AllGather, CopyWhole, NcclAllGather, PeerAllGather)           \
+  X(ReduceScatter, CopyWhole, NcclReduceScatter, PeerReduceScatter) \
+  X(AllToAll, CopyWhole, NcclAllToAll, PeerAllToAll)              \
+  X(Permute, CopyOrZero, NcclPermute, PeerPermute)                \
+  X(Broadcast, CopyWhole, NcclBroadcast, PeerBroadcast)
 
-ffi::Error Permute(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
-                   ffi::ScratchAllocator, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
-  JAXCOMM_BEGIN(c);
-  return Watched(c, x, [&]() -> ffi::Error {
-    switch (c.route()) {
-      case Route::kCopy: {
-        const int64_t source = c.attrs().sources[0];
-        if (source == 0) return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
-        JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(y->untyped_data(), 0, x.size_bytes(), c.stream));
-        return ffi::Error::Success();
-      }
-      case Route::kNccl: return NcclPermute(c, x, *y);
-      default: return PeerPermute(c, x, *y);
-    }
-  });
-}
-
-ffi::Error Broadcast(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
-                     ffi::ScratchAllocator, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
-  JAXCOMM_BEGIN(c);
-  return Watched(c, x, [&]() -> ffi::Error {
-    switch (c.route()) {
-      case Route::kCopy: return CopyOnStream(c, y->untyped_data(), x.untyped_data(), x.size_bytes());
-      case Route::kNccl: return NcclBroadcast(c, x, *y);
-      default: return PeerBroadcast(c, x, *y);
-    }
-  });
-}
+#define JAXCOMM_CUDA_COLLECTIVE_(Handler, copy, nccl, peers)                                    \
+  ffi::Error Handler(XlaContext xla, CudaState* st, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) { \
+    return RunCollective(CollectiveRoutes{copy, nccl, peers}, xla, st, x, *y);                  \
+  }
+JAXCOMM_CUDA_COLLECTIVES(JAXCOMM_CUDA_COLLECTIVE_)
+#undef JAXCOMM_CUDA_COLLECTIVE_
 
 int64_t Rows(const ffi::AnyBuffer& b) {
   auto d = b.dimensions();
   return d.size() == 0 ? 1 : d[0];
 }
 
-ffi::Error RaggedAllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
-                          ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::AnyBuffer input_offsets,
+ffi::Error RaggedAllToAll(XlaContext xla, CudaState* st, ffi::AnyBuffer operand, ffi::AnyBuffer output, ffi::AnyBuffer input_offsets,
                           ffi::AnyBuffer send_sizes, ffi::AnyBuffer output_offsets,
                           ffi::AnyBuffer recv_sizes, ffi::Result<ffi::AnyBuffer> result) {
   JAXCOMM_BEGIN(c);
@@ -266,22 +240,20 @@ ffi::Error RaggedAllToAll(cudaStream_t stream, CudaState* st, int32_t ordinal, f
   });
 }
 
-ffi::Error Moe(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
-               ffi::ScratchAllocator scratch, ffi::AnyBuffer src, ffi::AnyBuffer dest, ffi::AnyBuffer pos,
+ffi::Error MoeTransport(XlaContext xla, CudaState* st, ffi::AnyBuffer src, ffi::AnyBuffer dest, ffi::AnyBuffer pos,
                ffi::AnyBuffer w, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> result) {
   JAXCOMM_BEGIN(c);
   if (c.route() == Route::kNccl) {
     return Reject(c, "the CUDA MoE transport runs on jaxcomm's own kernels, which this group's "
                      "layout does not allow (JAXCOMM_CUDA_ONE_RANK=nccl?)");
   }
-  return Watched(c, src, [&] { return MoeTransport(c, scratch, src, dest, pos, w, g, *result); });
+  return Watched(c, src, [&] { return MoeTransportOnPeers(c, src, dest, pos, w, g, *result); });
 }
 
 // The send half of a split transport (split.h): the movement runs on jaxcomm's stream, and
 // the watcher follows it there. `status` is the receive half's second operand; nothing
 // reads it on this backend, so it is zeroed.
-ffi::Error MoeSend(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run,
-                   ffi::ScratchAllocator scratch, ffi::AnyBuffer src, ffi::AnyBuffer dest, ffi::AnyBuffer pos,
+ffi::Error MoeTransportSend(XlaContext xla, CudaState* st, ffi::AnyBuffer src, ffi::AnyBuffer dest, ffi::AnyBuffer pos,
                    ffi::AnyBuffer w, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> result,
                    ffi::Result<ffi::AnyBuffer> status) {
   JAXCOMM_BEGIN(c);
@@ -294,10 +266,10 @@ ffi::Error MoeSend(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::Run
   if (side.has_error()) return side.error();
   Call on_side = c;
   on_side.stream = *side;
-  return Watched(on_side, src, [&] { return MoeTransport(c, scratch, src, dest, pos, w, g, *result, *side); });
+  return Watched(on_side, src, [&] { return MoeTransportOnPeers(c, src, dest, pos, w, g, *result, *side); });
 }
 
-ffi::Error MoeRecv(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer data,
+ffi::Error MoeRecv(XlaContext xla, CudaState* st, ffi::AnyBuffer data,
                    ffi::AnyBuffer, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> data_out,
                    ffi::Result<ffi::AnyBuffer>) {
   JAXCOMM_BEGIN(c);
@@ -306,7 +278,7 @@ ffi::Error MoeRecv(cudaStream_t stream, CudaState* st, int32_t ordinal, ffi::Run
 
 #undef JAXCOMM_BEGIN
 
-ffi::Error Fp8Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
+ffi::Error Fp8Quantize(XlaContext xla, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
                        ffi::Result<ffi::AnyBuffer> scales) {
   auto xd = x.dimensions(), qd = q->dimensions(), sd = scales->dimensions();
   int per = 1;
@@ -321,7 +293,7 @@ ffi::Error Fp8Quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::A
   }
   const cudaError_t err = LaunchFp8Quantize(elem, x.untyped_data(), xd[0], xd[1],
                                             static_cast<uint8_t*>(q->untyped_data()),
-                                            static_cast<float*>(scales->untyped_data()), stream);
+                                            static_cast<float*>(scales->untyped_data()), xla.stream);
   if (err != cudaSuccess) {
     return ffi::Error::Internal(std::string("jaxcomm.moe FP8 quantize (CUDA): ") + cudaGetErrorString(err));
   }
@@ -363,149 +335,57 @@ ffi::ErrorOr<std::unique_ptr<CudaState>> MakeState(std::string_view op, const Co
                                      one_rank_nccl, InstructionKey(a.call_site, a.axis, a.groups));
 }
 
-ffi::ErrorOr<logic::ReduceOp> ReduceCode(std::string_view op, const CommonAttrs& a, int64_t code) {
-  if (std::string why = CheckReduceOp(code); !why.empty()) return ffi::Unexpected(BadAttr(op, a, why));
-  return static_cast<logic::ReduceOp>(code);
-}
-
-ffi::Error NonNegative(std::string_view op, const CommonAttrs& a, const char* name, int64_t v) {
-  return v >= 0 ? ffi::Error::Success()
-                : BadAttr(op, a, std::string(name) + " must be non-negative, got " + std::to_string(v));
-}
-
 #define JAXCOMM_COMMON_PARAMS                                                            \
   std::string_view call_site, std::string_view axis, int64_t timeout_ms,                 \
       ffi::Span<const int64_t> groups, int64_t group_size, ffi::Span<const int64_t> partition_devices
 #define JAXCOMM_COMMON_ARGS \
   CommonAttrs { call_site, axis, timeout_ms, groups, group_size, partition_devices }
-#define JAXCOMM_ATTR_TRY(expr)                                  \
-  do {                                                          \
-    ::xla::ffi::Error jaxcomm_e_ = (expr);                      \
-    if (jaxcomm_e_.failure()) return ffi::Unexpected(jaxcomm_e_); \
-  } while (0)
 
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstAllReduce(JAXCOMM_COMMON_PARAMS, int64_t reduce_op) {
-  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
-  auto code = ReduceCode("all_reduce", a, reduce_op);
-  if (code.has_error()) return ffi::Unexpected(code.error());
-  OpAttrs o;
-  o.reduce_op = *code;
-  return MakeState("all_reduce", a, std::move(o));
-}
-
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstAllGather(JAXCOMM_COMMON_PARAMS, int64_t axis_index) {
-  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
-  JAXCOMM_ATTR_TRY(NonNegative("all_gather", a, "axis_index", axis_index));
-  OpAttrs o;
-  o.axis_index = axis_index;
-  return MakeState("all_gather", a, std::move(o));
-}
-
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstReduceScatter(JAXCOMM_COMMON_PARAMS, int64_t reduce_op,
-                                                           int64_t scatter_dimension) {
-  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
-  auto code = ReduceCode("reduce_scatter", a, reduce_op);
-  if (code.has_error()) return ffi::Unexpected(code.error());
-  JAXCOMM_ATTR_TRY(NonNegative("reduce_scatter", a, "scatter_dimension", scatter_dimension));
-  OpAttrs o;
-  o.reduce_op = *code;
-  o.scatter_dimension = scatter_dimension;
-  return MakeState("reduce_scatter", a, std::move(o));
-}
-
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstAllToAll(JAXCOMM_COMMON_PARAMS, int64_t split_axis,
-                                                      int64_t concat_axis) {
-  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
-  JAXCOMM_ATTR_TRY(NonNegative("all_to_all", a, "split_axis", split_axis));
-  JAXCOMM_ATTR_TRY(NonNegative("all_to_all", a, "concat_axis", concat_axis));
-  OpAttrs o;
-  o.split_axis = split_axis;
-  o.concat_axis = concat_axis;
-  return MakeState("all_to_all", a, std::move(o));
-}
-
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstPermute(JAXCOMM_COMMON_PARAMS, ffi::Span<const int64_t> sources) {
-  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
-  if (static_cast<int64_t>(sources.size()) != group_size) {
-    return ffi::Unexpected(BadAttr("ppermute", a, "sources has " + std::to_string(sources.size()) +
-                                                      " entries for a group of " + std::to_string(group_size)));
-  }
-  for (int64_t s : sources) {
-    if (s < -1 || s >= group_size) {
-      return ffi::Unexpected(BadAttr("ppermute", a, "source rank " + std::to_string(s) + " is outside the group"));
-    }
-  }
-  OpAttrs o;
-  o.sources.assign(sources.begin(), sources.end());
-  return MakeState("ppermute", a, std::move(o));
-}
-
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstBroadcast(JAXCOMM_COMMON_PARAMS, int64_t root) {
-  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
-  if (root < 0 || root >= group_size) {
-    return ffi::Unexpected(BadAttr("broadcast", a, "root " + std::to_string(root) + " is outside the group"));
-  }
-  OpAttrs o;
-  o.root = root;
-  return MakeState("broadcast", a, std::move(o));
-}
-
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstRaggedAllToAll(JAXCOMM_COMMON_PARAMS, int64_t mode, int64_t src_rows,
-                                                            int64_t dst_rows) {
-  const CommonAttrs a = JAXCOMM_COMMON_ARGS;
-  if (std::string why = CheckRaggedMode(mode); !why.empty()) {
-    return ffi::Unexpected(BadAttr("ragged_all_to_all", a, why));
-  }
-  JAXCOMM_ATTR_TRY(NonNegative("ragged_all_to_all", a, "src_rows", src_rows));
-  JAXCOMM_ATTR_TRY(NonNegative("ragged_all_to_all", a, "dst_rows", dst_rows));
-  OpAttrs o;
-  o.mode = mode;
-  o.src_rows = src_rows;
-  o.dst_rows = dst_rows;
-  return MakeState("ragged_all_to_all", a, std::move(o));
-}
-
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeOp(std::string_view op, const CommonAttrs& a, int64_t mode) {
-  if (std::string why = CheckMoeMode(mode); !why.empty()) {
-    return ffi::Unexpected(BadAttr(op, a, why));
-  }
-  OpAttrs o;
-  o.mode = mode;
-  return MakeState(op, a, std::move(o));
-}
-
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeTransport(JAXCOMM_COMMON_PARAMS, int64_t mode) {
-  return InstMoeOp("moe_transport", JAXCOMM_COMMON_ARGS, mode);
-}
-
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeTransportSend(JAXCOMM_COMMON_PARAMS, int64_t mode) {
-  return InstMoeOp("moe_transport_send", JAXCOMM_COMMON_ARGS, mode);
-}
-
-ffi::ErrorOr<std::unique_ptr<CudaState>> InstMoeRecv(JAXCOMM_COMMON_PARAMS) {
-  return MakeState("moe_recv", JAXCOMM_COMMON_ARGS, OpAttrs{});
-}
-
-#undef JAXCOMM_ATTR_TRY
+// Every op's instantiate stage, Inst<Handler>(common attributes, the op's own): each own
+// attribute checked and stored by its set_attr function (op_attrs.h).
+#define JAXCOMM_CUDA_ATTR_PARAM_(type, name) , JAXCOMM_ATTR_TYPE_##type name
+#define JAXCOMM_CUDA_ATTR_SET_(type, name)                                              \
+  if (std::string why = set_attr::name(check, name, &o); !why.empty()) {                \
+    return ffi::Unexpected(BadAttr(op, a, why));                                        \
+  }                                                                                     \
+  o.bound.push_back(AttrId::name);
+#define JAXCOMM_CUDA_INST_(name, Handler, operands, results, backends)                       \
+  JAXCOMM_IF_CUDA_##backends(                                                                \
+      ffi::ErrorOr<std::unique_ptr<CudaState>> Inst##Handler(                                \
+          JAXCOMM_COMMON_PARAMS JAXCOMM_ATTRS_##name(JAXCOMM_CUDA_ATTR_PARAM_)) {            \
+        const CommonAttrs a = JAXCOMM_COMMON_ARGS;                                           \
+        const std::string_view op = #name;                                                   \
+        [[maybe_unused]] const AttrCheck check{op, group_size};                              \
+        OpAttrs o;                                                                           \
+        JAXCOMM_ATTRS_##name(JAXCOMM_CUDA_ATTR_SET_) return MakeState(op, a, std::move(o));  \
+      })
+JAXCOMM_OPS(JAXCOMM_CUDA_INST_)
+#undef JAXCOMM_CUDA_INST_
+#undef JAXCOMM_CUDA_ATTR_SET_
+#undef JAXCOMM_CUDA_ATTR_PARAM_
 #undef JAXCOMM_COMMON_ARGS
 #undef JAXCOMM_COMMON_PARAMS
 
-// The execute stage's context: stream, state, device, run, (scratch).
-template <typename B>
-auto Exec(B&& b) {
-  return std::move(b)
-      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .template Ctx<ffi::State<CudaState>>()
-      .template Ctx<ffi::DeviceOrdinal>()
-      .template Ctx<ffi::RunId>();
+// An op's execute binding: what XLA gives the call (xla_context.h), the instruction's
+// state, then its buffers as core/op_table.h counts them (a variadic op's count is a
+// minimum: the rest come as RemainingArgs).
+constexpr bool IsVariadic(std::string_view op) {
+#define JAXCOMM_CUDA_IS_VARIADIC_(name) || op == #name
+  return false JAXCOMM_VARIADIC_OPS(JAXCOMM_CUDA_IS_VARIADIC_);
+#undef JAXCOMM_CUDA_IS_VARIADIC_
 }
 
-template <int N, typename B>
-auto Buffers(B&& b) {
-  if constexpr (N == 0) {
-    return std::move(b).template Ret<ffi::AnyBuffer>();
+template <int Args, int Rets, bool Variadic, typename B>
+auto BindBuffers(B&& b) {
+  static_assert(Rets >= 1, "every op returns a buffer");  // (a Binding cannot be returned as is)
+  if constexpr (Args > 0) {
+    return BindBuffers<Args - 1, Rets, Variadic>(std::move(b).template Arg<ffi::AnyBuffer>());
+  } else if constexpr (Variadic) {
+    return BindBuffers<0, Rets, false>(std::move(b).RemainingArgs());
+  } else if constexpr (Rets > 1) {
+    return BindBuffers<0, Rets - 1, false>(std::move(b).template Ret<ffi::AnyBuffer>());
   } else {
-    return Buffers<N - 1>(std::move(b).template Arg<ffi::AnyBuffer>());
+    return std::move(b).template Ret<ffi::AnyBuffer>();
   }
 }
 
@@ -524,35 +404,18 @@ JAXCOMM_OPS(JAXCOMM_CUDA_INSTANTIATE_)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Initialize, Initialize,
                               ffi::Ffi::BindInitialize().Ctx<ffi::State<CudaState>>().Ctx<ffi::DeviceOrdinal>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_AllReduce, AllReduce,
-                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_AllGather, AllGather,
-                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_ReduceScatter, ReduceScatter,
-                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_AllToAll, AllToAll,
-                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Permute, Permute,
-                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Broadcast, Broadcast,
-                              Buffers<1>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_RaggedAllToAll, RaggedAllToAll, Buffers<6>(Exec(ffi::Ffi::Bind())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_MoeTransport, Moe,
-                              Buffers<5>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_MoeTransportSend, MoeSend,
-                              Buffers<5>(Exec(ffi::Ffi::Bind()).Ctx<ffi::ScratchAllocator>())
-                                  .Ret<ffi::AnyBuffer>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_MoeRecv, MoeRecv,
-                              Exec(ffi::Ffi::Bind())
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+// Every op's execute stage.
+#define JAXCOMM_CUDA_EXECUTE_(name, Handler, operands, results, backends)                       \
+  JAXCOMM_IF_CUDA_##backends(XLA_FFI_DEFINE_HANDLER_SYMBOL(                                     \
+      jaxcomm_cuda_##Handler, Handler,                                                          \
+      (BindBuffers<operands, results, IsVariadic(#name)>(                                       \
+          ffi::Ffi::Bind().Ctx<XlaContext>().Ctx<ffi::State<CudaState>>())));)
+JAXCOMM_OPS(JAXCOMM_CUDA_EXECUTE_)
+#undef JAXCOMM_CUDA_EXECUTE_
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_Fp8Quantize, Fp8Quantize,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<XlaContext>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

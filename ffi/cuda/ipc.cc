@@ -23,9 +23,14 @@ GetAddressRangeFn AddressRange(std::string* error) {
   static GetAddressRangeFn fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
+                                                           &status);
+#else
+    // CUDA 12.0-12.4 have no ...ByVersion; this one gives the runtime's version of the call.
+    const cudaError_t e = cudaGetDriverEntryPoint("cuMemGetAddressRange", &p, cudaEnableDefault, &status);
+#endif
+    if (e != cudaSuccess || status != cudaDriverEntryPointSuccess) {
       return static_cast<GetAddressRangeFn>(nullptr);
     }
     return reinterpret_cast<GetAddressRangeFn>(p);

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <vector>
 
+#include "cuda/event_query.h"
 #include "cuda/kernels.h"
 
 namespace jaxcomm::cuda {
@@ -47,7 +48,7 @@ using Event = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, EventDeleter>;
 cudaError_t WaitEvent(cudaEvent_t event, std::chrono::seconds limit) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
   while (true) {
-    const cudaError_t e = cudaEventQuery(event);
+    const cudaError_t e = QueryEvent(event);
     if (e != cudaErrorNotReady) return e;
     if (std::chrono::steady_clock::now() > deadline) return cudaErrorLaunchTimeout;
     std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -102,6 +103,9 @@ std::string RunMoeLoopback(const LoopbackConfig& cfg, const void* x, const int32
   LB_CHECK(cudaMemcpy(dx.get(), x, x_bytes, cudaMemcpyHostToDevice));
   LB_CHECK(cudaMemcpy(dids.get(), ids, tk * 4, cudaMemcpyHostToDevice));
   LB_CHECK(cudaMemcpy(dw.get(), w, tk * 4, cudaMemcpyHostToDevice));
+  // That setup ran on the legacy default stream, which the non-blocking stream below does
+  // not wait for (and cudaMemset may return before the device has done it).
+  LB_CHECK(cudaDeviceSynchronize());
 
   cudaStream_t raw_stream = nullptr;
   LB_CHECK(cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking));

@@ -38,8 +38,12 @@ bool Sym(void* lib, const char* name, F* out, std::string* missing) {
 std::string Load(NcclApi* api) {
   std::vector<std::string> candidates;
   if (!SearchPath().empty()) candidates.push_back(SearchPath());
+#ifdef JAXCOMM_CUDA_EMULATION  // the mock NCCL (ffi/cuda_emu/nccl) beside the module, never a real one
+  candidates.push_back("libjaxcomm_nccl_mock.so");
+#else
   candidates.push_back("libnccl.so.2");
   candidates.push_back("libnccl.so");
+#endif
   std::string tried;
   DlHandle lib;
   for (const std::string& c : candidates) {
@@ -52,8 +56,9 @@ std::string Load(NcclApi* api) {
     tried += "\n  " + c + ": " + (why ? why : "not found");
   }
   if (!lib) {
-    return "jaxcomm CUDA backend: cannot load NCCL (install the nvidia-nccl-cu13 wheel, e.g. "
-           "pip install 'jaxcomm[cuda]'); tried:" + tried;
+    return "jaxcomm CUDA backend: cannot load NCCL (install jax's CUDA extra, which brings it: "
+           "pip install 'jax[cuda13]' (nvidia-nccl-cu13) or 'jax[cuda12]' (nvidia-nccl-cu12); or set "
+           "JAXCOMM_NCCL_LIBRARY=/path/libnccl.so.2); tried:" + tried;
   }
   void* h = lib.get();
   std::string missing;

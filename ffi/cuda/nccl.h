@@ -1,5 +1,6 @@
-// NCCL, loaded at run time with dlopen from the nvidia-nccl-cu13 wheel (or the library
-// search path), so that a CPU-only install never needs it and the build needs no NCCL
+// NCCL, loaded at run time with dlopen from the nvidia-nccl-cu12/-cu13 wheel that jax's
+// CUDA extra installs (both at nvidia/nccl/lib/libnccl.so.2), or from the library
+// search path, so that a CPU-only install never needs it and the build needs no NCCL
 // headers. Only the few types and functions jaxcomm calls are declared here; their
 // layouts are NCCL's stable C ABI (nccl.h of NCCL 2.x).
 #pragma once

@@ -64,7 +64,7 @@ ffi::Error NcclAllReduce(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer&
   }, c.deadline());
 }
 
-ffi::Error NcclAllGather(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& x,
+ffi::Error NcclAllGather(const Call& c, const ffi::AnyBuffer& x,
                          ffi::AnyBuffer& y) {
   const size_t R = c.size;
   // x's split along the gathered axis in one piece: R of them make a row of the result.
@@ -73,7 +73,7 @@ ffi::Error NcclAllGather(const Call& c, ffi::ScratchAllocator& scratch, const ff
   char* gathered = static_cast<char*>(y.untyped_data());
   if (s.outer > 1) {
     // NCCL gathers rank-major; the result interleaves ranks inside each outer index.
-    auto buf = Scratch(c, scratch, R * x.size_bytes());
+    auto buf = Scratch(c, R * x.size_bytes());
     if (buf.has_error()) return buf.error();
     gathered = *buf;
   }
@@ -90,7 +90,7 @@ ffi::Error NcclAllGather(const Call& c, ffi::ScratchAllocator& scratch, const ff
   return ffi::Error::Success();
 }
 
-ffi::Error NcclReduceScatter(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& x,
+ffi::Error NcclReduceScatter(const Call& c, const ffi::AnyBuffer& x,
                              ffi::AnyBuffer& y) {
   ncclDataType_t type;
   int per;
@@ -100,7 +100,7 @@ ffi::Error NcclReduceScatter(const Call& c, ffi::ScratchAllocator& scratch, cons
   const char* send = static_cast<const char*>(x.untyped_data());
   if (s.outer > 1) {
     // NCCL scatters rank-major blocks: gather rank d's pieces of every outer index first.
-    auto buf = Scratch(c, scratch, x.size_bytes());
+    auto buf = Scratch(c, x.size_bytes());
     if (buf.has_error()) return buf.error();
     for (size_t d = 0; d < R; ++d) {
       JAXCOMM_TRY(CopyPlanned(c, *buf, send, logic::BlockCopy(s, R, d, d * s.outer * s.piece, /*to_block=*/true)));
@@ -116,7 +116,7 @@ ffi::Error NcclReduceScatter(const Call& c, ffi::ScratchAllocator& scratch, cons
   }, c.deadline());
 }
 
-ffi::Error NcclAllToAll(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& x,
+ffi::Error NcclAllToAll(const Call& c, const ffi::AnyBuffer& x,
                         ffi::AnyBuffer& y) {
   const size_t R = c.size;
   const size_t block = x.size_bytes() / R;  // what goes to each peer
@@ -125,7 +125,7 @@ ffi::Error NcclAllToAll(const Call& c, ffi::ScratchAllocator& scratch, const ffi
   const char* send = static_cast<const char*>(x.untyped_data());
   char* recv = static_cast<char*>(y.untyped_data());
   if (in.outer > 1) {
-    auto buf = Scratch(c, scratch, x.size_bytes());
+    auto buf = Scratch(c, x.size_bytes());
     if (buf.has_error()) return buf.error();
     for (size_t d = 0; d < R; ++d) {
       JAXCOMM_TRY(CopyPlanned(c, *buf, send, logic::BlockCopy(in, R, d, d * block, /*to_block=*/true)));
@@ -133,7 +133,7 @@ ffi::Error NcclAllToAll(const Call& c, ffi::ScratchAllocator& scratch, const ffi
     send = *buf;
   }
   if (out.outer > 1) {
-    auto buf = Scratch(c, scratch, y.size_bytes());
+    auto buf = Scratch(c, y.size_bytes());
     if (buf.has_error()) return buf.error();
     recv = *buf;
   }

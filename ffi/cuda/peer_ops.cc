@@ -97,7 +97,7 @@ ffi::Error PeerReduceType(const Call& c, const ffi::AnyBuffer& x, Elem* e, int* 
 
 }  // namespace
 
-ffi::Error PeerAllReduce(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& x,
+ffi::Error PeerAllReduce(const Call& c, const ffi::AnyBuffer& x,
                          ffi::AnyBuffer& y) {
   Elem elem;
   int per;
@@ -106,7 +106,7 @@ ffi::Error PeerAllReduce(const Call& c, ffi::ScratchAllocator& scratch, const ff
   if (operand == y.untyped_data()) {
     // The result reuses the operand (XLA aliased them), which the peers still read while
     // this rank writes it: publish a copy.
-    auto copy = Scratch(c, scratch, x.size_bytes());
+    auto copy = Scratch(c, x.size_bytes());
     if (copy.has_error()) return copy.error();
     JAXCOMM_TRY(CopyOnStream(c, *copy, operand, x.size_bytes()));
     operand = *copy;
@@ -157,7 +157,7 @@ ffi::Error PeerAllGather(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer&
   }, everyone);
 }
 
-ffi::Error PeerAllToAll(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& x,
+ffi::Error PeerAllToAll(const Call& c, const ffi::AnyBuffer& x,
                         ffi::AnyBuffer& y) {
   const size_t R = c.size, r = c.where.rank;
   const size_t block = x.size_bytes() / R;
@@ -166,7 +166,7 @@ ffi::Error PeerAllToAll(const Call& c, ffi::ScratchAllocator& scratch, const ffi
   char* staging = nullptr;
   if (in.outer > 1 && out.outer > 1) {
     // Both sides strided, with different rows: through a contiguous block.
-    auto buf = Scratch(c, scratch, block);
+    auto buf = Scratch(c, block);
     if (buf.has_error()) return buf.error();
     staging = *buf;
   }
@@ -233,7 +233,7 @@ Elem MoeFloat(ffi::DataType t) {
 
 }  // namespace
 
-ffi::Error MoeTransport(const Call& c, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& src,
+ffi::Error MoeTransportOnPeers(const Call& c, const ffi::AnyBuffer& src,
                         const ffi::AnyBuffer& dest, const ffi::AnyBuffer& pos, const ffi::AnyBuffer& w,
                         const ffi::AnyBuffer& g, ffi::AnyBuffer& result, cudaStream_t split) {
   if (c.size > kMaxPeers) return Reject(c, "more ranks than the MoE kernels address (16)");
@@ -265,7 +265,7 @@ ffi::Error MoeTransport(const Call& c, ffi::ScratchAllocator& scratch, const ffi
   if (result.size_bytes() == 0) return ffi::Error::Success();
   uint8_t* written = nullptr;
   if (ZeroesUnwritten(mode)) {
-    auto flags = Scratch(c, scratch, static_cast<size_t>(std::max<int64_t>(s.rows, 1)));
+    auto flags = Scratch(c, static_cast<size_t>(std::max<int64_t>(s.rows, 1)));
     if (flags.has_error()) return flags.error();
     written = reinterpret_cast<uint8_t*>(*flags);
   }

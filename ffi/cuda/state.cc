@@ -11,19 +11,6 @@
 #include "cuda/ipc.h"
 
 namespace jaxcomm::cuda {
-namespace {
-
-const char* ReduceName(logic::ReduceOp op) {
-  switch (op) {
-    case logic::ReduceOp::kSum: return "sum";
-    case logic::ReduceOp::kProd: return "prod";
-    case logic::ReduceOp::kMin: return "min";
-    case logic::ReduceOp::kMax: return "max";
-  }
-  return "?";
-}
-
-}  // namespace
 
 ffi::TypeId CudaState::id = {};
 
@@ -97,19 +84,7 @@ std::string CudaState::Summary() const {
     for (size_t i = 0; i < g.size(); ++i) s << (i ? " " : "") << g[i];
     s << "]";
   }
-  const OpAttrs& a = attrs_;
-  if (op_ == "all_reduce" || op_ == "reduce_scatter") s << " reduce_op=" << ReduceName(a.reduce_op);
-  if (op_ == "all_gather") s << " axis_index=" << a.axis_index;
-  if (op_ == "reduce_scatter") s << " scatter_dimension=" << a.scatter_dimension;
-  if (op_ == "all_to_all") s << " split_axis=" << a.split_axis << " concat_axis=" << a.concat_axis;
-  if (op_ == "broadcast") s << " root=" << a.root;
-  if (op_ == "moe_transport" || op_ == "moe_transport_send" || op_ == "ragged_all_to_all") s << " mode=" << a.mode;
-  if (op_ == "ragged_all_to_all") s << " src_rows=" << a.src_rows << " dst_rows=" << a.dst_rows;
-  if (op_ == "ppermute") {
-    s << " sources=[";
-    for (size_t i = 0; i < a.sources.size(); ++i) s << (i ? " " : "") << a.sources[i];
-    s << "]";
-  }
+  s << DescribeAttrs(attrs_);
   return s.str();
 }
 

@@ -19,6 +19,7 @@
 #include "cuda/group_info.h"
 #include "cuda/kernel_logic.h"
 #include "cuda/nccl_comm.h"
+#include "cuda/op_attrs.h"
 #include "cuda/peers.h"
 #include "cuda/routes.h"
 #include "xla/ffi/api/ffi.h"
@@ -26,15 +27,6 @@
 namespace jaxcomm::cuda {
 
 namespace ffi = xla::ffi;
-
-// The op's own attributes, typed and checked at instantiation (attrs.cc binds them).
-struct OpAttrs {
-  logic::ReduceOp reduce_op = logic::ReduceOp::kSum;
-  int64_t axis_index = 0, scatter_dimension = 0, split_axis = 0, concat_axis = 0, root = 0;
-  int64_t mode = 0;  // MoeMode (moe_transport) or logic::RaggedMode (ragged_all_to_all)
-  int64_t src_rows = 0, dst_rows = 0;
-  std::vector<int64_t> sources;  // ppermute: the source rank of each rank, or -1
-};
 
 // Where this device sits in an instruction's groups.
 struct Placement {

@@ -7,6 +7,7 @@
 #include "core/rendezvous.h"
 #include "core/thread_name.h"
 #include "cuda/device_guard.h"
+#include "cuda/event_query.h"
 
 namespace jaxcomm::cuda {
 namespace {
@@ -118,7 +119,7 @@ void CompletionWatcher::Finish(const Watch& w, const std::string& error) {
 
 bool CompletionWatcher::Check(Watch& w, Clock::time_point now) {
   if (w.started == Clock::time_point{}) {
-    const cudaError_t s = cudaEventQuery(w.start);
+    const cudaError_t s = QueryEvent(w.start);
     if (s == cudaSuccess) {
       w.started = now;
       if (w.trace != 0) Registry::Get().recorder().Start(Traced(w.trace));
@@ -127,7 +128,7 @@ bool CompletionWatcher::Check(Watch& w, Clock::time_point now) {
       return true;
     }
   }
-  const cudaError_t e = cudaEventQuery(w.end);
+  const cudaError_t e = QueryEvent(w.end);
   if (e == cudaSuccess) {
     Finish(w, "");
     return true;

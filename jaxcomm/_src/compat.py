@@ -69,6 +69,12 @@ def without_unreduced(aval: Any, axes: Sequence[Any]) -> Any:
     return aval.update(manual_axis_type=aval.mat.update(unreduced=left))
 
 
+def with_reduced(aval: Any, axes: Sequence[Any]) -> Any:
+    """``aval`` typed ``reduced`` over ``axes`` too (as jax.lax's all_gather(to="reduced")
+    result)."""
+    return aval.update(manual_axis_type=aval.mat.update(reduced=reduced(aval) | frozenset(axes)))
+
+
 def preduced(x: jax.Array, axes: Sequence[Any]) -> jax.Array:
     """Cast an invariant ``x`` to ``reduced`` over ``axes`` (no data movement): the
     cotangent type of an operand that was ``unreduced`` there."""

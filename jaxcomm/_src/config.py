@@ -221,9 +221,22 @@ _VARIABLES = (
              "``nccl``: one-rank groups go through NCCL too (to test NCCL on one GPU); unset: "
              "they are a copy.", EACH_INSTANTIATE, "cuda", _choice("nccl", lower=False),
              native=True),
+    Variable("JAXCOMM_NCCL_MOCK_TIMEOUT_S", "count", "300",
+             "The CUDA emulation's mock NCCL (ffi/cuda_emu/nccl): how long any of its waits "
+             "(for the ranks to join, for a peer's part of an operation) lasts before the "
+             "communicator fails, in whole seconds, where a real NCCL waits until aborted. Read "
+             "when a communicator is created.", EACH_INSTANTIATE, "cuda", _count("seconds"),
+             native=True),
     Variable("JAXCOMM_NCCL_LIBRARY", "path", "",
-             "The NCCL library to load instead of the nvidia-nccl-cu13 wheel's libnccl.so.2.",
+             "The NCCL library to load instead of libnccl.so.2 (the one jax's CUDA extra, ``jax[cuda12]`` or ``jax[cuda13]``, installs).",
              AT_REGISTRATION, "cuda", _text),
+    # --- CUDA emulation (ffi/cuda_emu/)
+    Variable("JAXCOMM_EMULATE_CUDA", "flag", "",
+             "``1``: every jaxcomm op of the process runs the CUDA backend's own code (its "
+             "handlers, routes, streams, events and kernels) on a CPU emulation of the CUDA "
+             "runtime, under XLA:CPU; ``jaxcomm.stats()`` then names it in each row's "
+             "algorithm (``cuda (emulated): ...``). For tests; see docs/cuda.md, \"The "
+             "emulation\".", AT_REGISTRATION, "cuda", _flag),
     # --- multi-process start-up (jaxcomm.init)
     Variable("JAXCOMM_INIT_TIMEOUT_S", "seconds", "60",
              "How long jaxcomm.init() waits for all processes to join.", AT_INIT, "launcher",
@@ -400,3 +413,8 @@ def cuda_one_rank_nccl() -> bool:
 def nccl_library() -> str:
     """JAXCOMM_NCCL_LIBRARY, or "" when unset."""
     return get("JAXCOMM_NCCL_LIBRARY") or ""
+
+
+def emulate_cuda() -> bool:
+    """JAXCOMM_EMULATE_CUDA=1: jaxcomm's ops run the CUDA backend on the emulated runtime."""
+    return bool(get("JAXCOMM_EMULATE_CUDA"))

@@ -60,7 +60,7 @@ def smallest_capacity(ids: np.ndarray, E: int, padded: bool) -> int:
 def run(x: np.ndarray, ids: np.ndarray, w: np.ndarray, *, num_experts: int, capacity: int,
         padded: bool = False, iters: int = 10, return_expert_x: bool = False,
         device: int = 0, per_rank: bool = False, low_latency: bool = False,
-        fp8: bool = False) -> dict[str, Any]:
+        fp8: bool = False, module: Any = None) -> dict[str, Any]:
     """Runs routing, dispatch and combine (identity experts) for R ranks on one GPU.
 
     Args:
@@ -74,6 +74,8 @@ def run(x: np.ndarray, ids: np.ndarray, w: np.ndarray, *, num_experts: int, capa
         fills it with first.
       fp8: the dispatch quantizes the tokens to jaxcomm's FP8 format, moves codes and
         scales, and dequantizes into x's dtype (expert_x holds the dequantized rows).
+      module: the extension that runs it (default jaxcomm._jaxcomm; the CPU emulation of
+        the CUDA backend: jaxcomm._jaxcomm_emu).
 
     Returns:
       y [R, T, H] (combine of the dispatched rows), sizes [R, E/R], stats [R, 3] (dropped,
@@ -81,8 +83,9 @@ def run(x: np.ndarray, ids: np.ndarray, w: np.ndarray, *, num_experts: int, capa
       the median times (ms) of plan, dispatch, combine and a device-to-device copy.
     """
     from jaxcomm import _jaxcomm
-    if not getattr(_jaxcomm, "has_cuda", lambda: False)():
+    if module is None and not getattr(_jaxcomm, "has_cuda", lambda: False)():
         raise RuntimeError("jaxcomm was built without the CUDA backend")
+    module = module or _jaxcomm
     R, T, H = x.shape
     K = ids.shape[2]
     bf16, f16 = x.dtype == _bf16(), x.dtype == np.float16
@@ -92,7 +95,7 @@ def run(x: np.ndarray, ids: np.ndarray, w: np.ndarray, *, num_experts: int, capa
         raise ValueError("the low-latency layout is padded")
     if R > MAX_RANKS:
         raise ValueError(f"at most {MAX_RANKS} loopback ranks, got {R}")
-    res = dict(_jaxcomm.cuda_moe_loopback(
+    res = dict(module.cuda_moe_loopback(
         np.ascontiguousarray(x).tobytes(), np.ascontiguousarray(ids, np.int32).tobytes(),
         np.ascontiguousarray(w, np.float32).tobytes(), R, T, H, K, num_experts, capacity,
         padded, bf16, iters, return_expert_x, device, per_rank, f16, low_latency, fp8))
@@ -116,7 +119,7 @@ def reference_y(x: np.ndarray, dest: np.ndarray, w: np.ndarray) -> np.ndarray:
 def benchmark(R: int = 8, T: int = 4096, H: int = 7168, K: int = 8, E: int = 256,
               dtype: str = "bfloat16", padded: bool = False, iters: int = 10,
               seed: int = 0, check_tokens: int = 64, low_latency: bool = False,
-              fp8: bool = False) -> dict[str, Any]:
+              fp8: bool = False, module: Any = None) -> dict[str, Any]:
     """Loopback dispatch/combine at the smallest capacity that drops nothing (low latency:
     DeepEP's decode layout, R*T rows per expert), with checks.
 

@@ -63,13 +63,49 @@ def gpu_backend_present() -> bool:
         and "rocm" not in str(getattr(devices[0].client, "platform_version", "")).lower()
 
 
+def _cuda_version(code: int) -> str:
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def unusable_reason() -> str:
+    """Why jaxcomm's CUDA handlers cannot run on this process's GPUs, or "".
+
+    Asks the CUDA runtime jaxcomm was built with (linked statically): it must see a device,
+    and the driver must support its CUDA major (a runtime of one major runs on a driver of
+    that major or newer; a module built with CUDA 13 on a driver older than 580 fails every
+    call).
+    """
+    count = _jaxcomm.cuda_device_count()
+    versions = _jaxcomm.cuda_versions()
+    runtime_version, driver = versions["runtime"] or versions["built"], versions["driver"]
+    if driver == 0:
+        return "no CUDA driver"
+    if driver // 1000 < runtime_version // 1000:
+        return (f"the driver supports CUDA {_cuda_version(driver)}, older than the CUDA "
+                f"{_cuda_version(runtime_version)} runtime jaxcomm was built with")
+    if count <= 0:
+        return (f"the CUDA {_cuda_version(runtime_version)} runtime sees no device "
+                f"(driver for CUDA {_cuda_version(driver)})")
+    return ""
+
+
+@functools.cache
 def available() -> bool:
-    """Whether jaxcomm's CUDA handlers serve GPU programs in this process."""
-    return built_with_cuda() and gpu_backend_present()
+    """Whether jaxcomm's CUDA handlers serve GPU programs in this process: built with
+    them, a GPU backend, and a device they can run on. Where a GPU backend is present but
+    the handlers cannot run, logs why once; jaxcomm's ops then lower to jax.lax there."""
+    if not (built_with_cuda() and gpu_backend_present()):
+        return False
+    reason = unusable_reason()
+    if reason:
+        log.warning("jaxcomm: not using its CUDA backend (%s); jaxcomm ops on GPU lower to jax.lax", reason)
+        return False
+    return True
 
 
 def nccl_library_path() -> str | None:
-    """libnccl.so.2 of the installed nvidia-nccl-cu13 wheel, or None.
+    """libnccl.so.2 of the installed nvidia-nccl-cu12 or -cu13 wheel (jax's CUDA extra
+    brings the one of its CUDA major; both install the same path), or None.
 
     Found without importing the package (the ``nvidia`` namespace package has no code).
     ``JAXCOMM_NCCL_LIBRARY`` names a library to use instead.

@@ -52,6 +52,8 @@ class CollectiveSpec:
       invariant_result: True when the results are the same on every member of the group
         (all_reduce, broadcast): their type drops the group's axes from the varying set. A
         function of the op's params where that depends on them.
+      reduced_result: the results are also typed ``reduced`` over the group's axes (under
+        ``check_vma``): jax.lax.all_gather(..., to="reduced"), whose cotangent is unreduced.
       ffi_attrs: the op's own handler attributes, from the params, the operands' avals
         (``avals_in``; ``x_aval`` is the first) and ``group_size``.
       out_shape: one operand, one result: the result shape from the operand shape, the
@@ -97,6 +99,7 @@ class CollectiveSpec:
     handler: str = ""
     public_name: str = ""
     global_view: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
+    reduced_result: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +171,8 @@ def define(spec: CollectiveSpec) -> core.Primitive:
             vma = frozenset().union(*(compat.vma(a) for a in avals))
             varying = vma - frozenset(axes) if invariant else vma | frozenset(axes)
             outs = [compat.with_vma(compat.without_unreduced(o, axes), varying) for o in outs]
+            if spec.reduced_result:
+                outs = [compat.with_reduced(o, axes) for o in outs]
         return (outs if spec.multiple_results else outs[0]), {compat.NamedAxisEffect(a) for a in axes}
 
     prim.def_effectful_abstract_eval(abstract_eval)

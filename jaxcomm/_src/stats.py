@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Iterable
 
 from jaxcomm import _jaxcomm
+from jaxcomm._src import config
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -118,12 +119,19 @@ def stats(reset: bool = False) -> list[OpStats]:
         >>> [(s.op, s.group, s.calls) for s in jaxcomm.stats()]
         [('all_reduce', (0, 1, 2, 3, 4, 5, 6, 7), 1)]
     """
-    out = _aggregate(_jaxcomm.trace_stats())
+    sites = list(_jaxcomm.trace_stats())
+    if config.emulate_cuda():  # the emulated CUDA backend's calls (its own extension)
+        from jaxcomm._src.backends import cuda_emulated
+        sites += cuda_emulated.trace_stats()
+    out = _aggregate(sites)
     if reset:
-        _jaxcomm.trace_reset_stats()
+        reset_stats()
     return out
 
 
 def reset_stats() -> None:
     """Zeroes the counters behind :func:`stats`."""
     _jaxcomm.trace_reset_stats()
+    if config.emulate_cuda():
+        from jaxcomm._src.backends import cuda_emulated
+        cuda_emulated.reset_stats()

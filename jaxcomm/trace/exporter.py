@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import textwrap
 from typing import Any
 
 from jaxcomm._src.stats import bus_factor, message_bytes
@@ -46,6 +48,25 @@ def perfetto(directory: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
     with open(out, "w") as f:
         json.dump(doc, f)
     return doc
+
+
+
+#: Characters a line of the plot's title holds at its width (12 in at 9 pt).
+TITLE_WIDTH = 150
+
+
+def plot_title(verdict: str) -> str:
+    """The analyzer's verdict as the plot's title: program hashes shortened to their first
+    8 hex digits (the full ones are in the report) and the text wrapped at word boundaries
+    on at most 3 lines, never cut inside a word or a hash.
+
+    Example::
+
+        >>> plot_title("MISMATCH: program 0123456789abcdef0123456789abcdef on process 1")
+        'MISMATCH: program 01234567… on process 1'
+    """
+    short = re.sub(r"\b([0-9a-f]{8})[0-9a-f]{8,}\b", "\\1…", verdict)
+    return textwrap.fill(short, width=TITLE_WIDTH, max_lines=3, placeholder=" …")
 
 
 def plot(directory: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
@@ -95,7 +116,7 @@ def plot(directory: str | os.PathLike[str], out: str | os.PathLike[str]) -> None
     ax2.set_xlabel("arrival skew: last rank - first rank (ms)")
     ax2.set_ylabel("calls")
     ax2.set_title(f"arrival skew ({len(skews)} completed calls)")
-    fig.suptitle(report.verdict[:120], fontsize=9)
+    fig.suptitle(plot_title(report.verdict), fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

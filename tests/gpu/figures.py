@@ -17,8 +17,9 @@ mp: several processes sharing the GPU (multiprocess_check.py with JAXCOMM_MP_FIG
 dispatch+combine through jaxcomm's own kernels across processes (CUDA IPC), values
 checked against NumPy, against a device-to-device copy in the same run.
 
-Writes one JSON document (a list of rows) and prints a table; stops starting new sizes
-when the budget is spent (the rows done are kept).
+Writes one JSON document (a list of rows), rewritten after every row, and prints a
+table. Each row is measured in its own try: a row that fails becomes a row with its
+"error" and the others go on. Stops starting new sizes when the budget is spent.
 """
 
 from __future__ import annotations
@@ -84,15 +85,42 @@ def _time(f: Callable, *args: Any, reps: int) -> float:
     return statistics.median(times)
 
 
-def jit_figures(budget_s: float, platform: str = "gpu", sizes: list[int] = LATENCY + BANDWIDTH,
-                moe: tuple[int, int, int, int] = (4096, 7168, 8, 256)) -> list[dict[str, Any]]:
+class Rows:
+    """The figure rows so far, written to `path` (a JSON list) after each one."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.rows: list[dict[str, Any]] = []
+        self._write()
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self._write()
+
+    def measure(self, what: dict[str, Any], f: Callable[[], dict[str, Any]]) -> None:
+        """Adds f()'s row, or `what` with the error f raised."""
+        try:
+            row = f()
+        except Exception as e:  # noqa: BLE001 (a failing row must not lose the others)
+            row = dict(what, error=f"{type(e).__name__}: {e}"[:2000], loadavg=_loadavg())
+            print(f"{what}: FAILED {row['error'][:300]}", flush=True)
+        self.add(row)
+
+    def _write(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.rows, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def jit_figures(rows: Rows, budget_s: float, platform: str = "gpu", sizes: list[int] = LATENCY + BANDWIDTH,
+                moe: tuple[int, int, int, int] = (4096, 7168, 8, 256)) -> None:
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     t_end = time.monotonic() + budget_s
     mesh = Mesh(np.array(jax.devices(platform)[:1]), ("x",))
-    rows: list[dict[str, Any]] = []
     for nbytes in sizes:
         if time.monotonic() > t_end:
             break
@@ -102,30 +130,35 @@ def jit_figures(budget_s: float, platform: str = "gpu", sizes: list[int] = LATEN
         one = jnp.array([1], jnp.int32)
         many = jnp.array([n], jnp.int32)
         for op in OPS:
-            ours, theirs = _programs(op, mesh)
-            a, b = ours(x, one), theirs(x, one)  # compiles both; values checked here
-            equal = bool(np.array_equal(np.asarray(a), np.asarray(b)))
-            samples = {"ours": ([], []), "lax": ([], [])}
-            for _ in range(3):  # alternate the sides
-                for side, f in (("ours", ours), ("lax", theirs)):
-                    samples[side][0].append(_time(f, x, one, reps=reps))
-                    samples[side][1].append(_time(f, x, many, reps=reps))
-            row: dict[str, Any] = dict(kind="jit one GPU", op=op, bytes=nbytes, loop=n, values_equal=equal)
-            for side, (t1, tn) in samples.items():
-                call, loop = statistics.median(t1), statistics.median(tn)
-                per = max(loop - call, 0.0) / (n - 1)
-                row[f"{side}_call_us"] = 1e6 * call
-                row[f"{side}_per_collective_us"] = 1e6 * per
-                row[f"{side}_GBps"] = nbytes / per / 1e9 if per > 0 else None
-            row["loadavg"] = _loadavg()
-            rows.append(row)
-            print(f"{op:11s} {nbytes:>11d} B  per call {row['ours_call_us']:9.1f} us (lax "
-                  f"{row['lax_call_us']:9.1f})  per collective {row['ours_per_collective_us']:9.2f} us "
-                  f"(lax {row['lax_per_collective_us']:9.2f})  equal={equal}", flush=True)
+            rows.measure(dict(kind="jit one GPU", op=op, bytes=nbytes),
+                         lambda op=op: _jit_row(op, mesh, x, one, many, n, reps, nbytes))
         del x
     if time.monotonic() < t_end:
-        rows.append(moe_one_rank(*moe, platform=platform))
-    return rows
+        rows.measure(dict(kind="moe one rank"), lambda: moe_one_rank(*moe, platform=platform))
+
+
+def _jit_row(op: str, mesh: Any, x: Any, one: Any, many: Any, n: int, reps: int, nbytes: int) -> dict[str, Any]:
+    """One op at one size: jaxcomm's and jax.lax's programs, timed alternately."""
+    ours, theirs = _programs(op, mesh)
+    a, b = ours(x, one), theirs(x, one)  # compiles both; values checked here
+    equal = bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    samples = {"ours": ([], []), "lax": ([], [])}
+    for _ in range(3):  # alternate the sides
+        for side, f in (("ours", ours), ("lax", theirs)):
+            samples[side][0].append(_time(f, x, one, reps=reps))
+            samples[side][1].append(_time(f, x, many, reps=reps))
+    row: dict[str, Any] = dict(kind="jit one GPU", op=op, bytes=nbytes, loop=n, values_equal=equal)
+    for side, (t1, tn) in samples.items():
+        call, loop = statistics.median(t1), statistics.median(tn)
+        per = max(loop - call, 0.0) / (n - 1)
+        row[f"{side}_call_us"] = 1e6 * call
+        row[f"{side}_per_collective_us"] = 1e6 * per
+        row[f"{side}_GBps"] = nbytes / per / 1e9 if per > 0 else None
+    row["loadavg"] = _loadavg()
+    print(f"{op:11s} {nbytes:>11d} B  per call {row['ours_call_us']:9.1f} us (lax "
+          f"{row['lax_call_us']:9.1f})  per collective {row['ours_per_collective_us']:9.2f} us "
+          f"(lax {row['lax_per_collective_us']:9.2f})  equal={equal}", flush=True)
+    return row
 
 
 def moe_one_rank(T: int = 4096, H: int = 7168, K: int = 8, E: int = 256,
@@ -175,19 +208,24 @@ def moe_one_rank(T: int = 4096, H: int = 7168, K: int = 8, E: int = 256,
     return row
 
 
-def mp_figures(processes: int, budget_s: float) -> list[dict[str, Any]]:
+def mp_figure(processes: int, budget_s: float, platform: str = "cuda",
+              size: str = "4096,7168,8,256") -> dict[str, Any]:
+    """The figure of multiprocess_check.py alone (JAXCOMM_MP_FIGURES=only): timed whether
+    or not that job's checks pass (the tests stage runs those)."""
     sys.path.insert(0, str(HERE.parent))
     from mp_util import results, run_script
-    env = {"JAX_PLATFORMS": "cuda,cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    env = {"JAX_PLATFORMS": f"{platform},cpu" if platform != "cpu" else "cpu",
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
            "XLA_PYTHON_CLIENT_MEM_FRACTION": str(round(0.8 / processes, 2)), "CUDA_VISIBLE_DEVICES": "0",
-           "JAXCOMM_TESTS_DIR": str(HERE.parent), "JAXCOMM_MP_FIGURES": "1", "JAXCOMM_TIMEOUT_S": "60"}
+           "JAXCOMM_TESTS_DIR": str(HERE.parent), "JAXCOMM_MP_FIGURES": "only", "JAXCOMM_MP_FIGURE": size,
+           "JAXCOMM_TIMEOUT_S": "60"}
     res = run_script((HERE / "multiprocess_check.py").read_text(), processes, env=env, timeout_s=budget_s)
     print(res.format()[-4000:], flush=True)
     found = results(res, tag="FIGURE")
     row = dict(kind=f"moe across {processes} processes on one GPU (CUDA IPC)", returncode=res.returncode,
-               checked=res.output.get(0, "").count("CHECKED "), loadavg=_loadavg())
+               loadavg=_loadavg())
     row.update(found.get(0, {"missing": "rank 0 printed no FIGURE line"}))
-    return [row]
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,20 +234,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", required=True)
     p.add_argument("--budget-s", type=float, default=120)
     p.add_argument("--processes", type=int, default=4)
-    p.add_argument("--platform", default="gpu", help="jit: the device to run on (cpu: a dry run)")
+    p.add_argument("--platform", default="gpu", help="the device to run on (cpu: a dry run)")
     p.add_argument("--sizes", default=None, help="jit: comma-separated byte sizes (default: 4 B to 1 GiB)")
-    p.add_argument("--moe", default="4096,7168,8,256", help="jit: T,H,K,E of the one-rank MoE row")
+    p.add_argument("--moe", default="4096,7168,8,256", help="T,H,K,E of the MoE rows")
     a = p.parse_args(argv)
     print("loadavg", _loadavg(), flush=True)
+    rows = Rows(a.json)
     if a.what == "jit":
         sizes = [int(v) for v in a.sizes.split(",")] if a.sizes else LATENCY + BANDWIDTH
-        rows = jit_figures(a.budget_s, a.platform, sizes, tuple(int(v) for v in a.moe.split(",")))
+        jit_figures(rows, a.budget_s, a.platform, sizes, tuple(int(v) for v in a.moe.split(",")))
     else:
-        rows = mp_figures(a.processes, a.budget_s)
-    with open(a.json, "w") as f:
-        json.dump(rows, f, indent=1)
-    # A job that failed, or rows without their figure, fail the stage (summary.json).
-    return 1 if any(r.get("returncode", 0) != 0 or "missing" in r for r in rows) else 0
+        platform = "cuda" if a.platform == "gpu" else a.platform
+        rows.measure(dict(kind="moe across processes", processes=a.processes),
+                     lambda: mp_figure(a.processes, a.budget_s, platform, a.moe))
+    # A row that failed, a job that failed, or a row without its figure fail the stage
+    # (summary.json); the other rows are in the file all the same.
+    bad = [r for r in rows.rows if "error" in r or r.get("returncode", 0) != 0 or "missing" in r]
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ buffers through CUDA IPC (ffi/cuda/routes.h). Each process rebuilds the global d
 the seed and checks its own shard. Prints "CHECKED <name>" per case; raises on the first
 mismatch. With JAXCOMM_MP_FIGURES=1 it then times dispatch+combine at the size of
 JAXCOMM_MP_FIGURE (T,H,K,E) against a device-to-device copy of the same tokens in the
-same run, and rank 0 prints "FIGURE <json>".
+same run, and rank 0 prints "FIGURE <json>"; with JAXCOMM_MP_FIGURES=only it times that
+alone, without the checks.
 
 Run under tests/mp_util.py's prologue (RANK, NPROC, np, jax, jnp, P, jaxcomm defined).
 """
@@ -58,6 +59,58 @@ def check(name, out, expected, rtol=1e-6):
     for p, block in local(out).items():
         np.testing.assert_allclose(block, expected(p), rtol=rtol, atol=1e-6, err_msg=f"{name} on rank {p}")
     print("CHECKED", name, flush=True)
+
+
+def figure():
+    """Times dispatch+combine against a device-to-device copy; rank 0 prints FIGURE."""
+    T, H, K, E = (int(v) for v in os.environ.get("JAXCOMM_MP_FIGURE", "4096,7168,8,256").split(","))
+    iters = 10
+    rng = np.random.default_rng(RANK)
+    ids = np.stack([np.argpartition(rng.random((T, E), dtype=np.float32), -K, axis=1)[:, -K:]
+                    for _ in range(R)]).astype(np.int32)
+    tok = np.random.default_rng(5).integers(-4, 4, size=(R, T, H)).astype(jnp.bfloat16)
+    wts = np.full((R, T, K), 1.0 / K, np.float32)
+    xs, ids_a, w_a = global_array(tok), global_array(ids), global_array(wts)
+
+    def layer(v, i, w):
+        ex, _, h = jaxcomm.moe.dispatch(v, i, num_experts=E, axis_name="ep")
+        return jaxcomm.moe.combine(ex, h, w)[None]
+
+    moe_f = jax.jit(jax.shard_map(lambda v, i, w: layer(v[0], i[0], w[0]), mesh=mesh,
+                                  in_specs=(spec,) * 3, out_specs=spec, check_vma=False))
+    copy_f = jax.jit(lambda v: v * 1)  # a device-to-device copy (not donated: XLA copies)
+
+    def timed(f, *args):
+        jax.block_until_ready(f(*args))
+        out = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            out.append(time.perf_counter() - t0)
+        return float(np.median(out))
+
+    t_moe, t_copy = [], []
+    for _ in range(3):  # alternate the sides
+        t_moe.append(timed(moe_f, xs, ids_a, w_a))
+        t_copy.append(timed(copy_f, xs))
+    # DeepEP's byte count per rank: one token row per (token, destination rank) pair kept,
+    # each way (dispatch and combine).
+    El = E // R
+    pairs = sum(len({int(e) // El for e in ids[p, t]}) for p in mine for t in range(T))
+    moved = 2 * pairs * H * 2
+    res = dict(ranks=R, T=T, H=H, K=K, E=E, dtype="bfloat16", moe_ms=1e3 * min(t_moe),
+               copy_ms=1e3 * min(t_copy), moe_GBps=moved / min(t_moe) / 1e9,
+               copy_GBps=2 * tok[0].nbytes / min(t_copy) / 1e9, rounds=len(t_moe), iters=iters,
+               note="per process, all processes at once on one GPU; copy counts read+write")
+    if RANK == 0:
+        print("FIGURE", json.dumps(res), flush=True)
+
+
+# JAXCOMM_MP_FIGURES=only: the figure alone, timed whether or not the checks below pass
+# (scripts/gpu_check.sh's figure stage; the tests stage runs the checks).
+if os.environ.get("JAXCOMM_MP_FIGURES") == "only":
+    figure()
+    sys.exit(0)
 
 
 X = np.random.default_rng(7).integers(-8, 8, size=(R, 2 * R, 3, 2 * R)).astype(np.float32)
@@ -137,45 +190,6 @@ y_ref = np_combine(2 * want_ex, row_of, wts, T, H)
 check("moe split low-latency fp8", out,
       lambda p: np.concatenate([want_ex[p].reshape(-1), want_sizes[p], y_ref[p].reshape(-1)])[None])
 
+
 if os.environ.get("JAXCOMM_MP_FIGURES") == "1":
-    T, H, K, E = (int(v) for v in os.environ.get("JAXCOMM_MP_FIGURE", "4096,7168,8,256").split(","))
-    iters = 10
-    rng = np.random.default_rng(RANK)
-    ids = np.stack([np.argpartition(rng.random((T, E), dtype=np.float32), -K, axis=1)[:, -K:]
-                    for _ in range(R)]).astype(np.int32)
-    tok = np.random.default_rng(5).integers(-4, 4, size=(R, T, H)).astype(jnp.bfloat16)
-    wts = np.full((R, T, K), 1.0 / K, np.float32)
-    xs, ids_a, w_a = global_array(tok), global_array(ids), global_array(wts)
-
-    def layer(v, i, w):
-        ex, _, h = jaxcomm.moe.dispatch(v, i, num_experts=E, axis_name="ep")
-        return jaxcomm.moe.combine(ex, h, w)[None]
-
-    moe_f = jax.jit(jax.shard_map(lambda v, i, w: layer(v[0], i[0], w[0]), mesh=mesh,
-                                  in_specs=(spec,) * 3, out_specs=spec, check_vma=False))
-    copy_f = jax.jit(lambda v: v * 1)  # a device-to-device copy (not donated: XLA copies)
-
-    def timed(f, *args):
-        jax.block_until_ready(f(*args))
-        out = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            out.append(time.perf_counter() - t0)
-        return float(np.median(out))
-
-    t_moe, t_copy = [], []
-    for _ in range(3):  # alternate the sides
-        t_moe.append(timed(moe_f, xs, ids_a, w_a))
-        t_copy.append(timed(copy_f, xs))
-    # DeepEP's byte count per rank: one token row per (token, destination rank) pair kept,
-    # each way (dispatch and combine).
-    El = E // R
-    pairs = sum(len({int(e) // El for e in ids[p, t]}) for p in mine for t in range(T))
-    moved = 2 * pairs * H * 2
-    res = dict(ranks=R, T=T, H=H, K=K, E=E, dtype="bfloat16", moe_ms=1e3 * min(t_moe),
-               copy_ms=1e3 * min(t_copy), moe_GBps=moved / min(t_moe) / 1e9,
-               copy_GBps=2 * tok[0].nbytes / min(t_copy) / 1e9, rounds=len(t_moe), iters=iters,
-               note="per process, all processes at once on one GPU; copy counts read+write")
-    if RANK == 0:
-        print("FIGURE", json.dumps(res), flush=True)
+    figure()

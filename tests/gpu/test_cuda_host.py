@@ -103,10 +103,13 @@ def test_registration_honours_the_gpu_plugin_contract(fake_plugin, monkeypatch):
 
 @needs_cuda_build
 def test_cuda_targets_cover_every_op():
-    # ft.all_reduce is the host backend's (its tolerance lives in the cross-process
-    # exchange); on GPU it lowers to jax.lax.psum. moe_dispatch is the host backend's
-    # fused dispatch (routing inside the call); on GPU the routing is planned in XLA.
-    assert set(_jaxcomm.cuda_targets()) == set(_jaxcomm.cpu_targets()) - {"ft_all_reduce", "moe_dispatch"}
+    # Exactly the op table's group ops marked for CUDA (host-only ones, e.g. ft.all_reduce,
+    # moe_dispatch, the put ops, lower to jax.lax on GPU) and its local CUDA kernels.
+    ops = dict(_jaxcomm.op_table()["ops"])
+    cuda = {name for name, op in ops.items() if "cuda" in op["backends"]}
+    assert set(_jaxcomm.cuda_targets()) == {name for name in cuda if not ops[name]["local"]}
+    assert set(_jaxcomm.cuda_local_targets()) == {name for name in cuda if ops[name]["local"]}
+    assert {"ft_all_reduce", "moe_dispatch"} <= set(_jaxcomm.cpu_targets()) - set(_jaxcomm.cuda_targets())
 
 
 # ------------------------------------------------------------ typed attributes (defect 4)

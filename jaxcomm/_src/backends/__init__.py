@@ -53,14 +53,20 @@ class Backend(abc.ABC):
 
 
 def _all() -> tuple[Backend, ...]:
+    from jaxcomm._src import config
     from jaxcomm._src.backends import cpu, cuda
+    if config.emulate_cuda():  # JAXCOMM_EMULATE_CUDA=1: platform cpu runs the CUDA backend
+        from jaxcomm._src.backends import cuda_emulated
+        return (cuda_emulated.BACKEND, cuda.BACKEND)
     return (cpu.BACKEND, cuda.BACKEND)
 
 
 def lowering_platforms(served_by: Sequence[str] | None = None) -> tuple[str, ...]:
     """The platforms of the backends named in ``served_by`` (an op table entry's
-    ``backends``: ``"cpu"``, ``"cuda"``), default every backend's."""
-    return tuple(b.platform for b in _all() if served_by is None or b.platform in served_by)
+    ``backends``: ``"cpu"``, ``"cuda"``), default every backend's. A backend answers to
+    its ``table_names`` (the emulated CUDA backend: both), else to its platform."""
+    return tuple(b.platform for b in _all()
+                 if served_by is None or set(getattr(b, "table_names", (b.platform,))) & set(served_by))
 
 
 def for_platform(platform: str) -> Backend:

@@ -79,7 +79,7 @@ def on_host() -> bool:
     """Whether the fused primitives run on the host backend, which also has the fused
     dispatch (routing inside the call, FP8 quantized in it). The CUDA backend serves every
     transport mode and the split halves; its routing is planned in XLA."""
-    return jax.default_backend() == "cpu"
+    return jax.default_backend() == "cpu" and not config.emulate_cuda()
 
 
 def fp8_blocks(H: int) -> int:

@@ -59,10 +59,22 @@ def _all_gather_invariant_transpose(ct: Any, x: Any, *, axis: int, **params: Any
 ad.deflinear2(all_gather_invariant_p, _all_gather_invariant_transpose)
 
 
+# The gather typed reduced over the group's axes: jax.lax.all_gather(..., to="reduced").
+# Its cotangent is unreduced there (partial sums), and may be unreduced over other axes too
+# (an operand already reduced over them: FSDP's parameters), so its transpose is a
+# reduce-scatter of the partial sums, as jax.lax's (unreduced_psum_scatter), not a slice of
+# an all-reduced cotangent (jax has no unreduced rule for dynamic_slice).
+all_gather_reduced_p = primitive.define(dataclasses.replace(
+    ALL_GATHER, name="all_gather_reduced", handler="all_gather", invariant_result=True,
+    reduced_result=True))
+ad.deflinear2(all_gather_reduced_p, _all_gather_transpose)
+
+
 def all_gather_reduced(x: jax.Array, axis: int, params: dict[str, Any]) -> jax.Array:
-    """all_gather(to="reduced") of a prepared operand (tiled along ``axis``): invariant over
-    the group's axes, then typed reduced there (no data movement)."""
-    return compat.preduced(all_gather_invariant_p.bind(x, axis=axis, **params), params["axes"])
+    """all_gather(to="reduced") of a prepared operand (tiled along ``axis``)."""
+    if not params["vma_checked"]:  # no types to give: every member holds the whole result
+        return all_gather_invariant_p.bind(x, axis=axis, **params)
+    return all_gather_reduced_p.bind(x, axis=axis, **params)
 
 
 #: all_gather's ``to``: the result's type over the group's axes, as in jax.lax.

@@ -1,0 +1,16 @@
+// The CUDA backend's stages as the emulation registers them with XLA:CPU. XLA:CPU (jax
+// 0.10.2) runs a custom call's instantiate and execute stages but never its initialize
+// stage, which XLA:GPU runs before executing: each emulated execute stage therefore runs
+// the op's initialize stage first (CudaState::Initialize does its work once per device
+// and returns at once afterwards), then the backend's own execute stage.
+#pragma once
+
+#include "cuda/handlers.h"
+
+namespace jaxcomm::cuda_emu {
+
+// cuda::AllStages() with each execute stage preceded by its initialize stage (and no
+// initialize stage of its own); ends with an entry whose `op` is nullptr.
+const cuda::Stages* EmulatedStages();
+
+}  // namespace jaxcomm::cuda_emu
