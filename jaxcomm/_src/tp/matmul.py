@@ -34,8 +34,8 @@ DIRECTIONS = ("one_way", "bidirectional", "none")
 # Below this many bytes moving per ring step the default is no ring ("none": the collective,
 # then the matmul): each step's put costs a rendezvous of the group (12-20 us in one
 # process with 8 devices, more under load), which a small block's transfer cannot repay.
-# Measured (docs/benchmarks.md, python -m jaxcomm.bench tp): decode-size blocks of
-# 32 KiB ran 2-3x slower as rings than unfused.
+# Measured (python -m jaxcomm.bench tp, 2026-12-07, at load 10-15): decode-size blocks of
+# 32-64 KiB ran 2-3x slower as rings than unfused.
 RING_MIN_BYTES = 256 * 1024
 
 
