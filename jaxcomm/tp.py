@@ -10,7 +10,7 @@ docs/tp.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +56,10 @@ def _in_shard_map(axis_name: Any) -> bool:
 
 def _global_ring(op: str, x: jax.Array, w: jax.Array, axis_name: Any, axis: int, chunks: Any,
                  direction: Any, timeout_s: Any, precision: Any,
-                 step_bytes: Any) -> tuple[Any, tuple, _matmul.Ring]:
+                 step_bytes: Callable[[int], int]) -> tuple[Any, tuple, _matmul.Ring]:
     """The global view's (mesh, other row axes, ring): x's rows (dimension ``axis``) are
-    split over the other mesh axes its sharding names there, then ``axis_name``."""
+    split over the other mesh axes its sharding names there, then ``axis_name``;
+    ``step_bytes(rows per rank)`` is what moves per ring step."""
     if not isinstance(axis_name, str):
         raise NotImplementedError(f"jaxcomm.tp.{op}: the global view takes one mesh axis name, got {axis_name!r}; "
                                   f"call it inside jax.shard_map for a tuple of axes")
@@ -72,7 +73,7 @@ def _global_ring(op: str, x: jax.Array, w: jax.Array, axis_name: Any, axis: int,
                          f"{shards} ranks of mesh axes {rows + (axis_name,)}")
     block = x.shape[axis] // shards  # rows per rank (gathered op: of x; scattering op: of the result)
     ring = _matmul.plan(op, axis_name, axis, block, chunks=chunks, direction=direction, timeout_s=timeout_s,
-                        precision=precision, step_bytes=step_bytes(R, block), size=R)
+                        precision=precision, step_bytes=step_bytes(block), size=R)
     return mesh, rows, ring
 
 
@@ -85,7 +86,10 @@ def all_gather_matmul(x: Any, w: Any, axis_name: Any, *, gather_axis: int = 0, c
     Call inside ``jax.shard_map`` (under ``jax.jit``) over ``axis_name``: the R ranks'
     blocks of x are gathered along ``gather_axis`` while each block already received is
     multiplied into its place: a ring of R steps, each step's put of the block held (to the
-    next rank) overlapping its matmul.
+    next rank) overlapping its matmul. Or call it in the global view, under ``jax.jit`` on
+    global arrays with a ``NamedSharding`` (one mesh axis ``axis_name``): x's rows split
+    over ``axis_name`` (and other mesh axes before it, e.g. ``P(("dp", "tp"))``), w's
+    columns over ``axis_name``; the result is ``x @ w`` with its columns split there.
 
     Args:
       x: this rank's block, ``[..., m, ..., K]``: any leading batch dimensions; the
@@ -127,7 +131,7 @@ def all_gather_matmul(x: Any, w: Any, axis_name: Any, *, gather_axis: int = 0, c
     x, w, axis = _operands("all_gather_matmul", x, w, gather_axis, "gather_axis")
     if not _in_shard_map(axis_name):
         mesh, rows, ring = _global_ring("all_gather_matmul", x, w, axis_name, axis, chunks, direction, timeout_s,
-                                        precision, lambda R, block: block * x.size // x.shape[axis] * x.dtype.itemsize)
+                                        precision, lambda block: block * x.size // x.shape[axis] * x.dtype.itemsize)
         return _global.all_gather_matmul(x, w, ring, mesh, rows)
     ring = _matmul.plan("all_gather_matmul", axis_name, axis, x.shape[axis], chunks=chunks, direction=direction,
                         timeout_s=timeout_s, precision=precision, step_bytes=x.size * x.dtype.itemsize)
@@ -142,7 +146,9 @@ def matmul_reduce_scatter(x: Any, w: Any, axis_name: Any, *, scatter_dimension: 
 
     Call inside ``jax.shard_map`` (under ``jax.jit``) over ``axis_name``: each block's
     partial sums travel around the ring, each rank adding its share, while the next
-    block's share is computed.
+    block's share is computed. In the global view (as :func:`all_gather_matmul`'s): x's
+    columns split over ``axis_name``, w's rows too; the result is ``x @ w`` with its rows
+    split over ``axis_name`` (after the other mesh axes x's rows are split over).
 
     Args:
       x: ``[..., M, ..., K]``: any leading batch dimensions; ``scatter_dimension`` is any
@@ -176,7 +182,7 @@ def matmul_reduce_scatter(x: Any, w: Any, axis_name: Any, *, scatter_dimension: 
         acc = _matmul.accumulator(x.dtype)
         mesh, rows, ring = _global_ring("matmul_reduce_scatter", x, w, axis_name, axis, chunks, direction,
                                         timeout_s, precision,
-                                        lambda R, block: block * x.size // x.shape[axis] // x.shape[-1]
+                                        lambda block: block * x.size // x.shape[axis] // x.shape[-1]
                                         * w.shape[1] * acc.itemsize)
         return _global.matmul_reduce_scatter(x, w, ring, mesh, rows)
     ring = _matmul.plan("matmul_reduce_scatter", axis_name, axis, 0, chunks=chunks, direction=direction,
