@@ -450,3 +450,18 @@ def test_bench_tp_runs(case):
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("2   4 ")]
     assert [(r[2], r[4]) for r in rows[-4:]] == [("train", "fwd"), ("train", "fwd+bwd"), ("decode", "fwd"),
                                                   ("decode", "fwd+bwd")]
+
+
+def test_backend_xla_puts_are_ppermutes(mesh8, monkeypatch):
+    """JAXCOMM_BACKEND=xla: the ring's puts are jax.lax.ppermute (same values, no jaxcomm call)."""
+    monkeypatch.setenv("JAXCOMM_BACKEND", "xla")
+    x, w = rand((8 * 4, 16), jnp.int32), rand((16, 8 * 3), jnp.int32, seed=1)
+
+    def body(x, w):
+        return jaxcomm.tp.all_gather_matmul(x, w, "x", direction="bidirectional"), lax_agm(x, w, "x", 0)
+    f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("x"), P(None, "x")), out_specs=(P(None, "x"),) * 2))
+    args = [jax.device_put(a, NamedSharding(mesh8, s)) for a, s in zip((x, w), (P("x"), P(None, "x")))]
+    got, want = f(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    text = f.lower(*args).compile().as_text()
+    assert "jaxcomm_" not in text and "collective-permute" in text
