@@ -10,12 +10,14 @@ docs/tp.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
+from jaxcomm._src import compat
 from jaxcomm._src.ops import common
+from jaxcomm._src.tp import globalview as _global
 from jaxcomm._src.tp import matmul as _matmul
 from jaxcomm._src.tp.put import PendingPut, put_done, put_start
 
@@ -47,6 +49,34 @@ def _operands(op: str, x: Any, w: Any, axis: Any, axis_label: str) -> tuple[jax.
     return x, w, axis
 
 
+def _in_shard_map(axis_name: Any) -> bool:
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    return all(compat.axis_exists(a) for a in names)
+
+
+def _global_ring(op: str, x: jax.Array, w: jax.Array, axis_name: Any, axis: int, chunks: Any,
+                 direction: Any, timeout_s: Any, precision: Any,
+                 step_bytes: Callable[[int], int]) -> tuple[Any, tuple, _matmul.Ring]:
+    """The global view's (mesh, other row axes, ring): x's rows (dimension ``axis``) are
+    split over the other mesh axes its sharding names there, then ``axis_name``;
+    ``step_bytes(rows per rank)`` is what moves per ring step."""
+    if not isinstance(axis_name, str):
+        raise NotImplementedError(f"jaxcomm.tp.{op}: the global view takes one mesh axis name, got {axis_name!r}; "
+                                  f"call it inside jax.shard_map for a tuple of axes")
+    mesh, rows = _global.mesh_and_rows(op, x, w, axis_name, axis)
+    R = int(dict(zip(mesh.axis_names, mesh.axis_sizes))[axis_name])
+    shards = R
+    for a in rows:
+        shards *= int(dict(zip(mesh.axis_names, mesh.axis_sizes))[a])
+    if x.shape[axis] % shards:
+        raise ValueError(f"jaxcomm.tp.{op}: x's dimension {axis} ({x.shape[axis]}) is not divisible by the "
+                         f"{shards} ranks of mesh axes {rows + (axis_name,)}")
+    block = x.shape[axis] // shards  # rows per rank (gathered op: of x; scattering op: of the result)
+    ring = _matmul.plan(op, axis_name, axis, block, chunks=chunks, direction=direction, timeout_s=timeout_s,
+                        precision=precision, step_bytes=step_bytes(block), size=R)
+    return mesh, rows, ring
+
+
 def all_gather_matmul(x: Any, w: Any, axis_name: Any, *, gather_axis: int = 0, chunks: int | None = None,
                       direction: str | None = None, precision: Any = None,
                       timeout_s: float | None = None) -> jax.Array:
@@ -56,7 +86,10 @@ def all_gather_matmul(x: Any, w: Any, axis_name: Any, *, gather_axis: int = 0, c
     Call inside ``jax.shard_map`` (under ``jax.jit``) over ``axis_name``: the R ranks'
     blocks of x are gathered along ``gather_axis`` while each block already received is
     multiplied into its place: a ring of R steps, each step's put of the block held (to the
-    next rank) overlapping its matmul.
+    next rank) overlapping its matmul. Or call it in the global view, under ``jax.jit`` on
+    global arrays with a ``NamedSharding`` (one mesh axis ``axis_name``): x's rows split
+    over ``axis_name`` (and other mesh axes before it, e.g. ``P(("dp", "tp"))``), w's
+    columns over ``axis_name``; the result is ``x @ w`` with its columns split there.
 
     Args:
       x: this rank's block, ``[..., m, ..., K]``: any leading batch dimensions; the
@@ -68,9 +101,12 @@ def all_gather_matmul(x: Any, w: Any, axis_name: Any, *, gather_axis: int = 0, c
       gather_axis: x's dimension to gather (default 0: rows).
       chunks: pieces each block is cut into, each its own put (default: 1 one-way, 2
         bidirectional).
-      direction: ``"one_way"`` (a ring, every piece to rank + 1) or ``"bidirectional"``
+      direction: ``"one_way"`` (a ring, every piece to rank + 1), ``"bidirectional"``
         (alternate pieces to rank + 1 and rank - 1, as in the shard_map docs' collective
-        matmul); default one-way on 2 ranks, bidirectional above.
+        matmul) or ``"none"`` (no ring: ``jaxcomm.all_gather``, then one matmul). Default:
+        ``"none"`` where a block is under 256 KiB (a ring step's synchronisation costs
+        more than such a block's transfer could hide), else one-way on 2 ranks and
+        bidirectional above.
       precision: passed to the chunk matmuls (``jnp.matmul``).
       timeout_s: deadline of each put (default ``JAXCOMM_TIMEOUT_S``).
 
@@ -93,8 +129,12 @@ def all_gather_matmul(x: Any, w: Any, axis_name: Any, *, gather_axis: int = 0, c
         (64, 32)
     """
     x, w, axis = _operands("all_gather_matmul", x, w, gather_axis, "gather_axis")
+    if not _in_shard_map(axis_name):
+        mesh, rows, ring = _global_ring("all_gather_matmul", x, w, axis_name, axis, chunks, direction, timeout_s,
+                                        precision, lambda block: block * x.size // x.shape[axis] * x.dtype.itemsize)
+        return _global.all_gather_matmul(x, w, ring, mesh, rows)
     ring = _matmul.plan("all_gather_matmul", axis_name, axis, x.shape[axis], chunks=chunks, direction=direction,
-                        timeout_s=timeout_s, precision=precision)
+                        timeout_s=timeout_s, precision=precision, step_bytes=x.size * x.dtype.itemsize)
     return _matmul.all_gather_matmul_p(x, w, ring)
 
 
@@ -106,7 +146,9 @@ def matmul_reduce_scatter(x: Any, w: Any, axis_name: Any, *, scatter_dimension: 
 
     Call inside ``jax.shard_map`` (under ``jax.jit``) over ``axis_name``: each block's
     partial sums travel around the ring, each rank adding its share, while the next
-    block's share is computed.
+    block's share is computed. In the global view (as :func:`all_gather_matmul`'s): x's
+    columns split over ``axis_name``, w's rows too; the result is ``x @ w`` with its rows
+    split over ``axis_name`` (after the other mesh axes x's rows are split over).
 
     Args:
       x: ``[..., M, ..., K]``: any leading batch dimensions; ``scatter_dimension`` is any
@@ -136,11 +178,20 @@ def matmul_reduce_scatter(x: Any, w: Any, axis_name: Any, *, scatter_dimension: 
         ((64, 16), 32.0)
     """
     x, w, axis = _operands("matmul_reduce_scatter", x, w, scatter_dimension, "scatter_dimension")
+    if not _in_shard_map(axis_name):
+        acc = _matmul.accumulator(x.dtype)
+        mesh, rows, ring = _global_ring("matmul_reduce_scatter", x, w, axis_name, axis, chunks, direction,
+                                        timeout_s, precision,
+                                        lambda block: block * x.size // x.shape[axis] // x.shape[-1]
+                                        * w.shape[1] * acc.itemsize)
+        return _global.matmul_reduce_scatter(x, w, ring, mesh, rows)
     ring = _matmul.plan("matmul_reduce_scatter", axis_name, axis, 0, chunks=chunks, direction=direction,
                         timeout_s=timeout_s, precision=precision)
     if x.shape[axis] % ring.size:
         raise ValueError(f"jaxcomm.tp.matmul_reduce_scatter: x's dimension {axis} ({x.shape[axis]}) is not "
                          f"divisible by the group size {ring.size}")
+    acc = _matmul.accumulator(x.dtype)
+    step_bytes = x.size // x.shape[-1] // ring.size * w.shape[1] * acc.itemsize  # one block's partial sums
     ring = _matmul.plan("matmul_reduce_scatter", axis_name, axis, x.shape[axis] // ring.size, chunks=chunks,
-                        direction=direction, timeout_s=timeout_s, precision=precision)
+                        direction=direction, timeout_s=timeout_s, precision=precision, step_bytes=step_bytes)
     return _matmul.matmul_reduce_scatter_p(x, w, ring)

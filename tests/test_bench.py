@@ -271,7 +271,7 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 BENCH_MODULES = ["collectives", "multiprocess", "mpi4jax_compare", "moe", "dropin", "faults",
-                 "docs", "instructions", "startup"]
+                 "docs", "instructions", "startup", "tp"]
 
 # The commands that only parse their arguments (help, refusals), run as a user types
 # them (`python -m ...`); in one forking Python (fresh_util), not twelve new ones.
@@ -311,6 +311,7 @@ ENTRY_POINTS = {
     "docs": (["docs"], ["--out", "--quick", "--only", "--list"]),
     "startup": (["startup"], ["--processes", "--mesh", "--sides", "--transport", "--repeat", "--json"]),
     "instructions": (["instructions"], ["--op", "--size", "--length", "--calls"]),
+    "tp": (["tp"], ["--devices", "--tp", "--tokens", "--decode-tokens", "--processes", "--timeline", "--json"]),
     "dropin": (["dropin"], ["--devices", "--width", "--layers", "--batch", "--steps", "--reps"]),
     "faults": (["faults"], ["--repeats", "--deadline", "--transport", "--overhead-rounds",
                             "--skip-detection", "--skip-overhead"]),

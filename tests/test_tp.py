@@ -8,6 +8,7 @@ jax.grad of the unfused compositions and jax.test_util.check_grads for the gradi
 
 from __future__ import annotations
 
+import os
 import re
 from functools import partial
 
@@ -25,9 +26,16 @@ from conftest import rand, run_sharded
 RING8 = [(i, (i + 1) % 8) for i in range(8)]
 
 
+def slow(*values):
+    """A parameter case that runs only with JAXCOMM_TEST_SLOW=1 (the README's pytest stays
+    under its budget; CI's .ci/run runs them)."""
+    return pytest.param(*values, marks=pytest.mark.skipif(os.environ.get("JAXCOMM_TEST_SLOW") != "1",
+                                                          reason="more of the matrix: JAXCOMM_TEST_SLOW=1"))
+
+
 # ------------------------------------------------------------------------------ puts
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.int64])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, slow(jnp.int8), slow(jnp.int64)])
 @pytest.mark.parametrize("perm", [RING8, [(0, 3), (3, 0), (5, 6)]], ids=["ring", "partial"])
 def test_put_equals_ppermute(mesh8, dtype, perm):
     if dtype == jnp.int64:
@@ -130,11 +138,12 @@ def _specs(ndim, g, axis="x"):
 # ------------------------------------------------------------------------ matmul values
 
 CASES = [  # (x shape per rank, gather/scatter axis, N, keywords)
-    ((4, 16), 0, 8, {}),
-    ((4, 16), 0, 8, {"direction": "one_way"}),
+    ((4, 16), 0, 8, {}),                                           # small: no ring by default
+    ((4, 16), 0, 8, {"direction": "bidirectional"}),
+    slow((4, 16), 0, 8, {"direction": "one_way"}),
     ((5, 16), 0, 8, {"direction": "bidirectional", "chunks": 3}),   # uneven pieces: 2, 2, 1
-    ((2, 3, 16), 1, 8, {}),                                        # a leading batch dimension
-    ((3, 2, 4, 16), 1, 8, {"direction": "one_way", "chunks": 2}),
+    ((2, 3, 16), 1, 8, {"direction": "bidirectional"}),            # a leading batch dimension
+    slow((3, 2, 4, 16), 1, 8, {"direction": "one_way", "chunks": 2}),
 ]
 
 
@@ -178,7 +187,7 @@ def test_matmul_reduce_scatter_float32_same_order_exact(mesh8):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, slow(jnp.float16)])
 def test_half_precision(mesh8, dtype):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 64)).astype(dtype)
@@ -186,7 +195,8 @@ def test_half_precision(mesh8, dtype):
     f32 = np.float32
 
     def body(x, w, hx, hw):
-        return (jaxcomm.tp.all_gather_matmul(x, w, "x"), jaxcomm.tp.matmul_reduce_scatter(hx, hw, "x"))
+        kw = dict(direction="bidirectional")
+        return (jaxcomm.tp.all_gather_matmul(x, w, "x", **kw), jaxcomm.tp.matmul_reduce_scatter(hx, hw, "x", **kw))
     agm, mrs = run_sharded(body, mesh8, (P("x"), P(None, "x"), P(None, "x"), P("x")), (P(None, "x"), P("x")),
                            x, w, x, w)
     assert agm.dtype == dtype and mrs.dtype == dtype
@@ -199,7 +209,8 @@ def test_half_precision(mesh8, dtype):
 def test_groups_of_a_2d_mesh(mesh2x4):
     """Over "ep" of a ("dp", "ep") mesh: one ring per dp index."""
     x, w = rand((2 * 4 * 3, 8), jnp.int32), rand((8, 4 * 5), jnp.int32, seed=1)
-    got, want = run_sharded(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "ep"), lax_agm(x, w, "ep", 0)),
+    got, want = run_sharded(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "ep", direction="bidirectional"),
+                                          lax_agm(x, w, "ep", 0)),
                             mesh2x4, (P(("dp", "ep")), P(None, "ep")), (P("dp", "ep"),) * 2, x, w)
     np.testing.assert_array_equal(got, want)
 
@@ -222,14 +233,14 @@ def test_degenerate_shapes():
 
 # ------------------------------------------------------------------------ gradients
 
-def _mlp(tp_ops, x, w1, w2, axis="x", g=0):
+def _mlp(tp_ops, x, w1, w2, axis="x", g=0, direction=None):
     if tp_ops:
-        h = jaxcomm.tp.all_gather_matmul(x, w1, axis, gather_axis=g)
-        return jaxcomm.tp.matmul_reduce_scatter(jnp.tanh(h), w2, axis, scatter_dimension=g)
+        h = jaxcomm.tp.all_gather_matmul(x, w1, axis, gather_axis=g, direction=direction)
+        return jaxcomm.tp.matmul_reduce_scatter(jnp.tanh(h), w2, axis, scatter_dimension=g, direction=direction)
     return lax_mrs(jnp.tanh(lax_agm(x, w1, axis, g)), w2, axis, g)
 
 
-@pytest.mark.parametrize("direction", ["one_way", "bidirectional"])
+@pytest.mark.parametrize("direction", [slow("one_way"), "bidirectional", "none"])
 def test_gradients_match_unfused(mesh8, direction):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 6)).astype(np.float32)
@@ -242,7 +253,7 @@ def test_gradients_match_unfused(mesh8, direction):
         y = _mlp(tp_ops, x, w1, w2) if not tp_ops else (
             jaxcomm.tp.matmul_reduce_scatter(jnp.tanh(jaxcomm.tp.all_gather_matmul(x, w1, "x", direction=direction)),
                                              w2, "x", direction=direction))
-        y2 = (jaxcomm.tp.all_gather_matmul(y, rep, "x") if tp_ops else lax_agm(y, rep, "x", 0))
+        y2 = (jaxcomm.tp.all_gather_matmul(y, rep, "x", direction=direction) if tp_ops else lax_agm(y, rep, "x", 0))
         return jax.lax.psum((y2 ** 2).sum(), "x")
 
     def body(x, w1, w2, rep):
@@ -256,7 +267,8 @@ def test_gradients_match_unfused(mesh8, direction):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
 
-def test_check_grads(x64):
+@pytest.mark.parametrize("direction", ["bidirectional", slow("none")])
+def test_check_grads(x64, direction):
     # Auto axes: check_grads perturbs the arguments without their sharding.
     mesh8 = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     rng = np.random.default_rng(1)
@@ -264,7 +276,7 @@ def test_check_grads(x64):
     w1 = rng.normal(size=(4, 16))
     w2 = rng.normal(size=(16, 4))
 
-    f = jax.jit(jax.shard_map(lambda x, w1, w2: _mlp(True, x, w1, w2, g=1), mesh=mesh8,
+    f = jax.jit(jax.shard_map(lambda x, w1, w2: _mlp(True, x, w1, w2, g=1, direction=direction), mesh=mesh8,
                               in_specs=(P(None, "x"), P(None, "x"), P("x")), out_specs=P(None, "x")))
     args = [jax.device_put(a, NamedSharding(mesh8, s))
             for a, s in zip((x, w1, w2), (P(None, "x"), P(None, "x"), P("x")))]
@@ -275,8 +287,10 @@ def test_check_grads(x64):
 
 def test_vmap_inside_shard_map(mesh8):
     x, w = rand((3, 16, 4), jnp.int32), rand((3, 4, 8 * 2), jnp.int32, seed=1)
-    vm = jax.vmap(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "x"),
-                                jaxcomm.tp.matmul_reduce_scatter(jaxcomm.tp.all_gather_matmul(x, w, "x"), w.T, "x")))
+    kw = dict(direction="bidirectional")
+    vm = jax.vmap(lambda x, w: (jaxcomm.tp.all_gather_matmul(x, w, "x", **kw),
+                                jaxcomm.tp.matmul_reduce_scatter(jaxcomm.tp.all_gather_matmul(x, w, "x", **kw), w.T,
+                                                                 "x", **kw)))
     ref = jax.vmap(lambda x, w: (lax_agm(x, w, "x", 0), lax_mrs(lax_agm(x, w, "x", 0), w.T, "x", 0)))
     got, want = run_sharded(lambda x, w: (vm(x, w), ref(x, w)), mesh8, (P(None, "x"), P(None, None, "x")),
                             ((P(None, None, "x"), P(None, "x")),) * 2, x, w)
@@ -301,13 +315,14 @@ def test_vmap_inside_shard_map(mesh8):
     (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w, "x", gather_axis=2), ValueError,
      "jaxcomm.tp.all_gather_matmul: gather_axis=2 is out of range for x of shape (1, 4)"),
     (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w, "x", direction="ring"), ValueError,
-     "jaxcomm.tp.all_gather_matmul: direction must be one of ('one_way', 'bidirectional'), got 'ring'"),
+     "jaxcomm.tp.all_gather_matmul: direction must be one of ('one_way', 'bidirectional', 'none'), got 'ring'"),
     (lambda x, w: jaxcomm.tp.all_gather_matmul(x, w, "x", direction="bidirectional", chunks=1), ValueError,
      "jaxcomm.tp.all_gather_matmul: chunks must be at least 2 for direction 'bidirectional', got 1"),
     (lambda x, w: jaxcomm.tp.matmul_reduce_scatter(x, w, "x"), ValueError,
      "jaxcomm.tp.matmul_reduce_scatter: x's dimension 0 (1) is not divisible by the group size 8"),
     (lambda x, w: jaxcomm.tp.matmul_reduce_scatter(x, w, "y"), NameError,
-     "jaxcomm.tp.matmul_reduce_scatter: unknown axis name 'y'. jaxcomm collectives run inside jax.shard_map"),
+     "jaxcomm.tp.matmul_reduce_scatter: axis 'y' is not bound by an enclosing shard_map, and x has no "
+     "NamedSharding over a mesh with that axis"),
 ], ids=["x1d", "w3d", "K", "dtype", "contracted", "range", "direction", "chunks", "divisible", "axis"])
 def test_bad_input(mesh8, call, error, message):
     x, w = np.ones((8, 4), np.float32), np.ones((4, 8), np.float32)
@@ -329,7 +344,8 @@ def test_docstring_examples(name):
     assert runner.failures == 0 and runner.tries > 0
 
 
-def test_tp_mlp_example_runs():
+@pytest.mark.parametrize("direction", ["bidirectional", slow("one_way")])
+def test_tp_mlp_example_runs(direction):
     """examples/tp_mlp.py checks itself against the single-device reference, then trains."""
     import os
     import subprocess
@@ -338,7 +354,8 @@ def test_tp_mlp_example_runs():
     root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "tp_mlp.py"), "--steps", "3"],
+    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "tp_mlp.py"), "--steps", "3",
+                           "--direction", direction],
                           env=env, capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -346,3 +363,105 @@ def test_tp_mlp_example_runs():
     losses = [float(line.split("loss")[1].split()[0]) for line in proc.stdout.splitlines()
               if line.startswith("step")]
     assert len(losses) == 3 and losses[2] < losses[0]
+
+
+def test_put_deadline_names_the_missing_rank(mesh8):
+    """A rank that never starts its put: the others' put_done fails at the deadline, naming
+    the op, axis, call site and the rank; the process stays usable."""
+    def body(v):
+        def with_put(v):
+            return jaxcomm.tp.put_done(jaxcomm.tp.put_start(v, "x", RING8, timeout_s=1))
+        return jax.lax.cond(jax.lax.axis_index("x") == 0, lambda v: v, with_put, v)
+
+    with pytest.raises(Exception, match=r"DEADLINE_EXCEEDED: jaxcomm.put_start over axis 'x' \(group 0 = "
+                       r"partitions \[0 1 2 3 4 5 6 7\]\), rank \d \(partition \d\), call site "
+                       r"test_tp.py:\d+ \(with_put\).* timed out after 1 s .* waiting for ranks \[0\]"):
+        run_sharded(body, mesh8, P("x"), P("x"), np.ones(8, np.float32))
+    got = run_sharded(lambda v: jaxcomm.tp.put_done(jaxcomm.tp.put_start(v, "x", RING8)), mesh8, P("x"), P("x"),
+                      np.arange(8, dtype=np.float32))
+    np.testing.assert_array_equal(got, np.roll(np.arange(8, dtype=np.float32), 1))
+
+
+# ------------------------------------------------------------------------ global view
+
+@pytest.mark.parametrize("direction,explicit", [("bidirectional", True), ("none", False), slow("one_way", True),
+                                                slow("bidirectional", False), slow("none", True),
+                                                slow("one_way", False)])
+def test_global_view(direction, explicit):
+    """Under jax.jit on NamedSharding arrays, no shard_map: x rows over ("dp", "tp"), w_up
+    columns and w_down rows over "tp"; values and gradients against NumPy / jax.grad of the
+    plain product, the layouts as stated, the puts in the program."""
+    types = (jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=types)
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, size=(2, 16, 8)).astype(np.float32)
+    w1 = rng.integers(-3, 3, size=(8, 12)).astype(np.float32)
+    w2 = rng.integers(-3, 3, size=(12, 8)).astype(np.float32)
+    specs = (P(None, ("dp", "tp")), P(None, "tp"), P("tp"))
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w1, w2), specs)]
+
+    def block(x, w1, w2):
+        h = jaxcomm.tp.all_gather_matmul(x, w1, "tp", gather_axis=1, direction=direction)
+        return jaxcomm.tp.matmul_reduce_scatter(h * h, w2, "tp", scatter_dimension=1, direction=direction)
+
+    f = jax.jit(block)
+    np.testing.assert_array_equal(np.asarray(f(*args)), (x @ w1) ** 2 @ w2)
+    if explicit:
+        assert jax.typeof(f(*args)).sharding.spec == P(None, ("dp", "tp"), None)
+    grads = jax.jit(jax.grad(lambda *a: (block(*a) ** 2).sum(), argnums=(0, 1, 2)))(*args)
+    want = jax.grad(lambda x, w1, w2: ((((x @ w1) ** 2) @ w2) ** 2).sum(), argnums=(0, 1, 2))(x, w1, w2)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+    assert ("jaxcomm_put_start" in f.lower(*args).compile().as_text()) == (direction != "none")
+
+
+def test_global_view_errors():
+    mesh = jax.make_mesh((8,), ("tp",))
+    x = jax.device_put(np.ones((12, 4), np.float32), NamedSharding(mesh, P()))
+    with pytest.raises(ValueError, match=re.escape("jaxcomm.tp.all_gather_matmul: x's dimension 0 (12) is not "
+                                                   "divisible by the 8 ranks of mesh axes ('tp',)")):
+        jax.jit(lambda x: jaxcomm.tp.all_gather_matmul(x, jnp.ones((4, 8)), "tp"))(x)
+    with pytest.raises(NameError, match=re.escape("jaxcomm.tp.all_gather_matmul: axis 'model' is not bound by an "
+                                                  "enclosing shard_map")):
+        jax.jit(lambda x: jaxcomm.tp.all_gather_matmul(x, jnp.ones((4, 8)), "model"))(x)
+
+
+# ------------------------------------------------------------------------ benchmark
+
+def test_bench_tp_derived_columns():
+    from jaxcomm.bench import tp as bench_tp
+    r = dict(tp=0.5, lax=1.0, ring=0.75, unfused=0.8, compute=0.4, comm=0.2)
+    d = bench_tp.derived(r)
+    assert (d["vs_lax"], d["vs_ring"], d["comm_share"]) == pytest.approx((2.0, 1.5, 1 / 3))
+    assert d["hidden"] == pytest.approx(0.5)        # 0.4 + 0.2 - 0.5 of the 0.2 of communication
+
+
+@pytest.mark.parametrize("case", [slow("small")])
+def test_bench_tp_runs(case):
+    """python -m jaxcomm.bench tp runs every side of every row."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-m", "jaxcomm.bench", "tp", "--tp", "2", "--tokens", "64",
+                           "--decode-tokens", "4", "--d-model", "32", "--d-ff", "16", "--rounds", "1", "--iters", "1"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("2   4 ")]
+    assert [(r[2], r[4]) for r in rows[-4:]] == [("train", "fwd"), ("train", "fwd+bwd"), ("decode", "fwd"),
+                                                  ("decode", "fwd+bwd")]
+
+
+def test_backend_xla_puts_are_ppermutes(mesh8, monkeypatch):
+    """JAXCOMM_BACKEND=xla: the ring's puts are jax.lax.ppermute (same values, no jaxcomm call)."""
+    monkeypatch.setenv("JAXCOMM_BACKEND", "xla")
+    x, w = rand((8 * 4, 16), jnp.int32), rand((16, 8 * 3), jnp.int32, seed=1)
+
+    def body(x, w):
+        return jaxcomm.tp.all_gather_matmul(x, w, "x", direction="bidirectional"), lax_agm(x, w, "x", 0)
+    f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(P("x"), P(None, "x")), out_specs=(P(None, "x"),) * 2))
+    args = [jax.device_put(a, NamedSharding(mesh8, s)) for a, s in zip((x, w), (P("x"), P(None, "x")))]
+    got, want = f(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    text = f.lower(*args).compile().as_text()
+    assert "jaxcomm_" not in text and "collective-permute" in text

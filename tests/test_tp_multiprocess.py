@@ -1,8 +1,11 @@
 """jaxcomm.tp across processes (shared memory between the processes of this host):
-the collective matmuls and their gradients against NumPy, and a split-phase put against
-jax.lax.ppermute, in 2 processes x 1 device and 2 processes x 2 devices."""
+the collective matmuls and their gradients against NumPy, and split-phase puts (small, and
+large enough to stream by ranges) against NumPy's roll, in 2 processes x 1 device and 2
+processes x 2 devices."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -17,9 +20,11 @@ x = rng.integers(-4, 4, size=(R * 3, 8)).astype(np.float32)
 w1 = rng.integers(-4, 4, size=(8, R * 2)).astype(np.float32)
 w2 = rng.integers(-4, 4, size=(R * 2, 8)).astype(np.float32)
 
+KW = dict(direction=os.environ["TP_DIRECTION"])
+
 def block(x, w1, w2):
-    h = jaxcomm.tp.all_gather_matmul(x, w1, "tp")
-    return jaxcomm.tp.matmul_reduce_scatter(h * h, w2, "tp")
+    h = jaxcomm.tp.all_gather_matmul(x, w1, "tp", **KW)
+    return jaxcomm.tp.matmul_reduce_scatter(h * h, w2, "tp", **KW)
 
 def loss(x, w1, w2):
     return jax.lax.psum((block(x, w1, w2) ** 2).sum(), "tp") / 1e4
@@ -47,12 +52,23 @@ np.testing.assert_array_equal(gathered(y), want_y)
 np.testing.assert_array_equal(gathered(moved), want_moved)
 for g, want in zip(grads, want_grads):
     np.testing.assert_allclose(gathered(g), np.asarray(want), rtol=1e-5)
+# A put large enough to stream through shared memory by ranges (1.2 MB a rank).
+n = 300001
+ring = [(i, (i + 1) % R) for i in range(R)]
+put = jax.jit(jax.shard_map(lambda v: jaxcomm.tp.put_done(jaxcomm.tp.put_start(v, "tp", ring)), mesh=mesh,
+                            in_specs=P("tp"), out_specs=P("tp")))
+big = np.arange(R * n, dtype=np.float32)
+moved = put(jax.device_put(big, NamedSharding(mesh, P("tp"))))
+np.testing.assert_array_equal(gathered(moved), np.roll(big.reshape(R, n), 1, axis=0).reshape(-1))
 print("RESULT", '{"ok": true}')
 """
 
 
-@pytest.mark.parametrize("processes,devices", [(2, 1), (2, 2)])
-def test_tp_across_processes(processes, devices):
-    res = run_script(BODY, processes, devices, timeout_s=120)
+@pytest.mark.parametrize("processes,devices,direction", [
+    (2, 1, "one_way"), (2, 2, "bidirectional"),
+    pytest.param(2, 2, "none", marks=pytest.mark.skipif(os.environ.get("JAXCOMM_TEST_SLOW") != "1",
+                                                        reason="more of the matrix: JAXCOMM_TEST_SLOW=1"))])
+def test_tp_across_processes(processes, devices, direction):
+    res = run_script(BODY, processes, devices, timeout_s=120, env={"TP_DIRECTION": direction})
     assert_ok(res)
     assert results(res) == {p: {"ok": True} for p in range(processes)}

@@ -122,7 +122,9 @@ ffi::Future LaunchSend(const Common& c, Peer mine, size_t work_bytes, WorkFn wor
   Registry::Get().pool().Post([owned, mine, work_bytes, work = std::move(work), table,
                                options = std::move(options)]() mutable {
     ffi::Future round = Launch(owned->view(), mine, work_bytes, std::move(work), std::move(options));
-    round.OnReady([table](const std::optional<ffi::Error>& error) { Complete(table, error); });
+    // The round may outlive this task (streamed across processes); it reads the call's
+    // strings until it ends, so they stay alive until then.
+    round.OnReady([table, owned](const std::optional<ffi::Error>& error) { Complete(table, error); });
   });
   return Done();
 }

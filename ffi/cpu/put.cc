@@ -13,7 +13,8 @@ namespace jaxcomm::cpu {
 namespace {
 
 // Writes the sources' operands into the destinations' results (those this process owns),
-// bytes [lo, hi) of each: the put's data movement.
+// bytes [lo, hi) of each result: the put's data movement. The operands' pointers point at
+// byte lo already where the round streams by ranges (RangeFn, core/rendezvous.h).
 std::string Deliver(const std::vector<Peer>& peers, const std::vector<int64_t>& src, size_t lo, size_t hi,
                     bool streaming, int part, int parts) {
   ForEachOwnedRank(peers, part, parts, [&](int d) {
@@ -21,7 +22,7 @@ std::string Deliver(const std::vector<Peer>& peers, const std::vector<int64_t>& 
     if (src[d] < 0) {
       ZeroResult(out, hi - lo, streaming);
     } else {
-      StoreResult(out, static_cast<const char*>(peers[src[d]].in) + lo, hi - lo, streaming);
+      StoreResult(out, peers[src[d]].in, hi - lo, streaming);
     }
   });
   return "";
@@ -42,7 +43,7 @@ ffi::Future PutStart(InstructionState* st, ffi::RunId run, int32_t ordinal, ffi:
   const size_t bytes = x.size_bytes();
   const bool streaming = StreamsResult(data->untyped_data(), bytes);
   WorkFn work = [src, bytes, streaming](const std::vector<Peer>& peers, int part, int parts) {
-    return Deliver(peers, src, 0, bytes, streaming, part, parts);
+    return Deliver(peers, src, 0, bytes, streaming, part, parts);  // whole buffers: lo = 0
   };
   LaunchOptions options;
   options.needs = [src](int s, int d) { return src[d] == s; };

@@ -92,19 +92,8 @@ def sharded_call(local: Callable[..., Sequence[jax.Array]], args: Sequence[jax.A
         return tuple(NamedSharding(mesh, P(dim0)) for _ in range(n))
 
     def partition(given, arg_shapes, result_shape):
-        mesh = given
-        if getattr(given, "empty", True) or tuple(given.axis_names) != tuple(abstract.axis_names):
-            # jax passes an empty mesh when the program's context has no abstract mesh (e.g.
-            # the arrays' mesh came from jax.set_mesh); the partitioner's device order is
-            # the mesh's, as in jax's own abstract-to-concrete conversion.
-            devices = np.asarray(compat.device_assignment(arg_shapes[0].sharding), dtype=object)
-            mesh = Mesh(devices.reshape(abstract.axis_sizes), abstract.axis_names)
-
-        def lower(*xs):
-            # Every mesh axis is manual here; jaxcomm's ops check the names against the
-            # mesh in context, which the partitioner does not set.
-            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.enable_x64(x64):
-                return tuple(local(*xs))
+        mesh = partition_mesh(given, abstract, arg_shapes)
+        lower = per_rank(lambda *xs: tuple(local(*xs)), mesh, x64)
         return mesh, lower, shardings(mesh, len(out_shapes)), shardings(mesh, len(arg_shapes))
 
     def infer(mesh, arg_shapes, result_shape):
@@ -116,6 +105,28 @@ def sharded_call(local: Callable[..., Sequence[jax.Array]], args: Sequence[jax.A
     call.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                        decode_shardings=False, **sizes)
     return list(call(*args))
+
+
+def partition_mesh(given: Any, abstract: Any, arg_shapes: Sequence[Any]) -> Mesh:
+    """The concrete mesh a custom_partitioning ``partition`` callback lowers over."""
+    if getattr(given, "empty", True) or tuple(given.axis_names) != tuple(abstract.axis_names):
+        # jax passes an empty mesh when the program's context has no abstract mesh (e.g.
+        # the arrays' mesh came from jax.set_mesh); the partitioner's device order is
+        # the mesh's, as in jax's own abstract-to-concrete conversion.
+        devices = np.asarray(compat.device_assignment(arg_shapes[0].sharding), dtype=object)
+        return Mesh(devices.reshape(abstract.axis_sizes), abstract.axis_names)
+    return given
+
+
+def per_rank(local: Callable[..., Any], mesh: Mesh, x64: bool) -> Callable[..., Any]:
+    """``local`` as a partition callback's lowering over ``mesh``: every mesh axis is manual
+    there, and jaxcomm's ops check the names against the mesh in context, which the
+    partitioner does not set; ``x64`` is the caller's (the partitioner calls back outside
+    its jax.enable_x64 context)."""
+    def lower(*xs: Any) -> Any:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), jax.enable_x64(x64):
+            return local(*xs)
+    return lower
 
 
 def _explicit(mesh: Any, axes: tuple) -> bool:

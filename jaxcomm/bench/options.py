@@ -39,6 +39,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "docs": ("jaxcomm.bench.docs", "every table of docs/benchmarks.md, measured in one run"),
     "startup": ("jaxcomm.bench.startup",
                 "jaxcomm.init() + first collective at N processes, vs jax + gloo; KV ops, links"),
+    "tp": ("jaxcomm.bench.tp",
+           "a tensor-parallel MLP block: jaxcomm.tp's collective matmuls vs unfused and ring baselines"),
     "instructions": ("jaxcomm.bench.instructions",
                      "instructions per collective across two processes (callgrind)"),
 }

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -25,9 +25,18 @@ import jax.numpy as jnp
 
 from jaxcomm._src import compat, groups
 from jaxcomm._src.ops import common
+from jaxcomm._src.ops.gather import all_gather
+from jaxcomm._src.ops.reduce import reduce_scatter
 from jaxcomm._src.tp import put
 
-DIRECTIONS = ("one_way", "bidirectional")
+DIRECTIONS = ("one_way", "bidirectional", "none")
+
+# Below this many bytes moving per ring step the default is no ring ("none": the collective,
+# then the matmul): each step's put costs a rendezvous of the group (12-20 us in one
+# process with 8 devices, more under load), which a small block's transfer cannot repay.
+# Measured (python -m jaxcomm.bench tp, 2026-12-07, at load 10-15): decode-size blocks of
+# 32-64 KiB ran 2-3x slower as rings than unfused.
+RING_MIN_BYTES = 256 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,25 +48,46 @@ class Ring:
     axis: int          # the gathered (scattered) dimension of x (of the result)
     pieces: tuple      # (start, size) of each piece within a block, along ``axis``
     shifts: tuple      # each piece's direction: +1 or -1
+    direction: str     # one of DIRECTIONS
     timeout_s: float | None
     precision: Any
+    # "put": jaxcomm's one-sided puts; "lax": jax.lax.ppermute, i.e. the shard_map docs'
+    # collective matmul; "local": no communication, each block stays (wrong values, the
+    # same matmuls: the benchmark's compute-alone side). The last two are the baselines of
+    # python -m jaxcomm.bench tp.
+    transport: str = "put"
 
     def perm(self, shift: int) -> tuple[tuple[int, int], ...]:
         return tuple((i, (i + shift) % self.size) for i in range(self.size))
 
+    def send(self, block: jax.Array, shift: int) -> Callable[[], jax.Array]:
+        """Starts moving ``block`` to rank + ``shift``; returns what completes it."""
+        perm = self.perm(shift)
+        if self.transport == "lax":
+            return lambda: compat.jax_lax.ppermute(block, self.axis_name, perm)
+        if self.transport == "local":
+            return lambda: block
+        return put.start(block, self.axis_name, perm, self.timeout_s)
+
 
 def plan(op: str, axis_name: Any, axis: int, block: int, *, chunks: int | None, direction: str | None,
-         timeout_s: float | None, precision: Any) -> Ring:
-    """The ring for a block of ``block`` rows along ``axis``: by default one-way over 2
-    ranks (both directions lead to the same peer) and bidirectional above, as the shard_map
-    docs' collective matmul; ``chunks`` pieces per block (default: one per direction)."""
-    axes = groups.normalize_axes(f"tp.{op}", axis_name)
-    size = groups.group_size(axes)
+         timeout_s: float | None, precision: Any, transport: str = "put", step_bytes: int = 0,
+         size: int | None = None) -> Ring:
+    """The ring for a block of ``block`` rows along ``axis`` (``step_bytes`` moving per
+    step): by default no ring below RING_MIN_BYTES, one-way over 2 ranks (both directions
+    lead to the same peer) and bidirectional above, as the shard_map docs' collective
+    matmul; ``chunks`` pieces per block (default: one per direction). ``size``: the group
+    size, for a ring planned outside shard_map (the global view); else the bound axes'."""
+    if size is None:
+        size = groups.group_size(groups.normalize_axes(f"tp.{op}", axis_name))
     if direction is None:
-        direction = "bidirectional" if size > 2 and block >= 2 else "one_way"
+        if size > 1 and step_bytes < RING_MIN_BYTES:
+            direction = "none"
+        else:
+            direction = "bidirectional" if size > 2 and block >= 2 else "one_way"
     if direction not in DIRECTIONS:
         raise ValueError(f"jaxcomm.tp.{op}: direction must be one of {DIRECTIONS}, got {direction!r}")
-    if chunks is None:
+    if chunks is None or direction == "none":
         chunks = 2 if direction == "bidirectional" else 1
     chunks = common.as_int(f"tp.{op}", "chunks", chunks)
     if chunks < 1 or (direction == "bidirectional" and chunks < 2):
@@ -67,7 +97,7 @@ def plan(op: str, axis_name: Any, axis: int, block: int, *, chunks: int | None, 
     starts = np.cumsum([0] + sizes[:-1])
     pieces = tuple((int(a), int(n)) for a, n in zip(starts, sizes) if n > 0) or ((0, 0),)
     shifts = tuple(1 if direction == "one_way" or i % 2 == 0 else -1 for i in range(len(pieces)))
-    return Ring(axis_name, size, axis, pieces, shifts, timeout_s, precision)
+    return Ring(axis_name, size, axis, pieces, shifts, direction, timeout_s, precision, transport)
 
 
 def _dot(a: jax.Array, w: jax.Array, ring: Ring, acc: Any) -> jax.Array:
@@ -85,14 +115,16 @@ def gather_matmul(x: jax.Array, w: jax.Array, ring: Ring, *, gathered: bool = Fa
     """(all_gather(x, axis=ring.axis, tiled=True) @ w, and that gathered x if ``gathered``)."""
     R, g, m = ring.size, ring.axis, x.shape[ring.axis]
     acc, out_dtype = accumulator(x.dtype), x.dtype
+    if ring.direction == "none":
+        full = all_gather(x, ring.axis_name, axis=g, tiled=True, timeout_s=ring.timeout_s)
+        return _dot(full, w, ring, acc).astype(out_dtype), full
     me = compat.jax_lax.axis_index(ring.axis_name) if R > 1 else 0
     y = jnp.zeros(x.shape[:g] + (R * m,) + x.shape[g + 1:-1] + (w.shape[1],), out_dtype)
     full = jnp.zeros(x.shape[:g] + (R * m,) + x.shape[g + 1:], x.dtype) if gathered else None
     held = [jax.lax.slice_in_dim(x, a, a + n, axis=g) for a, n in ring.pieces]
     for s in range(R):
         # Start every piece's put before this step's matmuls, so that they overlap.
-        pending = [put.start(h, ring.axis_name, ring.perm(d), ring.timeout_s)
-                   for h, d in zip(held, ring.shifts)] if s < R - 1 else []
+        pending = [ring.send(h, d) for h, d in zip(held, ring.shifts)] if s < R - 1 else []
         for h, (a, _), d in zip(held, ring.pieces, ring.shifts):
             row = ((me - d * s) % R) * m + a
             y = jax.lax.dynamic_update_slice_in_dim(y, _dot(h, w, ring, acc).astype(out_dtype), row, g)
@@ -108,6 +140,9 @@ def matmul_scatter(x: jax.Array, w: jax.Array, ring: Ring) -> jax.Array:
     R, g = ring.size, ring.axis
     mb = x.shape[g] // R
     acc, out_dtype = accumulator(x.dtype), x.dtype
+    if ring.direction == "none":
+        return reduce_scatter(_dot(x, w, ring, acc), ring.axis_name, scatter_dimension=g, tiled=True,
+                              timeout_s=ring.timeout_s).astype(out_dtype)
     me = compat.jax_lax.axis_index(ring.axis_name) if R > 1 else 0
 
     def partial(s: int) -> list[jax.Array]:
@@ -120,7 +155,7 @@ def matmul_scatter(x: jax.Array, w: jax.Array, ring: Ring) -> jax.Array:
 
     sums = partial(0)
     for s in range(1, R):
-        pending = [put.start(v, ring.axis_name, ring.perm(d), ring.timeout_s) for v, d in zip(sums, ring.shifts)]
+        pending = [ring.send(v, d) for v, d in zip(sums, ring.shifts)]
         mine = partial(s)  # runs while the accumulators travel
         sums = [finish() + v for finish, v in zip(pending, mine)]
     return jnp.concatenate(sums, axis=g).astype(out_dtype) if len(sums) > 1 else sums[0].astype(out_dtype)
