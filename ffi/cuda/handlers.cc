@@ -269,6 +269,31 @@ ffi::Error MoeTransportSend(XlaContext xla, CudaState* st, ffi::AnyBuffer src, f
   return Watched(on_side, src, [&] { return MoeTransportOnPeers(c, src, dest, pos, w, g, *result, *side); });
 }
 
+// A one-sided put (jaxcomm.tp.put_start): ppermute's copies on jaxcomm's stream, the
+// copy engine pulling the source's block into this rank's result; XLA's stream goes on.
+// `status` is put_done's second operand; nothing reads it on this backend, so it is zeroed.
+ffi::Error PutStart(XlaContext xla, CudaState* st, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data,
+                    ffi::Result<ffi::AnyBuffer> status) {
+  JAXCOMM_BEGIN(c);
+  if (c.route() == Route::kNccl) {
+    return Reject(c, "the CUDA put runs on the copy engine over peers, which this group's layout does "
+                     "not allow (JAXCOMM_CUDA_ONE_RANK=nccl?)");
+  }
+  JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(status->untyped_data(), 0, status->size_bytes(), c.stream));
+  auto side = Backend::Get().splits().Stream(c.device, c.ctx);
+  if (side.has_error()) return side.error();
+  Call on_side = c;
+  on_side.stream = *side;
+  return Watched(on_side, x, [&] { return PermuteOnPeers(c, x, *data, *side); });
+}
+
+// put_done: XLA's stream waits for the put that writes `data` (split.h).
+ffi::Error PutDone(XlaContext xla, CudaState* st, ffi::AnyBuffer data, ffi::AnyBuffer, ffi::RemainingArgs,
+                   ffi::Result<ffi::AnyBuffer> data_out, ffi::Result<ffi::AnyBuffer>) {
+  JAXCOMM_BEGIN(c);
+  return MoeReceive(c, data, *data_out);
+}
+
 ffi::Error MoeRecv(XlaContext xla, CudaState* st, ffi::AnyBuffer data,
                    ffi::AnyBuffer, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> data_out,
                    ffi::Result<ffi::AnyBuffer>) {
