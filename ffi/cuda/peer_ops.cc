@@ -191,6 +191,32 @@ ffi::Error PeerAllToAll(const Call& c, const ffi::AnyBuffer& x,
   }, everyone);
 }
 
+// A split send's movement (split.h) on `stream`: after XLA's stream (`ready`) on one rank,
+// through PeerCall's phases otherwise; records what the receive half waits for under the
+// result's address `result`.
+ffi::Error SplitSend(const Call& c, cudaStream_t stream, const PeerInfo& mine, const void* result,
+                     const std::function<ffi::Error(const std::vector<PeerInfo>&)>& enqueue) {
+  PendingSend pending;
+  if (c.size == 1) {
+    OwnedEvent ready, done;
+    JAXCOMM_TRY(MakeCallEvents(c.device, c.ctx, &ready, &done));
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(ready.get(), c.stream));
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(stream, ready.get(), 0));
+    JAXCOMM_TRY(enqueue({mine}));
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(done.get(), stream));
+    pending.waits.push_back(done.get());
+    pending.owned.push_back(std::move(ready));
+    pending.owned.push_back(std::move(done));
+  } else {
+    // Every rank may read every other's buffers: wait for all, and all wait for everyone.
+    const auto everyone = AllRanks(c.size);
+    const OffStream off{stream, &pending};
+    JAXCOMM_TRY(PeerCall(c, mine, everyone, enqueue, everyone, &off));
+  }
+  Backend::Get().splits().Put(c.device, result, std::move(pending));
+  return ffi::Error::Success();
+}
+
 ffi::Error PeerPermute(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y) {
   return PermuteOnPeers(c, x, y);
 }
@@ -223,26 +249,7 @@ ffi::Error PermuteOnPeers(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer
   }
   // A put (jaxcomm.tp.put_start): the reads run on `split`, and the receive half finds
   // what to wait for by the result's address (split.h).
-  PendingSend pending;
-  if (c.size == 1) {
-    OwnedEvent ready, done;
-    JAXCOMM_TRY(MakeCallEvents(c.device, c.ctx, &ready, &done));
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(ready.get(), c.stream));
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(stream, ready.get(), 0));
-    JAXCOMM_TRY(enqueue({mine}));
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(done.get(), stream));
-    pending.waits.push_back(done.get());
-    pending.owned.push_back(std::move(ready));
-    pending.owned.push_back(std::move(done));
-  } else {
-    // Every rank's put_done waits for its readers too (its operand is read in place),
-    // so every rank meets every other, as the split MoE transport does.
-    const auto everyone = AllRanks(c.size);
-    const OffStream off{stream, &pending};
-    JAXCOMM_TRY(PeerCall(c, mine, everyone, enqueue, everyone, &off));
-  }
-  Backend::Get().splits().Put(c.device, y.untyped_data(), std::move(pending));
-  return ffi::Error::Success();
+  return SplitSend(c, stream, mine, y.untyped_data(), enqueue);
 }
 
 ffi::Error PeerBroadcast(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y) {
@@ -293,7 +300,6 @@ ffi::Error MoeTransportOnPeers(const Call& c, const ffi::AnyBuffer& src,
     zero_first = true;
   }
   const cudaStream_t stream = split != nullptr ? split : c.stream;
-  PendingSend pending;
   if (result.size_bytes() == 0) return ffi::Error::Success();
   uint8_t* written = nullptr;
   if (ZeroesUnwritten(mode)) {
@@ -335,22 +341,7 @@ ffi::Error MoeTransportOnPeers(const Call& c, const ffi::AnyBuffer& src,
     // Every rank may read every other's buffers: wait for all, and all wait for everyone.
     return PeerCall(c, mine, everyone, launch, everyone);
   }
-  if (c.size == 1) {
-    OwnedEvent ready, done;
-    JAXCOMM_TRY(MakeCallEvents(c.device, c.ctx, &ready, &done));
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(ready.get(), c.stream));
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(stream, ready.get(), 0));
-    JAXCOMM_TRY(launch({mine}));
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(done.get(), stream));
-    pending.waits.push_back(done.get());
-    pending.owned.push_back(std::move(ready));
-    pending.owned.push_back(std::move(done));
-  } else {
-    const OffStream off{stream, &pending};
-    JAXCOMM_TRY(PeerCall(c, mine, everyone, launch, everyone, &off));
-  }
-  Backend::Get().splits().Put(c.device, result.untyped_data(), std::move(pending));
-  return ffi::Error::Success();
+  return SplitSend(c, stream, mine, result.untyped_data(), launch);
 }
 
 ffi::Error MoeReceive(const Call& c, const ffi::AnyBuffer& data, const ffi::AnyBuffer& data_out) {
