@@ -1,4 +1,5 @@
-"""The emulated CUDA runtime (ffi/cuda_emu/runtime/) against the runtime's documented rules.
+"""The emulated CUDA runtime (ffi/cuda_emu/runtime/) against the runtime's documented rules,
+and the SIMT layer (ffi/cuda_emu/simt/) against CUDA's execution model.
 
 The cases live in tests/emulation/cpp/runtime_test.cc and run in a test binary built here
 with the host C++ compiler alone (no CUDA toolkit): streams asynchronous and in order,
@@ -6,8 +7,13 @@ events across streams and processes, the last-error rules (cudaGetLastError clea
 cudaPeekAtLastError does not, an event poll's cudaErrorNotReady stays), sticky errors,
 poisoned fresh memory, launch and pitch limits, the legacy stream's implicit ordering,
 peer access refused to the device itself, CUDA IPC between two processes, and the strict
-checks (a wait on an event never recorded, freeing memory queued work uses, an IPC mapping
-used after it was closed).
+checks (a wait on an event never recorded, freeing memory queued work uses, a host read on
+the legacy stream racing a non-blocking stream's queued work, an IPC mapping used after it
+was closed). The SIMT cases (tests/emulation/cpp/simt_test.cu, rewritten by
+host_cu.py as the build rewrites kernels.cu): barriers and dynamic shared memory, warp
+shuffles, ballots and matches, __syncthreads_count/_and, atomics, refused launch
+configurations, threads that returned counting as arrived, and a real deadlock reported
+as a sticky launch failure instead of a hang.
 """
 
 from __future__ import annotations
@@ -16,36 +22,70 @@ import glob
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted(glob.glob(str(ROOT / "ffi/cuda_emu/runtime/*.cc")))
+INCLUDES = [f"-I{ROOT / 'ffi'}", f"-I{ROOT / 'ffi/cuda_emu/runtime/include'}",
+            f"-I{ROOT / 'ffi/cuda_emu/simt/include'}", f"-I{ROOT / 'tests/emulation/cpp'}"]
+SIMT_CASES = ["launches", "warps", "barriers"]
 CASES = ["stream_order", "last_error", "sticky", "poison", "launch_limits", "events_across_streams",
-         "legacy_stream", "peer_access", "strict_never_recorded", "strict_free_in_use", "ipc"]
+         "legacy_stream", "peer_access", "strict_never_recorded", "strict_free_in_use",
+         "strict_host_read_unsynchronized", "ipc"]
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    return cxx
 
 
 @pytest.fixture(scope="module")
 def runtime_test(tmp_path_factory) -> Path:
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
     out = tmp_path_factory.mktemp("cuda_emu") / "runtime_test"
-    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread",
-                    f"-I{ROOT / 'ffi'}", f"-I{ROOT / 'ffi/cuda_emu/runtime/include'}", *SOURCES,
-                    str(ROOT / "tests/emulation/cpp/runtime_test.cc"), "-o", str(out)],
+    subprocess.run([_compiler(), "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", *INCLUDES,
+                    *SOURCES, str(ROOT / "tests/emulation/cpp/runtime_test.cc"), "-o", str(out)],
                    check=True)
     return out
 
 
-def test_cases_listed(runtime_test: Path) -> None:
-    listed = subprocess.run([str(runtime_test), "--list"], check=True, capture_output=True,
-                            text=True).stdout.split()
-    assert sorted(listed) == sorted(CASES)
+@pytest.fixture(scope="module")
+def simt_test(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("cuda_emu_simt")
+    source = work / "simt_test.cc"
+    subprocess.run([sys.executable, str(ROOT / "ffi/cuda_emu/simt/host_cu.py"),
+                    str(ROOT / "tests/emulation/cpp/simt_test.cu"), str(source)], check=True)
+    out = work / "simt_test"
+    subprocess.run([_compiler(), "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", *INCLUDES,
+                    *SOURCES, str(ROOT / "ffi/cuda_emu/simt/simt.cc"), str(source), "-o", str(out)],
+                   check=True)
+    return out
+
+
+def _run_case(binary: Path, case: str) -> None:
+    r = subprocess.run([str(binary), case], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def _listed(binary: Path) -> list[str]:
+    return sorted(subprocess.run([str(binary), "--list"], check=True, capture_output=True,
+                                 text=True).stdout.split())
+
+
+def test_cases_listed(runtime_test: Path, simt_test: Path) -> None:
+    assert _listed(runtime_test) == sorted(CASES)
+    assert _listed(simt_test) == sorted(SIMT_CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_runtime(runtime_test: Path, case: str) -> None:
-    r = subprocess.run([str(runtime_test), case], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    _run_case(runtime_test, case)
+
+
+@pytest.mark.parametrize("case", SIMT_CASES)
+def test_simt(simt_test: Path, case: str) -> None:
+    _run_case(simt_test, case)

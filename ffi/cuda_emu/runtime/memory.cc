@@ -1,8 +1,9 @@
 // Device memory: each cudaMalloc'd block is a memfd mapping (shared memory, so that
 // cudaIpcGetMemHandle can hand it to another process), poisoned with kPoison. Copies and
 // memsets are stream work; their bounds are checked against the block they touch, and a
-// strict check reports freeing memory that queued work still uses and touching an IPC
-// mapping after cudaIpcCloseMemHandle. XLA:CPU's buffers (which the emulation treats as
+// strict check reports freeing memory that queued work still uses, touching an IPC
+// mapping after cudaIpcCloseMemHandle, and legacy-stream copies (a host read) racing a
+// non-blocking stream's queued work on the same memory. XLA:CPU's buffers (which the emulation treats as
 // device memory it did not allocate) are not in the table and are not checked.
 #include <cuda.h>
 #include <sys/mman.h>
@@ -72,6 +73,34 @@ cudaError_t CheckKind(const void* dst, const void* src, cudaMemcpyKind kind) {
   return cudaSuccess;
 }
 
+// Legacy-stream work (cudaMemcpy, cudaMemset, stream 0) is not ordered after a
+// non-blocking stream's: touching memory that such a stream's queued work still uses is a
+// race on a GPU (the host reads stale data, or the writes interleave). Only the copies and
+// memsets of the other stream are known here (kernels do not declare what they touch).
+// And the other way round: a non-blocking stream's copy or memset is not ordered after
+// queued legacy-stream work (issue 30's defect 2: setup copies on the legacy stream).
+cudaError_t CheckUnordered(Stream* s, const void* ptr, size_t n, const char* what) {
+  const bool nonblocking = (s->flags & cudaStreamNonBlocking) != 0;
+  if ((!s->legacy && !nonblocking) || n == 0) return cudaSuccess;
+  const uintptr_t b = reinterpret_cast<uintptr_t>(ptr);
+  Runtime& rt = Runtime::Get();
+  bool racing = false;
+  {
+    std::lock_guard<std::mutex> lock(rt.mu);
+    for (Stream* other : rt.streams) {
+      const bool unordered = s->legacy ? (other->flags & cudaStreamNonBlocking) != 0 : other->legacy;
+      if (other != s && unordered && other->device == s->device && other->Touches(b, b + n)) racing = true;
+    }
+  }
+  if (!racing) return cudaSuccess;
+  return Violation(cudaErrorIllegalState,
+                   std::string(what) +
+                       (s->legacy ? " on the legacy stream touches device memory that a non-blocking stream's "
+                                    "queued work still uses, without synchronizing with it"
+                                  : " on a non-blocking stream touches device memory that queued legacy-stream "
+                                    "work (cudaMemcpy, cudaMemset) still uses, without synchronizing with it"));
+}
+
 cudaError_t Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
                    cudaMemcpyKind kind, cudaStream_t stream, const char* what) {
   if (cudaError_t e = CheckSticky()) return e;
@@ -86,6 +115,8 @@ cudaError_t Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, siz
   if (cudaError_t e = CheckRange(src, sspan, what)) return e;
   Stream* s = Runtime::Get().Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  if (cudaError_t e = CheckUnordered(s, dst, dspan, what)) return e;
+  if (cudaError_t e = CheckUnordered(s, src, sspan, what)) return e;
   Task t;
   t.what = what;
   t.touches = Touching(dst, dspan, src, sspan);
@@ -212,6 +243,7 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t str
   if (cudaError_t e = CheckRange(ptr, count, "cudaMemsetAsync")) return e;
   Stream* s = Runtime::Get().Resolve(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
+  if (cudaError_t e = CheckUnordered(s, ptr, count, "cudaMemset")) return e;
   Task t;
   t.what = "cudaMemsetAsync";
   t.touches = Touching(ptr, count);

@@ -16,19 +16,10 @@
 #include <vector>
 
 #include "cuda_emu/runtime/emu.h"
+#include "expect.h"
 
 namespace emu = jaxcomm::cuda_emu;
 
-#define EXPECT_EQ(a, b)                                                                            \
-  do {                                                                                             \
-    const long long va = static_cast<long long>(a), vb = static_cast<long long>(b);               \
-    if (va != vb) {                                                                                \
-      std::fprintf(stderr, "%s:%d: %s == %lld, expected %s == %lld\n", __FILE__, __LINE__, #a, va, \
-                   #b, vb);                                                                        \
-      std::exit(1);                                                                                \
-    }                                                                                              \
-  } while (0)
-#define OK(x) EXPECT_EQ((x), cudaSuccess)
 
 namespace {
 
@@ -199,7 +190,9 @@ void LegacyStream() {
   OK(cudaLaunchHostFunc(nullptr, &Gate::Wait, &gate2));
   OK(cudaMemset(p, 0, 4));
   uint32_t v = 1;
+  emu::SetStrict(false);  // the race strict mode refuses (strict_host_read_unsynchronized)
   OK(cudaMemcpyAsync(&v, p, 4, cudaMemcpyDeviceToHost, nonblocking));
+  emu::SetStrict(true);
   OK(cudaStreamSynchronize(nonblocking));
   EXPECT_EQ(v, emu::kPoison);  // the memset has not run yet
   gate2.Release();
@@ -258,6 +251,40 @@ void StrictFreeInUse() {
   cudaGetLastError();
   gate.Release();
   OK(cudaStreamSynchronize(s));
+  OK(cudaFree(p));
+  OK(cudaStreamDestroy(s));
+}
+
+// A host read (cudaMemcpy: the legacy stream) of memory that a non-blocking stream's
+// queued copy still writes: the legacy stream does not wait for that stream.
+void StrictHostReadUnsynchronized() {
+  cudaStream_t s;
+  OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  void* p = nullptr;
+  OK(cudaMalloc(&p, 64));
+  std::vector<char> src(64, 1), dst(64, 0);
+  Gate gate;
+  OK(cudaLaunchHostFunc(s, &Gate::Wait, &gate));
+  OK(cudaMemcpyAsync(p, src.data(), 64, cudaMemcpyHostToDevice, s));
+  EXPECT_EQ(cudaMemcpy(dst.data(), p, 64, cudaMemcpyDeviceToHost), cudaErrorIllegalState);
+  auto v = emu::TakeStrictViolations();
+  EXPECT_EQ(v.size(), 1);
+  if (v[0].find("without synchronizing") == std::string::npos) std::exit(1);
+  cudaGetLastError();
+  gate.Release();
+  OK(cudaStreamSynchronize(s));  // synchronized: the same read is fine
+  OK(cudaMemcpy(dst.data(), p, 64, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(dst[63], 1);
+  // The other way round: a setup memset on the legacy stream, then the non-blocking
+  // stream's copy of the same memory without synchronizing (issue 30's defect 2).
+  Gate legacy_gate;
+  OK(cudaLaunchHostFunc(nullptr, &Gate::Wait, &legacy_gate));
+  OK(cudaMemset(p, 0, 64));
+  EXPECT_EQ(cudaMemcpyAsync(dst.data(), p, 64, cudaMemcpyDeviceToHost, s), cudaErrorIllegalState);
+  EXPECT_EQ(emu::TakeStrictViolations().size(), 1);
+  cudaGetLastError();
+  legacy_gate.Release();
+  OK(cudaDeviceSynchronize());
   OK(cudaFree(p));
   OK(cudaStreamDestroy(s));
 }
@@ -344,7 +371,7 @@ int main(int argc, char** argv) {
       {"launch_limits", LaunchLimits},     {"events_across_streams", EventsAcrossStreams},
       {"legacy_stream", LegacyStream},     {"peer_access", PeerAccess},
       {"strict_never_recorded", StrictNeverRecorded}, {"strict_free_in_use", StrictFreeInUse},
-      {"ipc", Ipc},
+      {"strict_host_read_unsynchronized", StrictHostReadUnsynchronized}, {"ipc", Ipc},
   };
   if (argc == 2 && std::string(argv[1]) == "--list") {
     for (auto& [name, f] : cases) std::printf("%s\n", name.c_str());
