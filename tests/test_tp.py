@@ -465,3 +465,47 @@ def test_backend_xla_puts_are_ppermutes(mesh8, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     text = f.lower(*args).compile().as_text()
     assert "jaxcomm_" not in text and "collective-permute" in text
+
+
+# ------------------------------------------------------------------------ CUDA backend (emulated)
+
+def test_put_on_the_emulated_cuda_backend():
+    """The CUDA backend's put (ffi/cuda: ppermute's copy on jaxcomm's stream, put_done making
+    XLA's stream wait) under the CPU emulation of the CUDA runtime: values equal jax.lax's,
+    and jaxcomm.stats() names the CUDA route."""
+    import importlib.util
+    import subprocess
+    import sys
+    if importlib.util.find_spec("jaxcomm._jaxcomm_emu") is None:
+        pytest.skip("this build has no CUDA emulation (_jaxcomm_emu)")
+    script = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAXCOMM_EMULATE_CUDA"] = "1"
+import numpy as np, jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jaxcomm
+mesh = jax.make_mesh((4,), ("x",))
+perm = [(0, 2), (2, 0), (1, 3)]                                  # rank 1 receives nothing: zeros
+x = jax.device_put(np.arange(1200, dtype=np.float32).reshape(12, 100), NamedSharding(mesh, P("x")))
+w = jax.device_put(np.arange(800, dtype=np.float32).reshape(100, 8) % 7, NamedSharding(mesh, P(None, "x")))
+def body(v, w):
+    pending = jaxcomm.tp.put_start(v, "x", perm)
+    h = v @ v.T                                                  # XLA's stream runs this meanwhile
+    return (jaxcomm.tp.put_done(pending), jax.lax.ppermute(v, "x", perm), jaxcomm.ppermute(v, "x", perm),
+            jaxcomm.tp.all_gather_matmul(v, w, "x", direction="bidirectional"),
+            jax.lax.all_gather(v, "x", tiled=True) @ w, h)
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=(P("x"),) * 3 + (P(None, "x"),) * 2 + (P("x"),)))
+put, ref, permuted, agm, agm_ref, _ = f(x, w)
+np.testing.assert_array_equal(np.asarray(put), np.asarray(ref))
+np.testing.assert_array_equal(np.asarray(permuted), np.asarray(ref))      # ppermute's peer route, shared
+np.testing.assert_array_equal(np.asarray(agm), np.asarray(agm_ref))
+print("ROUTES", sorted({(s.op, s.algorithm) for s in jaxcomm.stats() if s.op.startswith("put")}))
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXCOMM_BACKEND")}
+    env["PYTHONPATH"] = root
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "('put_start', 'cuda (emulated): cuda peers in process')" in proc.stdout, proc.stdout

@@ -34,8 +34,8 @@
   X(moe_recv, MoeRecv, 2, 2, CPU_CUDA)                      \
   X(moe_dispatch, MoeDispatch, 2, 4, CPU)                   \
   X(ft_all_reduce, FtAllReduce, 1, 2, CPU)                  \
-  X(put_start, PutStart, 1, 2, CPU)                         \
-  X(put_done, PutDone, 2, 2, CPU)
+  X(put_start, PutStart, 1, 2, CPU_CUDA)                    \
+  X(put_done, PutDone, 2, 2, CPU_CUDA)
 
 // Ops whose operand count above is a minimum, X(name): moe_recv takes the send half's two
 // results, then every operand the send published, which XLA keeps alive until the round

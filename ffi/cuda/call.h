@@ -71,6 +71,11 @@ ffi::Error PeerAllGather(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer&
 ffi::Error PeerReduceScatter(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 ffi::Error PeerAllToAll(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 ffi::Error PeerPermute(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
+// ppermute's movement on the peer routes (or one rank's own buffers, with `split` only).
+// With `split`, the send half of a put (jaxcomm.tp.put_start): the copies run on that
+// stream (split.h) and put_done (MoeReceive) finds them by y's address.
+ffi::Error PermuteOnPeers(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y,
+                          cudaStream_t split = nullptr);
 ffi::Error PeerBroadcast(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y);
 // The MoE transport on any route but NCCL (one rank: its own buffers). With `split`, the
 // send half of a split-phase call: the movement runs on that stream (split.h) and the

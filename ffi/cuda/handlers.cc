@@ -136,6 +136,19 @@ ffi::Error Watched(Call& c, const ffi::AnyBuffer& x, F&& f) {
   return e;
 }
 
+// The send half of a split call (split.h): `status`, the receive half's second operand,
+// zeroed (nothing reads it on this backend); the movement `move(stream)` on jaxcomm's
+// stream, where the watcher follows it.
+template <typename F>
+ffi::Error SendHalf(Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& status, F&& move) {
+  JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(status.untyped_data(), 0, status.size_bytes(), c.stream));
+  auto side = Backend::Get().splits().Stream(c.device, c.ctx);
+  if (side.has_error()) return side.error();
+  Call on_side = c;
+  on_side.stream = *side;
+  return Watched(on_side, x, [&] { return move(*side); });
+}
+
 #define JAXCOMM_BEGIN(c) \
   Call c;                \
   JAXCOMM_TRY(Begin(st, xla, &c))
@@ -250,9 +263,7 @@ ffi::Error MoeTransport(XlaContext xla, CudaState* st, ffi::AnyBuffer src, ffi::
   return Watched(c, src, [&] { return MoeTransportOnPeers(c, src, dest, pos, w, g, *result); });
 }
 
-// The send half of a split transport (split.h): the movement runs on jaxcomm's stream, and
-// the watcher follows it there. `status` is the receive half's second operand; nothing
-// reads it on this backend, so it is zeroed.
+// The send half of a split transport (split.h, SendHalf).
 ffi::Error MoeTransportSend(XlaContext xla, CudaState* st, ffi::AnyBuffer src, ffi::AnyBuffer dest, ffi::AnyBuffer pos,
                    ffi::AnyBuffer w, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> result,
                    ffi::Result<ffi::AnyBuffer> status) {
@@ -261,12 +272,28 @@ ffi::Error MoeTransportSend(XlaContext xla, CudaState* st, ffi::AnyBuffer src, f
     return Reject(c, "the CUDA MoE transport runs on jaxcomm's own kernels, which this group's "
                      "layout does not allow (JAXCOMM_CUDA_ONE_RANK=nccl?)");
   }
-  JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(status->untyped_data(), 0, status->size_bytes(), c.stream));
-  auto side = Backend::Get().splits().Stream(c.device, c.ctx);
-  if (side.has_error()) return side.error();
-  Call on_side = c;
-  on_side.stream = *side;
-  return Watched(on_side, src, [&] { return MoeTransportOnPeers(c, src, dest, pos, w, g, *result, *side); });
+  return SendHalf(c, src, *status, [&](cudaStream_t side) {
+    return MoeTransportOnPeers(c, src, dest, pos, w, g, *result, side);
+  });
+}
+
+// A one-sided put (jaxcomm.tp.put_start): ppermute's copies on jaxcomm's stream (SendHalf),
+// the copy engine pulling the source's block into this rank's result; XLA's stream goes on.
+ffi::Error PutStart(XlaContext xla, CudaState* st, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data,
+                    ffi::Result<ffi::AnyBuffer> status) {
+  JAXCOMM_BEGIN(c);
+  if (c.route() == Route::kNccl) {
+    return Reject(c, "the CUDA put runs on the copy engine over peers, which this group's layout does "
+                     "not allow (JAXCOMM_CUDA_ONE_RANK=nccl?)");
+  }
+  return SendHalf(c, x, *status, [&](cudaStream_t side) { return PermuteOnPeers(c, x, *data, side); });
+}
+
+// put_done: XLA's stream waits for the put that writes `data` (split.h).
+ffi::Error PutDone(XlaContext xla, CudaState* st, ffi::AnyBuffer data, ffi::AnyBuffer, ffi::RemainingArgs,
+                   ffi::Result<ffi::AnyBuffer> data_out, ffi::Result<ffi::AnyBuffer>) {
+  JAXCOMM_BEGIN(c);
+  return MoeReceive(c, data, *data_out);
 }
 
 ffi::Error MoeRecv(XlaContext xla, CudaState* st, ffi::AnyBuffer data,

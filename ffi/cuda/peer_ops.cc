@@ -191,26 +191,65 @@ ffi::Error PeerAllToAll(const Call& c, const ffi::AnyBuffer& x,
   }, everyone);
 }
 
+// A split send's movement (split.h) on `stream`: after XLA's stream (`ready`) on one rank,
+// through PeerCall's phases otherwise; records what the receive half waits for under the
+// result's address `result`.
+ffi::Error SplitSend(const Call& c, cudaStream_t stream, const PeerInfo& mine, const void* result,
+                     const std::function<ffi::Error(const std::vector<PeerInfo>&)>& enqueue) {
+  PendingSend pending;
+  if (c.size == 1) {
+    OwnedEvent ready, done;
+    JAXCOMM_TRY(MakeCallEvents(c.device, c.ctx, &ready, &done));
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(ready.get(), c.stream));
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(stream, ready.get(), 0));
+    JAXCOMM_TRY(enqueue({mine}));
+    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(done.get(), stream));
+    pending.waits.push_back(done.get());
+    pending.owned.push_back(std::move(ready));
+    pending.owned.push_back(std::move(done));
+  } else {
+    // Every rank may read every other's buffers: wait for all, and all wait for everyone.
+    const auto everyone = AllRanks(c.size);
+    const OffStream off{stream, &pending};
+    JAXCOMM_TRY(PeerCall(c, mine, everyone, enqueue, everyone, &off));
+  }
+  Backend::Get().splits().Put(c.device, result, std::move(pending));
+  return ffi::Error::Success();
+}
+
 ffi::Error PeerPermute(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y) {
+  return PermuteOnPeers(c, x, y);
+}
+
+ffi::Error PermuteOnPeers(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y, cudaStream_t split) {
   const auto& src = c.attrs().sources;
   const int r = c.where.rank;
   const size_t bytes = x.size_bytes();
-  if (src[r] < 0) JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(y.untyped_data(), 0, bytes, c.stream));
+  const cudaStream_t stream = split != nullptr ? split : c.stream;
   // The receiver pulls with the copy engine from its source's buffer, once the source's
   // stream has produced it; the source outlives the reads of the ranks it feeds.
+  auto enqueue = [&](const std::vector<PeerInfo>& all) -> ffi::Error {
+    if (src[r] < 0) {
+      JAXCOMM_CUDA_CHECK(c.ctx, cudaMemsetAsync(y.untyped_data(), 0, bytes, stream));
+    } else {
+      JAXCOMM_CUDA_CHECK(c.ctx, cudaMemcpyAsync(y.untyped_data(), all[src[r]].ptr[0], bytes,
+                                                cudaMemcpyDefault, stream));
+    }
+    return ffi::Error::Success();
+  };
   PeerInfo mine;
   mine.ptr[0] = x.untyped_data();
-  std::vector<int> readers, source;
-  for (int d = 0; d < c.size; ++d) {
-    if (src[d] == r) readers.push_back(d);
+  if (split == nullptr) {
+    std::vector<int> readers, source;
+    for (int d = 0; d < c.size; ++d) {
+      if (src[d] == r) readers.push_back(d);
+    }
+    if (src[r] >= 0) source.push_back(static_cast<int>(src[r]));
+    return PeerCall(c, mine, source, enqueue, readers);
   }
-  if (src[r] >= 0) source.push_back(static_cast<int>(src[r]));
-  return PeerCall(c, mine, source, [&](const std::vector<PeerInfo>& all) -> ffi::Error {
-    if (src[r] < 0) return ffi::Error::Success();
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaMemcpyAsync(y.untyped_data(), all[src[r]].ptr[0], bytes,
-                                              cudaMemcpyDefault, c.stream));
-    return ffi::Error::Success();
-  }, readers);
+  // A put (jaxcomm.tp.put_start): the reads run on `split`, and the receive half finds
+  // what to wait for by the result's address (split.h).
+  return SplitSend(c, stream, mine, y.untyped_data(), enqueue);
 }
 
 ffi::Error PeerBroadcast(const Call& c, const ffi::AnyBuffer& x, ffi::AnyBuffer& y) {
@@ -261,7 +300,6 @@ ffi::Error MoeTransportOnPeers(const Call& c, const ffi::AnyBuffer& src,
     zero_first = true;
   }
   const cudaStream_t stream = split != nullptr ? split : c.stream;
-  PendingSend pending;
   if (result.size_bytes() == 0) return ffi::Error::Success();
   uint8_t* written = nullptr;
   if (ZeroesUnwritten(mode)) {
@@ -303,22 +341,7 @@ ffi::Error MoeTransportOnPeers(const Call& c, const ffi::AnyBuffer& src,
     // Every rank may read every other's buffers: wait for all, and all wait for everyone.
     return PeerCall(c, mine, everyone, launch, everyone);
   }
-  if (c.size == 1) {
-    OwnedEvent ready, done;
-    JAXCOMM_TRY(MakeCallEvents(c.device, c.ctx, &ready, &done));
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(ready.get(), c.stream));
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaStreamWaitEvent(stream, ready.get(), 0));
-    JAXCOMM_TRY(launch({mine}));
-    JAXCOMM_CUDA_CHECK(c.ctx, cudaEventRecord(done.get(), stream));
-    pending.waits.push_back(done.get());
-    pending.owned.push_back(std::move(ready));
-    pending.owned.push_back(std::move(done));
-  } else {
-    const OffStream off{stream, &pending};
-    JAXCOMM_TRY(PeerCall(c, mine, everyone, launch, everyone, &off));
-  }
-  Backend::Get().splits().Put(c.device, result.untyped_data(), std::move(pending));
-  return ffi::Error::Success();
+  return SplitSend(c, stream, mine, result.untyped_data(), launch);
 }
 
 ffi::Error MoeReceive(const Call& c, const ffi::AnyBuffer& data, const ffi::AnyBuffer& data_out) {

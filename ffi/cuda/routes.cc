@@ -19,14 +19,17 @@ bool IsMoeTransport(std::string_view op) {
   return op == "moe_transport" || op == "moe_transport_send" || op == "moe_recv";
 }
 
-bool UsesOwnKernels(std::string_view op) { return op == "ppermute" || IsMoeTransport(op); }
+// The halves of a one-sided put (jaxcomm.tp) take one route too: the copy engine's.
+static bool IsPut(std::string_view op) { return op == "put_start" || op == "put_done"; }
+
+bool UsesOwnKernels(std::string_view op) { return op == "ppermute" || IsMoeTransport(op) || IsPut(op); }
 
 RouteChoice ChooseRoute(std::string_view op, const std::vector<Member>& group, int64_t me,
                         bool one_rank_nccl) {
   if (group.size() <= 1) {
     // NCCL for a lone rank only where NCCL implements the op (JAXCOMM_CUDA_ONE_RANK=nccl
     // exercises NCCL on one GPU); the MoE and ragged kernels have no NCCL form.
-    const bool nccl_op = !IsMoeTransport(op) && op != "ragged_all_to_all";
+    const bool nccl_op = !IsMoeTransport(op) && !IsPut(op) && op != "ragged_all_to_all";
     return {one_rank_nccl && nccl_op ? Route::kNccl : Route::kCopy, ""};
   }
   bool local = true, same_host = true, one_per_process = true, shared_device = false;
