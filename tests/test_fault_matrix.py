@@ -33,6 +33,7 @@ import pytest
 
 from jaxcomm import launch
 from jaxcomm.trace import analyzer
+from slow_util import slow
 
 # Under pytest-xdist, one worker runs the cells' tests one after the other: each already
 # runs its three jobs at once (12 processes on 2 cores).
@@ -113,9 +114,7 @@ def _transport(kind: str, position: str, half: str) -> str:
 
 @pytest.mark.parametrize("half", [
     "core",
-    pytest.param("rest", marks=pytest.mark.skipif(
-        os.environ.get("JAXCOMM_TEST_SLOW") != "1",
-        reason="the other half of the fault matrix: JAXCOMM_TEST_SLOW=1")),
+    slow("rest", reason="the other half of the fault matrix"),
 ])
 @pytest.mark.parametrize("kind", sorted(ACTIONS))
 def test_fault_matrix(tmp_path, kind: str, half: str) -> None:

@@ -22,15 +22,9 @@ from jax.test_util import check_grads
 
 import jaxcomm
 from conftest import rand, run_sharded
+from slow_util import slow
 
 RING8 = [(i, (i + 1) % 8) for i in range(8)]
-
-
-def slow(*values):
-    """A parameter case that runs only with JAXCOMM_TEST_SLOW=1 (the README's pytest stays
-    under its budget; CI's .ci/run runs them)."""
-    return pytest.param(*values, marks=pytest.mark.skipif(os.environ.get("JAXCOMM_TEST_SLOW") != "1",
-                                                          reason="more of the matrix: JAXCOMM_TEST_SLOW=1"))
 
 
 # ------------------------------------------------------------------------------ puts
@@ -445,7 +439,8 @@ def test_bench_tp_runs(case):
     env = dict(os.environ, PYTHONPATH=root)
     proc = subprocess.run([sys.executable, "-m", "jaxcomm.bench", "tp", "--tp", "2", "--tokens", "64",
                            "--decode-tokens", "4", "--d-model", "32", "--d-ff", "16", "--rounds", "1", "--iters", "1"],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))  # not the source tree's jaxcomm
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("2   4 ")]
     assert [(r[2], r[4]) for r in rows[-4:]] == [("train", "fwd"), ("train", "fwd+bwd"), ("decode", "fwd"),

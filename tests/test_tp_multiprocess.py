@@ -10,6 +10,7 @@ import os
 import pytest
 
 from mp_util import assert_ok, results, run_script
+from slow_util import slow
 
 BODY = """
 from functools import partial
@@ -66,8 +67,7 @@ print("RESULT", '{"ok": true}')
 
 @pytest.mark.parametrize("processes,devices,direction", [
     (2, 1, "one_way"), (2, 2, "bidirectional"),
-    pytest.param(2, 2, "none", marks=pytest.mark.skipif(os.environ.get("JAXCOMM_TEST_SLOW") != "1",
-                                                        reason="more of the matrix: JAXCOMM_TEST_SLOW=1"))])
+    slow(2, 2, "none")])
 def test_tp_across_processes(processes, devices, direction):
     res = run_script(BODY, processes, devices, timeout_s=120, env={"TP_DIRECTION": direction})
     assert_ok(res)
