@@ -501,6 +501,7 @@ print("ROUTES", sorted({(s.op, s.algorithm) for s in jaxcomm.stats() if s.op.sta
     root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXCOMM_BACKEND")}
     env["PYTHONPATH"] = root
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))  # not the source tree's jaxcomm
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "('put_start', 'cuda (emulated): cuda peers in process')" in proc.stdout, proc.stdout
