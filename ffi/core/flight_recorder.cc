@@ -352,7 +352,7 @@ void FlightRecorder::Start(const std::vector<Peer>& peers) {
   }
 }
 
-void FlightRecorder::Finish(const std::vector<Peer>& peers, const std::string& error, bool dump) {
+void FlightRecorder::Finish(const std::vector<Peer>& peers, const std::string& error, bool dump, bool counted) {
   int64_t now = 0, start = 0, first = 0, bytes = 0;
   const TraceSite* site = nullptr;
   const auto state = static_cast<uint8_t>(error.empty() ? TraceState::kDone : TraceState::kFailed);
@@ -376,7 +376,7 @@ void FlightRecorder::Finish(const std::vector<Peer>& peers, const std::string& e
     site = SiteById(e->site.load(std::memory_order_relaxed));
     bytes = e->bytes.load(std::memory_order_relaxed);
   }
-  if (site != nullptr) {
+  if (site != nullptr && counted) {
     // Statistics are counters of the site, shared by every rank of the group: cheap
     // relaxed adds, and a site is mutable only through them.
     auto& s = const_cast<TraceSite&>(*site);

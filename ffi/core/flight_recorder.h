@@ -94,8 +94,11 @@ class FlightRecorder {
   // the data movement starts.
   void Start(const std::vector<Peer>& peers);
   // The round finished: done, or failed with `error`. `dump` asks for an automatic dump
-  // (timeouts and transport errors) when a dump directory is configured.
-  void Finish(const std::vector<Peer>& peers, const std::string& error, bool dump);
+  // (timeouts and transport errors) when a dump directory is configured. `counted`: the
+  // round enters the site's statistics (jaxcomm.stats(): one per round of the group). The
+  // CUDA backend finishes each local rank's entry on its own, and counts the round with one
+  // of them only.
+  void Finish(const std::vector<Peer>& peers, const std::string& error, bool dump, bool counted = true);
   // One call failed on its own (e.g. arrived after its peers gave up).
   void Fail(uint64_t handle, int64_t execution, const std::string& error);
 

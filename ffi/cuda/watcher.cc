@@ -22,6 +22,13 @@ std::vector<Peer> Traced(uint64_t handle) {
   return one;
 }
 
+// Each local rank's entry finishes on its own here, where the host backend finishes a
+// round's entries together: the round enters jaxcomm.stats() once, with the group's first
+// rank in this process (its time, from its own arrival).
+bool CountsTheRound(const Watch& w) {
+  return w.info->local_ranks.empty() || w.rank == w.info->local_ranks.front();
+}
+
 }  // namespace
 
 CompletionWatcher::~CompletionWatcher() {
@@ -85,14 +92,14 @@ Watch CompletionWatcher::Begin(std::shared_ptr<const GroupInfo> info, std::share
 void CompletionWatcher::End(Watch w, cudaStream_t stream) {
   if (w.start == nullptr) {
     // Not recorded and no deadline to keep (or no event to keep it with): done here.
-    if (w.trace != 0) Registry::Get().recorder().Finish(Traced(w.trace), "", false);
+    if (w.trace != 0) Registry::Get().recorder().Finish(Traced(w.trace), "", false, CountsTheRound(w));
     return;
   }
   w.end = Take(w.device);
   if (w.end == nullptr || cudaEventRecord(w.end, stream) != cudaSuccess) {
     Give(w.device, w.end);
     Give(w.device, w.start);
-    if (w.trace != 0) Registry::Get().recorder().Finish(Traced(w.trace), "", false);
+    if (w.trace != 0) Registry::Get().recorder().Finish(Traced(w.trace), "", false, CountsTheRound(w));
     return;
   }
   std::call_once(started_, [this] { thread_ = std::thread([this] { Loop(); }); });
@@ -114,7 +121,9 @@ size_t CompletionWatcher::pending() {
 }
 
 void CompletionWatcher::Finish(const Watch& w, const std::string& error) {
-  if (w.trace != 0) Registry::Get().recorder().Finish(Traced(w.trace), error, /*dump=*/!error.empty());
+  if (w.trace != 0) {
+    Registry::Get().recorder().Finish(Traced(w.trace), error, /*dump=*/!error.empty(), CountsTheRound(w));
+  }
 }
 
 bool CompletionWatcher::Check(Watch& w, Clock::time_point now) {
