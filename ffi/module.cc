@@ -20,6 +20,7 @@
 #include "cpu/transport/factory.h"
 #include "cpu/transport/world.h"
 #include "xla/ffi/api/ffi.h"
+#include "trace_stats_bindings.h"
 
 namespace nb = nanobind;
 
@@ -243,25 +244,8 @@ NB_MODULE(_jaxcomm, m) {
   m.def("trace_auto_dumps", [] { return jaxcomm::Registry::Get().recorder().auto_dumps(); },
         "How many automatic dumps (errors, SIGUSR1) the dumper thread wrote.");
 
-  m.def("trace_stats", [] {
-    nb::list out;
-    for (const jaxcomm::TraceSite* s : jaxcomm::Registry::Get().recorder().Sites()) {
-      nb::dict d;
-      d["op"] = s->op;
-      d["axis"] = s->axis;
-      d["call_site"] = s->call_site;
-      d["group"] = s->group;
-      d["processes"] = s->processes;
-      d["algorithm"] = s->algorithm;
-      d["calls"] = s->calls.load();
-      d["failed"] = s->failed.load();
-      d["bytes"] = s->bytes.load();
-      d["busy_us"] = s->busy_us.load();
-      d["wait_us"] = s->wait_us.load();
-      out.append(d);
-    }
-    return out;
-  }, "Cumulative per-(instruction, group) counters of this process's rounds.");
+  m.def("trace_stats", [] { return jaxcomm::TraceStatsRows(jaxcomm::Registry::Get().recorder()); },
+        "Cumulative per-(instruction, group) counters of this process's rounds.");
 
   m.def("trace_reset_stats", [] { jaxcomm::Registry::Get().recorder().ResetStats(); },
         "Zeroes the counters behind trace_stats().");

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 
 import jax
@@ -14,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcomm
 from conftest import per_device
+from example_util import run_example
 from moe_reference import R, np_combine, np_combine_f32, np_dispatch, routing, tagged_x
 
 
@@ -429,20 +429,8 @@ def test_global_view_without_set_mesh(spec, axis_types, padded):
 
 def test_moe_layer_example_runs():
     """The README's main command: the example checks itself against the dense reference."""
-    import subprocess
-    import sys
-    # The example from this checkout; jaxcomm as this test imported it (installed or built).
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "moe_layer.py"), "--steps", "2"],
-                          env=env, capture_output=True, text=True, timeout=120,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "match the dense reference" in proc.stdout
-    losses = [float(line.split("loss")[1].split()[0]) for line in proc.stdout.splitlines()
-              if line.startswith("step")]
+    stdout, losses = run_example("moe_layer.py", "--steps", "2")
+    assert "match the dense reference" in stdout
     assert len(losses) == 2 and losses[1] < losses[0]
 
 

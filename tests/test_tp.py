@@ -22,6 +22,7 @@ from jax.test_util import check_grads
 
 import jaxcomm
 from conftest import rand, run_sharded
+from example_util import run_example
 from slow_util import slow
 
 RING8 = [(i, (i + 1) % 8) for i in range(8)]
@@ -341,21 +342,8 @@ def test_docstring_examples(name):
 @pytest.mark.parametrize("direction", ["bidirectional", slow("one_way")])
 def test_tp_mlp_example_runs(direction):
     """examples/tp_mlp.py checks itself against the single-device reference, then trains."""
-    import os
-    import subprocess
-    import sys
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomm.__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "tp_mlp.py"), "--steps", "3",
-                           "--direction", direction],
-                          env=env, capture_output=True, text=True, timeout=120,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "match the single-device reference" in proc.stdout
-    losses = [float(line.split("loss")[1].split()[0]) for line in proc.stdout.splitlines()
-              if line.startswith("step")]
+    stdout, losses = run_example("tp_mlp.py", "--steps", "3", "--direction", direction)
+    assert "match the single-device reference" in stdout
     assert len(losses) == 3 and losses[2] < losses[0]
 
 

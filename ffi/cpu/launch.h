@@ -59,6 +59,19 @@ auto BindUnary(B&& b) {
   return BindBuffers<1>(std::move(b));
 }
 
+// The buffers of a split call's receive half (MoE's moe_recv, tp's put_done): the send
+// half's result and status block, then the operands it keeps alive (any number); the
+// result and the status block.
+template <typename B>
+auto BindReceiveHalf(B&& b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .RemainingArgs()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
 // Locates this rank and joins the call with this rank's buffers `mine`; the future
 // completes when this rank's result is written (see core/rendezvous.h).
 // How a call's work may be split and whether it tolerates failed peers (see CollectiveCall).

@@ -130,14 +130,8 @@ ffi::Future LaunchSend(const Common& c, Peer mine, size_t work_bytes, WorkFn wor
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_MoeRecv, MoeRecv,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) {
-                                return std::move(b)
-                                    .template Arg<ffi::AnyBuffer>()
-                                    .template Arg<ffi::AnyBuffer>()
-                                    .RemainingArgs()
-                                    .template Ret<ffi::AnyBuffer>()
-                                    .template Ret<ffi::AnyBuffer>();
-                              }) JAXCOMM_BIND_ATTRS(moe_recv));
+                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindReceiveHalf(std::move(b)); })
+                                  JAXCOMM_BIND_ATTRS(moe_recv));
 
 XLA_FFI_Handler* const kMoeRecv = jaxcomm_cpu_MoeRecv;
 

@@ -72,14 +72,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_PutStart, PutStart,
                                   JAXCOMM_BIND_ATTRS(put_start));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cpu_PutDone, PutDone,
-                              BindCommon(ffi::Ffi::Bind(), [](auto b) {
-                                return std::move(b)
-                                    .template Arg<ffi::AnyBuffer>()
-                                    .template Arg<ffi::AnyBuffer>()
-                                    .RemainingArgs()
-                                    .template Ret<ffi::AnyBuffer>()
-                                    .template Ret<ffi::AnyBuffer>();
-                              }) JAXCOMM_BIND_ATTRS(put_done));
+                              BindCommon(ffi::Ffi::Bind(), [](auto b) { return BindReceiveHalf(std::move(b)); })
+                                  JAXCOMM_BIND_ATTRS(put_done));
 
 XLA_FFI_Handler* const kPutStart = jaxcomm_cpu_PutStart;
 XLA_FFI_Handler* const kPutDone = jaxcomm_cpu_PutDone;

@@ -15,6 +15,7 @@
 #include "cuda_emu/runtime/emu.h"
 #include "cuda_emu/seam/seam.h"
 #include "cuda_emu/seam/stages.h"
+#include "trace_stats_bindings.h"
 
 namespace nb = nanobind;
 
@@ -58,25 +59,8 @@ NB_MODULE(_jaxcomm_emu, m) {
      "Allocates and frees scratch through the emulated XLA seam: (XLA's refusal or '', address).");
 
   // The same as _jaxcomm's (ffi/module.cc), over this module's flight recorder.
-  m.def("trace_stats", [] {
-    nb::list out;
-    for (const jaxcomm::TraceSite* s : jaxcomm::Registry::Get().recorder().Sites()) {
-      nb::dict d;
-      d["op"] = s->op;
-      d["axis"] = s->axis;
-      d["call_site"] = s->call_site;
-      d["group"] = s->group;
-      d["processes"] = s->processes;
-      d["algorithm"] = s->algorithm;
-      d["calls"] = s->calls.load();
-      d["failed"] = s->failed.load();
-      d["bytes"] = s->bytes.load();
-      d["busy_us"] = s->busy_us.load();
-      d["wait_us"] = s->wait_us.load();
-      out.append(d);
-    }
-    return out;
-  }, "Cumulative per-(instruction, group) counters of the emulated CUDA calls.");
+  m.def("trace_stats", [] { return jaxcomm::TraceStatsRows(jaxcomm::Registry::Get().recorder()); },
+        "Cumulative per-(instruction, group) counters of the emulated CUDA calls.");
   m.def("trace_reset_stats", [] { jaxcomm::Registry::Get().recorder().ResetStats(); },
         "Zeroes the counters behind trace_stats().");
   m.def("set_process_index", [](int64_t i) { jaxcomm::Registry::Get().set_process_index(i); },
