@@ -184,8 +184,11 @@ def test_mpi_launches_across_hosts(cluster: VirtualCluster) -> None:
     """An MPI job started on node0 runs ranks on both hosts (the ssh stand-in), and its
     collectives cross them: the helper the MPI transport's tests start from."""
     mpiexec, python = _mpi()
-    program = ("from mpi4py import MPI; import socket; c = MPI.COMM_WORLD; "
-               "print('RANK', c.rank, socket.gethostname(), c.allreduce(c.rank + 1), flush=True)")
+    # One write per line: the launcher forwards each rank's output as it reads it, and
+    # print's several writes came out interleaved with another rank's under MPICH's Hydra.
+    program = ("from mpi4py import MPI; import os, socket; c = MPI.COMM_WORLD; "
+               "line = f'RANK {c.rank} {socket.gethostname()} {c.allreduce(c.rank + 1)}\\n'; "
+               "os.write(1, line.encode())")
     res = subprocess.run([*cluster.mpiexec(mpiexec, 4, 2), python, "-c", program],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
