@@ -20,8 +20,10 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda/group_info.h"
@@ -59,11 +61,15 @@ class CompletionWatcher {
               int64_t run_id, uint8_t dtype, int64_t elements, int64_t bytes, cudaStream_t stream);
   // After enqueueing it: an end event, and the call joins the watched ones.
   void End(Watch w, cudaStream_t stream);
-  // The call failed on the host (nothing, or part of it, was enqueued).
-  void Abandon(Watch w, const std::string& error);
+  // The call failed on the host (nothing, or part of it, was enqueued). `dump`: a
+  // deadline or its consequence, dumped as the host backend dumps its timeouts.
+  void Abandon(Watch w, const std::string& error, bool dump = false);
 
   // Calls watched right now (tests).
   size_t pending();
+  // Whether this watcher aborted a call of `info`'s group at `execution` at its deadline
+  // (the emulation's handlers report it as the call's own error, handlers.cc).
+  bool TimedOut(const GroupInfo* info, int64_t execution);
 
  private:
   cudaEvent_t Take(int device);
@@ -72,6 +78,7 @@ class CompletionWatcher {
   // One pass over the watched calls; true when `w` is finished with.
   bool Check(Watch& w, Clock::time_point now);
   void Finish(const Watch& w, const std::string& error);
+  void MarkTimedOut(const GroupInfo* info, int64_t execution);
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -80,6 +87,11 @@ class CompletionWatcher {
   bool stop_ = false;
   std::once_flag started_;
   std::thread thread_;
+  // Calls aborted at their deadline (group, execution), the latest kMaxTimedOut.
+  static constexpr size_t kMaxTimedOut = 1024;
+  std::mutex timed_out_mu_;
+  std::set<std::pair<const GroupInfo*, int64_t>> timed_out_;
+  std::deque<std::pair<const GroupInfo*, int64_t>> timed_out_order_;
 };
 
 }  // namespace jaxcomm::cuda

@@ -143,8 +143,10 @@ def load(directory: str | os.PathLike[str],
          pids: Iterable[int] | None = None) -> list[dict[str, Any]]:
     """Each process's records in ``directory``: the most complete of its JSON dumps and
     its ring file (most calls recorded; then the latest; then the JSON, whose error texts
-    are never cut). ``pids``: only the records of these processes (one job's, in a
-    directory that holds several)."""
+    are never cut), per recorder of the process (a process under the CUDA emulation has
+    two: the host backend's and the emulated CUDA backend's, ``"recorder": "cuda-emu"``).
+    ``pids``: only the records of these processes (one job's, in a directory that holds
+    several)."""
     wanted = None if pids is None else set(pids)
     found: dict[tuple[int, int], dict[str, Any]] = {}
     paths = sorted(glob.glob(os.path.join(os.fspath(directory), "*.json")))
@@ -168,10 +170,10 @@ def load(directory: str | os.PathLike[str],
         d["path"] = path
         if wanted is not None and d["pid"] not in wanted:
             continue
-        key = (d["process_index"], d["pid"])
+        key = (d["process_index"], d["pid"], d.get("recorder", ""))
         if key not in found or _completeness(d) > _completeness(found[key]):
             found[key] = d
-    return sorted(found.values(), key=lambda d: (d["process_index"], d["pid"]))
+    return sorted(found.values(), key=lambda d: (d["process_index"], d["pid"], d.get("recorder", "")))
 
 
 def _completeness(d: dict[str, Any]) -> tuple[int, int, int]:
@@ -186,7 +188,7 @@ def merge(dumps: Iterable[dict[str, Any]]) -> tuple[dict[tuple[str, int, int], C
     for d in dumps:
         for e in d["entries"]:
             e = dict(e, process=d["process_index"], pid=d["pid"], host=d["host"],
-                     dumped_at_us=d["dumped_at_us"])
+                     dumped_at_us=d["dumped_at_us"], recorder=d.get("recorder", ""))
             by_rank[e["partition"]].append(e)
             key = (e["instruction"], e["group_index"], e["execution"])
             c = calls.get(key)
@@ -194,7 +196,11 @@ def merge(dumps: Iterable[dict[str, Any]]) -> tuple[dict[tuple[str, int, int], C
                 c = calls[key] = Call(key, e["op"], e["call_site"], e["axis"], tuple(e["group"]), {})
             c.entries[e["partition"]] = e
     for entries in by_rank.values():
-        entries.sort(key=lambda e: e["seq"])
+        # A rank's calls in the order it made them: each recorder numbers its own.
+        if len({e["recorder"] for e in entries}) > 1:
+            entries.sort(key=lambda e: (e["enqueue_us"], e["recorder"], e["seq"]))
+        else:
+            entries.sort(key=lambda e: e["seq"])
     return calls, by_rank
 
 
