@@ -146,9 +146,15 @@ ffi::Error Watched(Call& c, const ffi::AnyBuffer& x, F&& f) {
                                   c.ctx.Describe() + ": " + std::string(kArrivedTooLate))
                      : f();
   if (e.failure()) {
-    // Deadlines (a peer never came, or this rank came too late) dump, as on the host.
+    // Recorded as the host backend records its rounds' errors: without the call's
+    // description, which the entry holds. Deadlines (a peer never came, or this rank came
+    // too late) dump, as on the host.
+    std::string recorded = e.message();
+    if (const std::string prefix = c.ctx.Describe() + ": "; recorded.rfind(prefix, 0) == 0) {
+      recorded.erase(0, prefix.size());
+    }
     const auto code = e.errc();
-    watcher.Abandon(std::move(w), e.message(),
+    watcher.Abandon(std::move(w), recorded,
                     code == ffi::ErrorCode::kDeadlineExceeded || code == ffi::ErrorCode::kFailedPrecondition);
     return e;
   }

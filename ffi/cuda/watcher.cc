@@ -145,28 +145,32 @@ bool CompletionWatcher::Check(Watch& w, Clock::time_point now) {
     }
   }
   const cudaError_t e = QueryEvent(w.end);
-  if (e == cudaSuccess) {
-    Finish(w, "");
-    return true;
-  }
-  if (e != cudaErrorNotReady) {
+  if (e != cudaSuccess && e != cudaErrorNotReady) {
     Finish(w, std::string("the device failed in this call: ") + cudaGetErrorString(e));
     return true;
   }
-  if (w.comm == nullptr) return false;
+  const bool ended = e == cudaSuccess;
+  if (w.comm == nullptr) {
+    if (ended) Finish(w, "");
+    return ended;
+  }
   const ncclResult_t async = w.comm->AsyncError();
   bool failed = async != ncclSuccess && async != ncclInProgress;
-  bool late = w.started != Clock::time_point{} && now - w.started > w.timeout;
+  bool late = !ended && w.started != Clock::time_point{} && now - w.started > w.timeout;
   // This watcher aborted a peer's communicator of this call at the deadline, and NCCL
-  // failed this rank's wait with a remote error: the same deadline, not a second fault.
+  // failed this rank's wait with a remote error (its kernel then ended: the stream moved
+  // on): the same deadline, not a second fault, and not a success.
   if (failed && TimedOut(w.info.get(), w.execution)) {
     failed = false;
     late = true;
+  } else if (ended) {
+    // (An asynchronous error seen now may be a later call's: that call reports it.)
+    Finish(w, "");
+    return true;
   }
   if (!failed && !late) return false;
   const CallContext ctx = w.info->Context(w.rank, w.partition, w.execution);
-  std::ostringstream msg;
-  msg << ctx.Describe() << ": ";
+  std::ostringstream msg;  // recorded as the host backend records errors: without ctx
   const std::vector<int> behind = w.info->LocalRanksBehind(w.execution);
   if (failed) {
     msg << "NCCL reported an error while the call ran on the device: "
@@ -192,9 +196,10 @@ bool CompletionWatcher::Check(Watch& w, Clock::time_point now) {
   msg << " The NCCL communicator of group " << w.comm->key()
       << " was aborted: this call's result is undefined, and every later call on it fails.";
   if (!failed) MarkTimedOut(w.info.get(), w.execution);
+  const std::string error = ctx.Describe() + ": " + msg.str();
   // A call holding the communicator right now has its own deadline: try again later.
-  if (!w.comm->TryAbort(msg.str())) return false;
-  std::fprintf(stderr, "jaxcomm: %s\n", msg.str().c_str());
+  if (!w.comm->TryAbort(error)) return false;
+  std::fprintf(stderr, "jaxcomm: %s\n", error.c_str());
   Finish(w, msg.str());
   return true;
 }
