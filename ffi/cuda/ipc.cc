@@ -159,7 +159,12 @@ ffi::ErrorOr<std::vector<PeerInfo>> ProcessPeerRoute::Exchange(const PeerCallKey
   bool timed_out = false;
   const std::string error = ExchangeRecords(records_, key.execution, Bytes(&record, sizeof(record)),
                                             std::chrono::steady_clock::now() + timeout, &theirs, &timed_out);
-  if (!error.empty()) return ffi::Unexpected(Failed(ctx, "meeting the peers at this call", error, timed_out));
+  if (!error.empty()) {
+    // Meeting the peers is the host backend's cross-process exchange: at its deadline, its
+    // words as the host backend's rounds give them (which processes never came).
+    if (timed_out) return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, ctx.Describe() + ": " + error));
+    return ffi::Unexpected(Failed(ctx, "meeting the peers at this call", error, timed_out));
+  }
   std::vector<PeerInfo> all(size);
   all[rank] = mine;
   for (size_t i = 0; i < theirs.size(); ++i) {

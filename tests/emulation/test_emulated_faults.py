@@ -7,8 +7,9 @@ Each job is one process running one or more *cells*: a loop of one op, compiled 
 barrier (an all_reduce with a generous deadline) and then four calls with a short deadline,
 of which the faulty rank's second is hit by the fault. The routes one process reaches:
 
-* ``cuda peers in process`` (ppermute: jaxcomm's own copies between the GPUs of the
-  process, the peers meeting on the host, ffi/cuda/peers.cc);
+* ``cuda peers in process`` (ppermute, the MoE transport: jaxcomm's own copies and
+  kernels between the GPUs of the process, the peers meeting on the host,
+  ffi/cuda/peers.cc);
 * ``nccl`` (all_reduce, all_gather over the 8 GPUs: the mock NCCL, whose call the
   completion watcher aborts at the deadline, ffi/cuda/watcher.cc). A NCCL fault aborts
   the group's communicator for good, so a job has at most one NCCL cell, its last.
@@ -46,7 +47,11 @@ DEADLINE_S = 2
 DELAY_S = DEADLINE_S + 2
 ACTIONS = {"hang": "hang", "delay": f"delay:{DELAY_S}"}
 #: Op -> the route it takes over 8 GPUs of one process.
-ROUTES = {"ppermute": "cuda peers in process", "all_reduce": "nccl", "all_gather": "nccl"}
+ROUTES = {"ppermute": "cuda peers in process", "moe_transport": "cuda peers in process",
+          "all_reduce": "nccl", "all_gather": "nccl"}
+#: Which call of its op the fault hits: a step's second (a MoE step's dispatch and
+#: combine are two transports), the execution 2 of the faulty instruction.
+FAULTY_CALL = {"moe_transport": 3}
 
 SCRIPT = textwrap.dedent(f"""
     import json, sys
@@ -55,7 +60,7 @@ SCRIPT = textwrap.dedent(f"""
     import jaxcomm
 
     mesh = jax.make_mesh(({N},), ("x",))
-    x = jax.device_put(jnp.arange({N * 4}.0).reshape({N}, 4), NamedSharding(mesh, P("x")))
+    x = jax.device_put(jnp.arange({N * 8}.0).reshape({N * 2}, 4), NamedSharding(mesh, P("x")))
     smap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     perm = [(i, (i + 1) % {N}) for i in range({N})]
 
@@ -70,7 +75,12 @@ SCRIPT = textwrap.dedent(f"""
         return jaxcomm.all_reduce(v, "x", timeout_s={DEADLINE_S})
 
     def faulty_all_gather(v):
-        return jaxcomm.all_gather(v, "x", tiled=True, timeout_s={DEADLINE_S})[:1]
+        return jaxcomm.all_gather(v, "x", tiled=True, timeout_s={DEADLINE_S})[:2]
+
+    def faulty_moe_transport(v):  # the deadline: JAXCOMM_TIMEOUT_S
+        ids = (jnp.arange(2, dtype=jnp.int32)[:, None] + jax.lax.axis_index("x")) % {N}
+        ex, _, h = jaxcomm.moe.dispatch(v, ids, num_experts={N}, axis_name="x")
+        return jaxcomm.moe.combine(ex * 2.0, h, jnp.ones((2, 1), v.dtype))
 
     out = {{}}
     for op in sys.argv[1:]:
@@ -93,12 +103,11 @@ def _job(tmp_path: Path, name: str, emulated: bool, cells: list[tuple[str, str, 
     work = tmp_path / name
     work.mkdir()
     trace_dir = work / "trace"
-    fault = ";".join(f"rank={rank},site=(faulty_{op}),call=2,action={ACTIONS[kind]}"
-                     for op, kind, rank in cells)
+    fault = ";".join(f"rank={rank},op={op},site=(faulty_{op}),call={FAULTY_CALL.get(op, 2)},"
+                     f"action={ACTIONS[kind]}" for op, kind, rank in cells)
     env = dict(os.environ, JAXCOMM_EMULATE_CUDA="1" if emulated else "0", JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={N}", JAXCOMM_FAULT=fault,
-               JAXCOMM_TRACE_DIR=str(trace_dir))
-    env.pop("JAXCOMM_TIMEOUT_S", None)
+               JAXCOMM_TRACE_DIR=str(trace_dir), JAXCOMM_TIMEOUT_S=str(DEADLINE_S))
     r = subprocess.run([sys.executable, "-c", SCRIPT] + [op for op, _, _ in cells], env=env,
                        capture_output=True, text=True, timeout=300, cwd=str(work))
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("CELLS ")]
@@ -146,7 +155,8 @@ def _late_error(trace_dir: Path, op: str, rank: int) -> str | None:
     """The late rank's own recorded error at the faulty call (dumps: JSON or ring file)."""
     for d in analyzer.load(trace_dir):
         for e in d["entries"]:
-            if e["op"] == op and e["partition"] == rank and e["execution"] == 2 and "faulty" in e["call_site"]:
+            if e["op"] == op and e["partition"] == rank and e["execution"] == 2 \
+                    and f"(faulty_{op})" in e["call_site"]:
                 return e["error"]
     return None
 
@@ -156,7 +166,7 @@ def _recorded_errors(trace_dir: Path, op: str) -> dict[int, str]:
     out = {}
     for d in analyzer.load(trace_dir):
         for e in d["entries"]:
-            if e["op"] == op and e["execution"] == 2 and "faulty" in e["call_site"] and e["error"] \
+            if e["op"] == op and e["execution"] == 2 and f"(faulty_{op})" in e["call_site"] and e["error"] \
                     and "arrived too late" not in e["error"]:
                 out[e["partition"]] = e["error"]
     return out
@@ -184,7 +194,7 @@ def _check_emulated_dump(trace_dir: Path, ops: list[str]) -> None:
     with open(dumps[0]) as f:
         doc = json.load(f)
     assert doc["recorder"] == "cuda-emu"
-    algorithms = {e["op"]: e["algorithm"] for e in doc["entries"] if "faulty" in e["call_site"]}
+    algorithms = {e["op"]: e["algorithm"] for e in doc["entries"] if "(faulty_" + e["op"] + ")" in e["call_site"]}
     assert algorithms == {op: ROUTES[op] for op in ops}, algorithms
     assert glob.glob(str(trace_dir / "jaxcomm-ring-p0-*-cuda-emu.bin")), os.listdir(trace_dir)
 
@@ -223,7 +233,7 @@ def _full_jobs() -> list[list[tuple[str, str, int]]]:
     """Every route, fault and position: one NCCL cell per job (its last), the peers cells
     shared out among them."""
     positions = (0, N // 2 - 1, N - 1)
-    peers = [("ppermute", k, r) for k in ACTIONS for r in positions]
+    peers = [(op, k, r) for op in ("ppermute", "moe_transport") for k in ACTIONS for r in positions]
     nccl = [(op, k, r) for op in ("all_reduce", "all_gather") for k in ACTIONS for r in positions]
     return [([peers[i]] if i < len(peers) else []) + [cell] for i, cell in enumerate(nccl)]
 
