@@ -29,6 +29,9 @@ struct GroupInfo {
   const TraceSite* site = nullptr;          // flight recorder description (null: off)
   // Per rank: how many executions its handler enqueued (ranks of other processes: 0).
   std::unique_ptr<std::atomic<int64_t>[]> enqueued;
+  // The latest execution whose NCCL call the completion watcher aborted at its deadline
+  // (0: none): the peers' remote errors, and a rank that comes later, belong to it.
+  mutable std::atomic<int64_t> deadline_aborted{0};
 
   CallContext Context(int rank, int64_t partition, int64_t execution) const {
     CallContext c;

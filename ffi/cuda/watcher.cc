@@ -205,17 +205,13 @@ bool CompletionWatcher::Check(Watch& w, Clock::time_point now) {
 }
 
 void CompletionWatcher::MarkTimedOut(const GroupInfo* info, int64_t execution) {
-  std::lock_guard<std::mutex> lock(timed_out_mu_);
-  if (timed_out_.insert({info, execution}).second) timed_out_order_.push_back({info, execution});
-  while (timed_out_order_.size() > kMaxTimedOut) {
-    timed_out_.erase(timed_out_order_.front());
-    timed_out_order_.pop_front();
+  int64_t seen = info->deadline_aborted.load(std::memory_order_relaxed);
+  while (seen < execution && !info->deadline_aborted.compare_exchange_weak(seen, execution)) {
   }
 }
 
 bool CompletionWatcher::TimedOut(const GroupInfo* info, int64_t execution) {
-  std::lock_guard<std::mutex> lock(timed_out_mu_);
-  return timed_out_.count({info, execution}) != 0;
+  return info->deadline_aborted.load() == execution;
 }
 
 void CompletionWatcher::Loop() {

@@ -20,10 +20,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <thread>
-#include <utility>
 #include <vector>
 
 #include "cuda/group_info.h"
@@ -67,9 +65,10 @@ class CompletionWatcher {
 
   // Calls watched right now (tests).
   size_t pending();
-  // Whether this watcher aborted a call of `info`'s group at `execution` at its deadline
-  // (the emulation's handlers report it as the call's own error, handlers.cc).
-  bool TimedOut(const GroupInfo* info, int64_t execution);
+  // Whether the watcher aborted the NCCL call of `info`'s group at `execution` at its
+  // deadline (GroupInfo::deadline_aborted): a rank that comes now is too late, and the
+  // emulation's handlers report it as the call's own error (handlers.cc).
+  static bool TimedOut(const GroupInfo* info, int64_t execution);
 
  private:
   cudaEvent_t Take(int device);
@@ -78,7 +77,7 @@ class CompletionWatcher {
   // One pass over the watched calls; true when `w` is finished with.
   bool Check(Watch& w, Clock::time_point now);
   void Finish(const Watch& w, const std::string& error);
-  void MarkTimedOut(const GroupInfo* info, int64_t execution);
+  static void MarkTimedOut(const GroupInfo* info, int64_t execution);
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -87,11 +86,6 @@ class CompletionWatcher {
   bool stop_ = false;
   std::once_flag started_;
   std::thread thread_;
-  // Calls aborted at their deadline (group, execution), the latest kMaxTimedOut.
-  static constexpr size_t kMaxTimedOut = 1024;
-  std::mutex timed_out_mu_;
-  std::set<std::pair<const GroupInfo*, int64_t>> timed_out_;
-  std::deque<std::pair<const GroupInfo*, int64_t>> timed_out_order_;
 };
 
 }  // namespace jaxcomm::cuda
