@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxcomm.trace import __main__ as trace_cli
 from jaxcomm.trace import analyzer
 
 FULL = os.environ.get("JAXCOMM_TEST_EMULATED_FULL") == "1"
@@ -203,7 +204,7 @@ def _check_emulated_dump(trace_dir: Path, ops: list[str]) -> None:
 DEFAULT_CELLS = [("ppermute", "hang", 5), ("all_reduce", "delay", 0)]
 
 
-def test_emulated_faults_match_the_host_backend(tmp_path):
+def test_emulated_faults_match_the_host_backend(tmp_path, capsys):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         jobs = {emulated: pool.submit(_job, tmp_path, "emulated" if emulated else "host", emulated, DEFAULT_CELLS)
                 for emulated in (True, False)}
@@ -227,6 +228,15 @@ def test_emulated_faults_match_the_host_backend(tmp_path):
         want = _expected(op, kind, rank)
         want = want[want.index("timed out after"):]
         assert emu_recorded == host_recorded == {r: want for r in range(N) if r != rank}, (emu_recorded, cell)
+    # The command as a user runs it on the emulated dumps: the first fault (the hung
+    # ppermute) is the verdict, printed first; exit status 1.
+    capsys.readouterr()
+    assert trace_cli.main(["analyze", str(emu["trace"])]) == 1
+    op, _, rank = DEFAULT_CELLS[0]
+    first = capsys.readouterr().out.splitlines()[0]
+    assert re.fullmatch(rf"verdict: HANG: ranks \[{rank}\] never arrived at {op} at .*\(faulty_{op}\).* "
+                        rf"\(axis 'x', execution 2\); ranks \[{', '.join(str(r) for r in range(N) if r != rank)}\] "
+                        rf"waited for them and timed out", first), first
 
 
 def _full_jobs() -> list[list[tuple[str, str, int]]]:
