@@ -163,11 +163,13 @@ bool CompletionWatcher::Check(Watch& w, Clock::time_point now) {
   if (failed && TimedOut(w.info.get(), w.execution)) {
     failed = false;
     late = true;
-  } else if (ended) {
-    // (An asynchronous error seen now may be a later call's: that call reports it.)
+  } else if (ended && !failed) {
     Finish(w, "");
     return true;
   }
+  // (Ended with the communicator in error: NCCL let the stream move on past a failed
+  // call, e.g. a rank later than its peers, whose wait a peer's abort ended. The error may
+  // be a later call's already, if the watcher polled after that one ran: both then fail.)
   if (!failed && !late) return false;
   const CallContext ctx = w.info->Context(w.rank, w.partition, w.execution);
   std::ostringstream msg;  // recorded as the host backend records errors: without ctx

@@ -487,14 +487,30 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
         # Ranks that came after their peers had already given up (a straggler slower than
         # the deadline): they are the cause, not the ranks that timed out.
         late = sorted(r for r, e in c.entries.items() if e.get("error") and _LATE in e["error"])
+        if not late:
+            # Ranks of other processes are not told they came too late (their own process
+            # did not see the others give up: the CUDA IPC and NCCL routes fail them later,
+            # naming the peer that gave up): the ones that arrived after a peer had timed
+            # out are.
+            gave_up = [e["end_us"] for e in c.entries.values()
+                       if e.get("error") and "timed out" in e["error"] and e.get("end_us")]
+            after = sorted(r for r, e in c.entries.items() if gave_up and e["enqueue_us"] > min(gave_up))
+            late = after if len(after) < len(c.entries) else []
         if late and not c.missing:
             on_time = [r for r in c.entries if r not in late]
             first = min(c.entries[r]["enqueue_us"] for r in on_time) if on_time else start
             by = max(c.entries[r]["enqueue_us"] for r in late) - first
+            # Across processes, the late processes first (as the other findings name them).
+            late_processes = sorted({c.entries[r]["process"] for r in late})
+            spans = len({e["process"] for e in c.entries.values()}) > 1
+            named = (f"process{'es' if len(late_processes) > 1 else ''} "
+                     f"{', '.join(map(str, late_processes))} (ranks {_ranks(late)})" if spans
+                     else f"ranks {_ranks(late)}")
             findings.append(Finding(
-                "hang", f"ranks {_ranks(late)} arrived at {c.where()} {by / 1e6:.2f} s after "
+                "hang", f"{named} arrived at {c.where()} {by / 1e6:.2f} s after "
                 f"the first rank, after ranks {_ranks(on_time)} had timed out waiting for them",
-                culprits=late, **dict(base, waiting=sorted(on_time)), details=errors[:3]))
+                culprits=late, **dict(base, waiting=sorted(on_time)), details=errors[:3],
+                processes=late_processes if spans else []))
             explained.add(c.key)
             continue
         missing = c.missing
