@@ -500,9 +500,10 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
             on_time = [r for r in c.entries if r not in late]
             first = min(c.entries[r]["enqueue_us"] for r in on_time) if on_time else start
             by = max(c.entries[r]["enqueue_us"] for r in late) - first
-            # Across processes, the late processes first (as the other findings name them).
+            # Whole processes that came late are named first (as the other findings name
+            # the processes at fault); a process with ranks on time is not one.
             late_processes = sorted({c.entries[r]["process"] for r in late})
-            spans = len({e["process"] for e in c.entries.values()}) > 1
+            spans = not {c.entries[r]["process"] for r in on_time} & set(late_processes)
             named = (f"process{'es' if len(late_processes) > 1 else ''} "
                      f"{', '.join(map(str, late_processes))} (ranks {_ranks(late)})" if spans
                      else f"ranks {_ranks(late)}")
