@@ -25,7 +25,7 @@ struct HandleBody {
   int32_t pid;
   int32_t fd;
   uint64_t size;
-  int32_t device;
+  int32_t device;  // physical
 };
 static_assert(sizeof(HandleBody) <= CUDA_IPC_HANDLE_SIZE, "an IPC handle is 64 bytes");
 
@@ -95,7 +95,7 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr) {
   body.pid = getpid();
   body.fd = a->fd;
   body.size = a->size;
-  body.device = a->device;
+  body.device = PhysicalDevice(a->device);  // ordinals differ between processes
   Write(handle, body);
   return cudaSuccess;
 }
@@ -114,7 +114,11 @@ cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned
   if (p == MAP_FAILED) return Fail(cudaErrorMemoryAllocation);
   Runtime& rt = Runtime::Get();
   std::lock_guard<std::mutex> lock(rt.mu);
-  rt.allocations[reinterpret_cast<uintptr_t>(p)] = Allocation{body.size, body.device, -1, true};
+  int device = -1;  // this process's ordinal of the exporter's GPU, if it sees it
+  for (size_t d = 0; d < rt.visible.size(); ++d) {
+    if (rt.visible[d] == body.device) device = static_cast<int>(d);
+  }
+  rt.allocations[reinterpret_cast<uintptr_t>(p)] = Allocation{body.size, device, -1, true};
   *ptr = p;
   return cudaSuccess;
 }

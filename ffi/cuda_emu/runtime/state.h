@@ -105,7 +105,9 @@ class Runtime {
  public:
   static Runtime& Get();
 
-  int device_count = 8;
+  // Physical devices this process sees (CUDA_VISIBLE_DEVICES), by ordinal; their count.
+  const std::vector<int> visible;
+  const int device_count;
   std::atomic<bool> strict{true};
 
   std::mutex mu;
@@ -138,8 +140,15 @@ class Runtime {
   Runtime();
 };
 
+// The emulated machine's GPUs (CUDA_VISIBLE_DEVICES picks a process's among them).
+constexpr int kPhysicalDevices = 8;
+
 // The calling thread's current device.
 int CurrentDevice();
+
+// The physical devices that CUDA_VISIBLE_DEVICES (`env`, nullptr when unset) makes
+// visible, in ordinal order (devices.cc's rules).
+std::vector<int> VisibleDevices(const char* env, int physical);
 
 // Records `error` as the calling thread's last error and returns it (or the sticky
 // error, which takes precedence).

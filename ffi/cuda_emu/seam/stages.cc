@@ -2,7 +2,10 @@
 
 #include <array>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
+
+#include "cuda_emu/seam/staging.h"
 
 namespace jaxcomm::cuda_emu {
 namespace {
@@ -15,11 +18,32 @@ int CountOps() {
   return n;
 }
 
+// XLA's metadata query (the handler's API version and traits) rather than a call.
+bool MetadataQuery(const XLA_FFI_CallFrame* frame) {
+  for (const XLA_FFI_Extension_Base* e = frame->extension_start; e != nullptr; e = e->next) {
+    if (e->type == XLA_FFI_Extension_Metadata) return true;
+  }
+  return false;
+}
+
+seam::CallKind KindOf(const char* op) {
+  if (std::strcmp(op, "moe_transport_send") == 0 || std::strcmp(op, "put_start") == 0) {
+    return seam::CallKind::kSendHalf;
+  }
+  if (std::strcmp(op, "moe_recv") == 0 || std::strcmp(op, "put_done") == 0) return seam::CallKind::kReceiveHalf;
+  return seam::CallKind::kPlain;
+}
+
 // The initialize stage of op `i` on the call frame of its execute stage: the same
-// context (state, device), no arguments, results or attributes (it binds none).
+// context (state, device), no arguments, results or attributes (it binds none); then the
+// execute stage on the call's buffers staged in emulated device memory (staging.h).
 template <int I>
 XLA_FFI_Error* InitializeThenExecute(XLA_FFI_CallFrame* frame) {
   const cuda::Stages& s = cuda::AllStages()[I];
+  // XLA's metadata query and any stage but execute: the handler's alone.
+  if (MetadataQuery(frame) || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) {
+    return s.execute(frame);
+  }
   XLA_FFI_CallFrame init = *frame;
   init.stage = XLA_FFI_ExecutionStage_INITIALIZE;
   init.args.size = 0;
@@ -27,12 +51,27 @@ XLA_FFI_Error* InitializeThenExecute(XLA_FFI_CallFrame* frame) {
   init.attrs.size = 0;
   init.future = nullptr;
   if (XLA_FFI_Error* e = s.initialize(&init)) return e;
-  return s.execute(frame);
+  return seam::RunStaged(frame, KindOf(s.op), s.execute);
 }
 
 template <int... I>
 constexpr std::array<XLA_FFI_Handler*, kMaxOps> Table(std::integer_sequence<int, I...>) {
   return {&InitializeThenExecute<I>...};
+}
+
+// A kernel outside any group, on its buffers staged as the groups' are.
+template <int I>
+XLA_FFI_Error* StagedLocal(XLA_FFI_CallFrame* frame) {
+  const cuda::LocalTarget& t = cuda::LocalTargets()[I];
+  if (MetadataQuery(frame) || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) {
+    return t.execute(frame);
+  }
+  return seam::RunStaged(frame, seam::CallKind::kPlain, t.execute);
+}
+
+template <int... I>
+constexpr std::array<XLA_FFI_Handler*, kMaxOps> LocalTable(std::integer_sequence<int, I...>) {
+  return {&StagedLocal<I>...};
 }
 
 }  // namespace
@@ -51,6 +90,20 @@ const cuda::Stages* EmulatedStages() {
     return out;
   }();
   return stages.data();
+}
+
+const cuda::LocalTarget* EmulatedLocalTargets() {
+  static const auto targets = [] {
+    constexpr auto wrappers = LocalTable(std::make_integer_sequence<int, kMaxOps>());
+    std::array<cuda::LocalTarget, kMaxOps + 1> out{};
+    int n = 0;
+    while (cuda::LocalTargets()[n].op != nullptr) ++n;
+    if (n > kMaxOps) std::abort();  // raise kMaxOps
+    for (int i = 0; i < n; ++i) out[i] = {cuda::LocalTargets()[i].op, wrappers[i]};
+    out[n] = {nullptr, nullptr};
+    return out;
+  }();
+  return targets.data();
 }
 
 }  // namespace jaxcomm::cuda_emu

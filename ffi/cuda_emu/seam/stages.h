@@ -2,7 +2,8 @@
 // 0.10.2) runs a custom call's instantiate and execute stages but never its initialize
 // stage, which XLA:GPU runs before executing: each emulated execute stage therefore runs
 // the op's initialize stage first (CudaState::Initialize does its work once per device
-// and returns at once afterwards), then the backend's own execute stage.
+// and returns at once afterwards), then the backend's own execute stage, on the call's
+// buffers staged in emulated device memory (staging.h) as XLA:GPU's are device memory.
 #pragma once
 
 #include "cuda/handlers.h"
@@ -12,5 +13,8 @@ namespace jaxcomm::cuda_emu {
 // cuda::AllStages() with each execute stage preceded by its initialize stage (and no
 // initialize stage of its own); ends with an entry whose `op` is nullptr.
 const cuda::Stages* EmulatedStages();
+
+// cuda::LocalTargets() with their buffers staged the same way.
+const cuda::LocalTarget* EmulatedLocalTargets();
 
 }  // namespace jaxcomm::cuda_emu

@@ -220,6 +220,28 @@ void PeerAccess() {
   cudaGetLastError();
 }
 
+// What this process sees under its CUDA_VISIBLE_DEVICES (the Python test sets it and
+// checks the line): "<cudaGetDeviceCount's error> <count> <physical,...> <pci,...>
+// <uuid byte 15,...>", then the first invalid ordinal refused.
+void VisibleDevices() {
+  int count = -1;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  cudaGetLastError();
+  std::string physical, pci, uuid;
+  for (int d = 0; d < count; ++d) {
+    cudaDeviceProp prop;
+    OK(cudaGetDeviceProperties(&prop, d));
+    const std::string sep = d ? "," : "";
+    physical += sep + std::to_string(emu::PhysicalDevice(d));
+    pci += sep + std::to_string(prop.pciBusID);
+    uuid += sep + std::to_string(static_cast<int>(prop.uuid.bytes[15]));
+  }
+  std::printf("%d %d [%s] [%s] [%s]\n", static_cast<int>(e), count, physical.c_str(), pci.c_str(), uuid.c_str());
+  EXPECT_EQ(cudaSetDevice(count), cudaErrorInvalidDevice);
+  cudaGetLastError();
+  EXPECT_EQ(emu::PhysicalDevice(count), -1);
+}
+
 void StrictNeverRecorded() {
   cudaStream_t s;
   cudaEvent_t ev;
@@ -372,6 +394,7 @@ int main(int argc, char** argv) {
       {"legacy_stream", LegacyStream},     {"peer_access", PeerAccess},
       {"strict_never_recorded", StrictNeverRecorded}, {"strict_free_in_use", StrictFreeInUse},
       {"strict_host_read_unsynchronized", StrictHostReadUnsynchronized}, {"ipc", Ipc},
+      {"visible_devices", VisibleDevices},
   };
   if (argc == 2 && std::string(argv[1]) == "--list") {
     for (auto& [name, f] : cases) std::printf("%s\n", name.c_str());
