@@ -86,6 +86,9 @@ NB_MODULE(_jaxcomm_emu, m) {
   }, "Maps op name -> {'execute': capsule} of the kernels called outside any group, their "
      "buffers staged in emulated device memory as the groups' are.");
 
+  m.def("emu_set_local_devices", [](std::vector<int64_t> ids) { jaxcomm::cuda_emu::SetLocalDevices(std::move(ids)); },
+        nb::arg("xla_ids"), "XLA:CPU's ids of this process's devices, device k being emulated GPU k.");
+
   m.def("emu_borrow_cross_process", [](nb::capsule world) {
     auto* w = static_cast<jaxcomm::CrossProcess*>(world.data());
     if (jaxcomm::Registry::Get().cross_process() == nullptr) {

@@ -334,8 +334,7 @@ def partition_devices(axis_context: Any, infos: dict[int, dict[str, Any]] | None
     return np.asarray(out, dtype=np.int64).reshape(-1)
 
 
-def route(op: str, group: Sequence[int], pd: np.ndarray, infos: dict[int, dict[str, Any]],
-          flavor: Flavor = GPU) -> tuple[str, str]:
+def route(op: str, group: Sequence[int], pd: np.ndarray, infos: dict[int, dict[str, Any]]) -> tuple[str, str]:
     """(route name, error or "") of ``group`` (partitions) for ``op``: ffi/cuda/routes.cc."""
     pd = np.asarray(pd, dtype=np.int64).reshape(-1, 2)
     members = []
@@ -344,7 +343,9 @@ def route(op: str, group: Sequence[int], pd: np.ndarray, infos: dict[int, dict[s
         info = infos.get(process, {})
         uuid = next((d["uuid"] for d in info.get("devices", ()) if d["ordinal"] == ordinal), "")
         members.append((process, ordinal, info.get("host", ""), uuid))
-    return tuple(flavor.module.cuda_route(op, members, jax.process_index(), one_rank_nccl()))
+    # The decision is host logic (ffi/cuda/routes.cc), bound in _jaxcomm in every build;
+    # both builds' handlers take the same (their own copy of it).
+    return tuple(_jaxcomm.cuda_route(op, members, jax.process_index(), one_rank_nccl()))
 
 
 def prepare_lowering(op: str, replica_groups: Sequence[Sequence[int]], axis_context: Any,
@@ -370,7 +371,7 @@ def prepare_lowering(op: str, replica_groups: Sequence[Sequence[int]], axis_cont
         procs = {int(table[p, 0]) for p in group}
         if len(group) < 2 or procs == {me} or me not in procs:
             continue
-        name, error = route(op, group, pd, infos, flavor)
+        name, error = route(op, group, pd, infos)
         if error:
             raise RuntimeError(f"jaxcomm.{op} on {'emulated ' if flavor is not GPU else ''}CUDA: {error}")
         if name == ROUTE_IPC:

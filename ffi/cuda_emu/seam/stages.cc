@@ -3,7 +3,9 @@
 #include <array>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <utility>
+#include <vector>
 
 #include "cuda_emu/seam/staging.h"
 
@@ -16,6 +18,37 @@ int CountOps() {
   int n = 0;
   while (cuda::AllStages()[n].op != nullptr) ++n;
   return n;
+}
+
+// XLA:CPU's device ids of this process's devices, in local order (SetLocalDevices).
+std::mutex ids_mu;
+std::vector<int64_t> local_ids;
+XLA_FFI_DeviceOrdinal_Get* xla_ordinal = nullptr;
+
+// XLA:CPU's DeviceOrdinal is the device's id in the job (process 1 of a job of 2-device
+// processes: 2048, 2049); XLA:GPU's is the local ordinal, which the CUDA backend takes
+// as its CUDA device. The handlers' API table maps one to the other.
+XLA_FFI_Error* LocalDeviceOrdinal(XLA_FFI_DeviceOrdinal_Get_Args* args) {
+  if (XLA_FFI_Error* e = xla_ordinal(args)) return e;
+  std::lock_guard<std::mutex> lock(ids_mu);
+  for (size_t k = 0; k < local_ids.size(); ++k) {
+    if (local_ids[k] == args->device_ordinal) {
+      args->device_ordinal = static_cast<int32_t>(k);
+      break;
+    }
+  }
+  return nullptr;
+}
+
+// XLA's API table with DeviceOrdinal_Get mapped (one XLA in the process: one table).
+const XLA_FFI_Api* HandlerApi(const XLA_FFI_Api* api) {
+  static const XLA_FFI_Api* patched = [api] {
+    auto* copy = new XLA_FFI_Api(*api);  // the fields this build knows; never freed
+    xla_ordinal = api->XLA_FFI_DeviceOrdinal_Get;
+    copy->XLA_FFI_DeviceOrdinal_Get = &LocalDeviceOrdinal;
+    return copy;
+  }();
+  return patched;
 }
 
 // XLA's metadata query (the handler's API version and traits) rather than a call.
@@ -44,14 +77,16 @@ XLA_FFI_Error* InitializeThenExecute(XLA_FFI_CallFrame* frame) {
   if (MetadataQuery(frame) || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) {
     return s.execute(frame);
   }
-  XLA_FFI_CallFrame init = *frame;
+  XLA_FFI_CallFrame call = *frame;
+  call.api = HandlerApi(frame->api);
+  XLA_FFI_CallFrame init = call;
   init.stage = XLA_FFI_ExecutionStage_INITIALIZE;
   init.args.size = 0;
   init.rets.size = 0;
   init.attrs.size = 0;
   init.future = nullptr;
   if (XLA_FFI_Error* e = s.initialize(&init)) return e;
-  return seam::RunStaged(frame, KindOf(s.op), s.execute);
+  return seam::RunStaged(&call, KindOf(s.op), s.execute);
 }
 
 template <int... I>
@@ -66,7 +101,9 @@ XLA_FFI_Error* StagedLocal(XLA_FFI_CallFrame* frame) {
   if (MetadataQuery(frame) || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) {
     return t.execute(frame);
   }
-  return seam::RunStaged(frame, seam::CallKind::kPlain, t.execute);
+  XLA_FFI_CallFrame call = *frame;
+  call.api = HandlerApi(frame->api);
+  return seam::RunStaged(&call, seam::CallKind::kPlain, t.execute);
 }
 
 template <int... I>
@@ -75,6 +112,11 @@ constexpr std::array<XLA_FFI_Handler*, kMaxOps> LocalTable(std::integer_sequence
 }
 
 }  // namespace
+
+void SetLocalDevices(std::vector<int64_t> xla_ids) {
+  std::lock_guard<std::mutex> lock(ids_mu);
+  local_ids = std::move(xla_ids);
+}
 
 const cuda::Stages* EmulatedStages() {
   static const auto stages = [] {

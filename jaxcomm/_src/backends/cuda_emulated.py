@@ -95,6 +95,9 @@ def ensure_registered() -> None:
         jax.ffi.register_ffi_target(runtime.target_name(op), stages, platform="cpu")
     _jaxcomm.set_process_index(jax.process_index())
     emu.set_process_index(jax.process_index())
+    # XLA:CPU tells a handler its device's id in the job; the CUDA backend wants the local
+    # ordinal (its CUDA device), as XLA:GPU gives it.
+    emu.emu_set_local_devices([d.id for d in jax.local_devices(backend="cpu")])
     # The CUDA IPC route meets its peers over the host backend's links (bootstrap.py links
     # them into _jaxcomm's registry); this module's own registry borrows them.
     emu.emu_borrow_cross_process(_jaxcomm.cross_process_capsule())
