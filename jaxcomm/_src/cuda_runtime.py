@@ -362,8 +362,12 @@ def prepare_lowering(op: str, replica_groups: Sequence[Sequence[int]], axis_cont
         return partition_devices(axis_context)
     from jaxcomm._src import bootstrap, groups as groups_mod
     peers = groups_mod.peer_processes(axis_context, tuple(tuple(g) for g in replica_groups))
+    # Every process of the mesh, not only this one's peers: the program then names every
+    # partition's device alike wherever it was lowered (an executable compiled by one
+    # process and loaded by the others, as jax's compilation cache does, finds its device).
+    mesh_processes = {int(d.process_index) for d in np.asarray(axis_context.mesh.devices).reshape(-1)}
     extra = {} if flavor is GPU else dict(flavor=flavor)
-    infos = process_info(peers, timeout_ms, **extra)
+    infos = process_info(set(peers) | mesh_processes, timeout_ms, **extra)
     pd = partition_devices(axis_context, infos)
     table = pd.reshape(-1, 2)
     me = jax.process_index()

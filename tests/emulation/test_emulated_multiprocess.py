@@ -66,6 +66,14 @@ print("REPORT " + json.dumps(report), flush=True)
 """
 
 CHECKS = VISIBLE + PROLOGUE + "import json\n" + CHECK_LIB + """
+# One program per case: XLA:CPU runs a program's independent custom calls in any order
+# (XLA:GPU issues a device's in program order), and NCCL needs every rank to issue its
+# collectives in one order.
+_run_together = run_cases
+def run_cases(tag, mesh, axes, X, cases, donate=False):
+    for name, case in cases.items():
+        _run_together(tag, mesh, axes, X, {name: case}, donate)
+
 devices = np.asarray(jax.devices()).reshape(NPROC, LOCAL)
 if LOCAL > 1:
     mesh2 = jax.sharding.Mesh(devices, ("p", "l"))

@@ -1,5 +1,5 @@
 // CUDA IPC between processes: a memory handle names the exporting process and the memfd
-// behind a cudaMalloc'd block (opened through /proc/<pid>/fd, so the processes must be
+// behind a cudaMalloc'd block (and a serial: descriptors are reused, handles never are) (opened through /proc/<pid>/fd, so the processes must be
 // able to see each other's descriptors, as same-user processes on one host can); an event
 // handle names the memfd holding an interprocess event's counters. Closing an IPC mapping
 // leaves its addresses reserved and inaccessible, so that a late use faults or, through
@@ -26,6 +26,7 @@ struct HandleBody {
   int32_t fd;
   uint64_t size;
   int32_t device;  // physical
+  uint64_t serial;  // the block's or event's (state.h): descriptors are reused
 };
 static_assert(sizeof(HandleBody) <= CUDA_IPC_HANDLE_SIZE, "an IPC handle is 64 bytes");
 
@@ -96,6 +97,7 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr) {
   body.fd = a->fd;
   body.size = a->size;
   body.device = PhysicalDevice(a->device);  // ordinals differ between processes
+  body.serial = a->serial;
   Write(handle, body);
   return cudaSuccess;
 }
@@ -149,6 +151,7 @@ cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t* handle, cudaEvent_t even
   std::memcpy(body.magic, kEventMagic, sizeof(body.magic));
   body.pid = getpid();
   body.fd = ev->shm_fd;
+  body.serial = ev->serial;
   Write(handle, body);
   return cudaSuccess;
 }
