@@ -25,6 +25,7 @@ The default run takes a 2 x 1 job; ``JAXCOMM_TEST_EMULATED_FULL=1`` adds 2 x 2, 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pathlib
@@ -186,6 +187,44 @@ def test_shared_gpu_takes_the_ipc_route(n: int) -> None:
         routes = _routes(r)
         for op in NCCL_OPS | OWN_KERNELS:
             assert routes[op] == {IPC}, (op, routes)
+
+
+def _moe_inference_body() -> str:
+    """tests/test_moe_inference.py's job across processes: the split-phase low-latency FP8
+    dispatch and combine against the fused calls, a bfloat16 combine against NumPy."""
+    tree = ast.parse((TESTS / "test_moe_inference.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "SPLIT_ACROSS_PROCESSES":
+            return ast.literal_eval(node.value)
+    raise AssertionError("tests/test_moe_inference.py has no SPLIT_ACROSS_PROCESSES")
+
+
+MOE_INFERENCE = VISIBLE + PROLOGUE + "import json\n" + _moe_inference_body() + REPORT + 'print("ALL CHECKED", flush=True)\n'
+
+
+@pytest.mark.parametrize("n,local", [(2, 1), pytest.param(2, 2, marks=full_only)])
+def test_moe_inference_split_phase(n: int, local: int) -> None:
+    """MoE inference (low-latency layout, FP8, split-phase halves) across processes, each
+    rank its own GPU: one GPU per process, the halves' transport goes through CUDA IPC
+    (moe_transport_send's movement outliving its call, its staged buffers pinned until
+    moe_recv); two per process, the composed transport over the mock NCCL."""
+    res = run_script(MOE_INFERENCE, n, local, prologue=False, args=["distinct"],
+                     env={"JAXCOMM_EMULATE_CUDA": "1", "JAXCOMM_TIMEOUT_S": "60"}, timeout_s=300)
+    assert_ok(res)
+    for p in range(n):
+        out = res.output[p]
+        assert "CHECKED split-phase low-latency FP8 across processes" in out, res.format()
+        assert "CHECKED bfloat16 combine across processes" in out, res.format()
+        r = json.loads(next(ln for ln in out.splitlines() if ln.startswith("REPORT "))[len("REPORT "):])
+        _assert_clean({p: r})
+        routes = _routes(r)
+        if local == 1:
+            # (moe_recv only waits: no statistics row of its own.)
+            for op in ("moe_transport", "moe_transport_send"):
+                assert routes.get(op) == {IPC}, (op, routes)
+        else:
+            assert "moe_transport_send" not in routes and "moe_transport" not in routes, routes
+            assert set(r["algorithms"]) == {NCCL}, routes
 
 
 SHARED_NCCL = VISIBLE + PROLOGUE + """
