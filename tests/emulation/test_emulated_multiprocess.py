@@ -84,6 +84,20 @@ if LOCAL > 1:
 else:
     mesh1 = jax.sharding.Mesh(devices.reshape(-1)[::-1], ("x",))
     check_all(mesh1, ("x",), "x", moe=("packed",) if sys.argv[2] == "smoke" else ("packed", "padded"))
+
+# A one-sided put (jaxcomm.tp) over the axis of one rank per process, work in between.
+axis = "p" if LOCAL > 1 else "x"
+put_mesh = mesh2 if LOCAL > 1 else mesh1
+G = put_mesh.shape[axis]
+perm = [(i, (i + 1) % G) for i in range(G)]
+def put_case(x):
+    pending = jaxcomm.tp.put_start(x, axis, perm)
+    h = jnp.tanh(x) * 2
+    return jaxcomm.tp.put_done(pending), h
+def put_expected(X, g, r):
+    return X[g[(r - 1) % len(g)]], np.tanh(X[g[r]]) * 2
+run_cases(axis, put_mesh, (axis,), global_data(put_mesh.devices.size, BLOCK),
+          {"put": (put_case, put_expected, (None, 1e-6))})
 """ + REPORT + 'print("ALL CHECKED", flush=True)\n'
 
 #: What check_all prints per mesh and axis (check_ops.py), and the MoE layouts run there.
@@ -96,7 +110,7 @@ NCCL = "cuda (emulated): nccl"
 PEERS = "cuda (emulated): cuda peers in process"
 
 #: Ops on jaxcomm's own kernels (the IPC route between processes of one host, one rank each).
-OWN_KERNELS = {"ppermute", "moe_transport"}
+OWN_KERNELS = {"ppermute", "moe_transport", "put_start"}
 #: Ops NCCL serves.
 NCCL_OPS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
 
@@ -141,9 +155,10 @@ def test_two_processes_one_gpu_each_smoke() -> None:
     _assert_clean(reports)
     assert reports[0]["uuids"] != reports[1]["uuids"]
     for p, r in reports.items():
-        assert sorted(r["checked"]) == sorted(f"x {c}" for c in CASES + ["moe packed"]), r["checked"]
+        assert sorted(r["checked"]) == sorted(f"x {c}" for c in CASES + ["moe packed", "put"]), r["checked"]
         routes = _routes(r)
         assert routes["ppermute"] == {IPC} and routes["moe_transport"] == {IPC}, routes
+        assert routes["put_start"] == {IPC}, routes
         for op in NCCL_OPS:
             assert routes[op] == {NCCL}, (op, routes)
 
@@ -160,17 +175,19 @@ def test_distinct_gpus(n: int, local: int) -> None:
     for r in reports.values():
         routes = _routes(r)
         if local == 1:
-            assert sorted(r["checked"]) == sorted(f"x {c}" for c in CASES + ["moe packed", "moe padded"])
+            assert sorted(r["checked"]) == sorted(f"x {c}" for c in CASES + ["moe packed", "moe padded", "put"])
             assert routes["ppermute"] == {IPC} and routes["moe_transport"] == {IPC}, routes
+            assert routes["put_start"] == {IPC}, routes
             for op in NCCL_OPS:
                 assert routes[op] == {NCCL}, (op, routes)
         else:
             want = {f"{t} {c}" for t, moe in {"p": ["moe packed"], "l": [], "pl": ["moe padded"]}.items()
-                    for c in CASES + moe}
+                    for c in CASES + moe} | {"p put"}
             assert sorted(r["checked"]) == sorted(want)
             # ppermute: over "p" (one rank per process) IPC, over "l" the peers in the
             # process, over both NCCL.
             assert routes["ppermute"] == {IPC, PEERS, NCCL}, routes
+            assert routes["put_start"] == {IPC}, routes
             for op in NCCL_OPS:
                 assert routes[op] == {NCCL}, (op, routes)
 
@@ -185,7 +202,7 @@ def test_shared_gpu_takes_the_ipc_route(n: int) -> None:
     assert len({tuple(r["uuids"]) for r in reports.values()}) == 1
     for r in reports.values():
         routes = _routes(r)
-        for op in NCCL_OPS | OWN_KERNELS:
+        for op in NCCL_OPS | OWN_KERNELS | {"put_start"}:
             assert routes[op] == {IPC}, (op, routes)
 
 
@@ -225,6 +242,61 @@ def test_moe_inference_split_phase(n: int, local: int) -> None:
         else:
             assert "moe_transport_send" not in routes and "moe_transport" not in routes, routes
             assert set(r["algorithms"]) == {NCCL}, routes
+
+
+STAGING = """
+from jaxcomm import _jaxcomm_emu as emu
+mesh = Mesh(np.asarray(jax.devices()), ("x",))
+sh = NamedSharding(mesh, P("x"))
+x = jax.device_put(np.arange(2 * 6, dtype=np.float32).reshape(2, 6), sh)
+
+def calls(f, *args):
+    before = emu.emu_seam_stats()["calls"]
+    out = jax.block_until_ready(f(*args))
+    stats = emu.emu_seam_stats()
+    return out, stats["calls"] - before, stats
+
+# all_reduce reuses its operand's buffer (input_output_aliases): one staged block serves
+# both, and the sum comes back into XLA:CPU's buffer.
+reduce = jax.jit(jax.shard_map(lambda v: jaxcomm.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"),
+                               out_specs=P("x")))
+out, n, stats = calls(reduce, x)
+np.testing.assert_array_equal(np.asarray(out), np.tile(np.asarray(x).sum(0), (2, 1)))
+assert n == 2, n  # one call per device
+operand, result = stats["last_call"]
+assert not operand["result"] and result["result"], stats["last_call"]
+assert operand["xla"] == result["xla"] and operand["staged"] == result["staged"], stats["last_call"]
+assert operand["bytes"] == result["bytes"] == 6 * 4, stats["last_call"]
+print("CHECKED aliased", flush=True)
+
+# all_gather: operand and result apart, each in emulated device memory, not XLA:CPU's.
+gather = jax.jit(jax.shard_map(lambda v: jaxcomm.all_gather(v, "x", tiled=True), mesh=mesh,
+                               in_specs=P("x"), out_specs=P("x")))
+out, n, stats = calls(gather, x)
+np.testing.assert_array_equal(np.asarray(out).reshape(2, 2, 6)[0], np.asarray(x))
+operand, result = stats["last_call"]
+assert operand["staged"] != result["staged"] and result["bytes"] == 2 * operand["bytes"], stats["last_call"]
+for b in stats["last_call"]:
+    assert b["device_memory"] and b["staged"] != b["xla"], b
+print("CHECKED apart", flush=True)
+
+# The arena: one region per device so far (exported handles stay valid), nothing pinned.
+# (XLA:CPU calls no custom call on zero-size arrays: the seam's zero-size blocks, a valid
+# device address as XLA:GPU gives, are not reached from jax.)
+assert stats["arenas"] == 2 and stats["pinned"] == 0, stats
+assert emu.emu_strict_violations() == [] and emu.emu_sticky_error() == ""
+print("CHECKED staging", flush=True)
+"""
+
+
+def test_seam_stages_xla_buffers_in_device_memory() -> None:
+    """The seam hands a handler emulated device memory for XLA:CPU's buffers (what the
+    CUDA IPC route exports), one block for an operand and the result aliased to it, and
+    copies the results back to XLA:CPU."""
+    res = run_script(STAGING, 1, 2, env={"JAXCOMM_EMULATE_CUDA": "1"}, timeout_s=120)
+    assert_ok(res)
+    for tag in ("aliased", "apart", "staging"):
+        assert f"CHECKED {tag}" in res.output[0], res.format()
 
 
 SHARED_NCCL = VISIBLE + PROLOGUE + """
