@@ -6,7 +6,8 @@ with the host C++ compiler alone (no CUDA toolkit): streams asynchronous and in 
 events across streams and processes, the last-error rules (cudaGetLastError clears,
 cudaPeekAtLastError does not, an event poll's cudaErrorNotReady stays), sticky errors,
 poisoned fresh memory, launch and pitch limits, the legacy stream's implicit ordering,
-peer access refused to the device itself, CUDA IPC between two processes, the devices a
+peer access refused to the device itself, CUDA IPC between two processes (and handles that
+name one block or event for good, descriptors being reused), the devices a
 process sees under CUDA_VISIBLE_DEVICES (count, and each one's physical identity), and the strict
 checks (a wait on an event never recorded, freeing memory queued work uses, a host read on
 the legacy stream racing a non-blocking stream's queued work, an IPC mapping used after it
@@ -35,7 +36,8 @@ INCLUDES = [f"-I{ROOT / 'ffi'}", f"-I{ROOT / 'ffi/cuda_emu/runtime/include'}",
 SIMT_CASES = ["launches", "warps", "barriers"]
 CASES = ["stream_order", "last_error", "sticky", "poison", "launch_limits", "events_across_streams",
          "legacy_stream", "peer_access", "strict_never_recorded", "strict_free_in_use",
-         "strict_host_read_unsynchronized", "ipc", "visible_devices"]
+         "strict_host_read_unsynchronized", "ipc", "visible_devices",
+         "ipc_handles_unique"]
 
 
 def _compiler() -> str:

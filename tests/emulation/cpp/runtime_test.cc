@@ -313,6 +313,32 @@ void StrictHostReadUnsynchronized() {
 
 // Two processes: the child exports a block and an interprocess event; the parent opens
 // both, sees the child's data, waits on its event, then uses the mapping after closing it.
+// A handle names one block or event for good: a block or event made after another was
+// freed (reusing its descriptor) has a handle of its own, and the same block always the
+// same handle (peers cache what they opened by handle).
+void IpcHandlesUnique() {
+  void* p = nullptr;
+  cudaIpcMemHandle_t first, again, later;
+  OK(cudaMalloc(&p, 4096));
+  OK(cudaIpcGetMemHandle(&first, p));
+  OK(cudaIpcGetMemHandle(&again, p));
+  EXPECT_EQ(std::memcmp(&first, &again, sizeof(first)), 0);
+  OK(cudaFree(p));
+  OK(cudaMalloc(&p, 4096));
+  OK(cudaIpcGetMemHandle(&later, p));
+  EXPECT_EQ(std::memcmp(&first, &later, sizeof(first)) != 0, true);
+  OK(cudaFree(p));
+  cudaEvent_t ev;
+  cudaIpcEventHandle_t e1, e2;
+  OK(cudaEventCreateWithFlags(&ev, cudaEventInterprocess | cudaEventDisableTiming));
+  OK(cudaIpcGetEventHandle(&e1, ev));
+  OK(cudaEventDestroy(ev));
+  OK(cudaEventCreateWithFlags(&ev, cudaEventInterprocess | cudaEventDisableTiming));
+  OK(cudaIpcGetEventHandle(&e2, ev));
+  EXPECT_EQ(std::memcmp(&e1, &e2, sizeof(e1)) != 0, true);
+  OK(cudaEventDestroy(ev));
+}
+
 void Ipc() {
   int to_parent[2], to_child[2];
   if (pipe(to_parent) != 0 || pipe(to_child) != 0) std::exit(1);
@@ -394,7 +420,7 @@ int main(int argc, char** argv) {
       {"legacy_stream", LegacyStream},     {"peer_access", PeerAccess},
       {"strict_never_recorded", StrictNeverRecorded}, {"strict_free_in_use", StrictFreeInUse},
       {"strict_host_read_unsynchronized", StrictHostReadUnsynchronized}, {"ipc", Ipc},
-      {"visible_devices", VisibleDevices},
+      {"visible_devices", VisibleDevices}, {"ipc_handles_unique", IpcHandlesUnique},
   };
   if (argc == 2 && std::string(argv[1]) == "--list") {
     for (auto& [name, f] : cases) std::printf("%s\n", name.c_str());
