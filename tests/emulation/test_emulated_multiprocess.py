@@ -98,6 +98,27 @@ def put_expected(X, g, r):
     return X[g[(r - 1) % len(g)]], np.tanh(X[g[r]]) * 2
 run_cases(axis, put_mesh, (axis,), global_data(put_mesh.devices.size, BLOCK),
           {"put": (put_case, put_expected, (None, 1e-6))})
+
+# Training: the gradient of an MoE layer's summed output through dispatch and combine
+# (their transposes move the cotangents back across the processes). Token t's row goes
+# to experts e_k, each computing row * (e + 1) + 0.5 e, and comes back weighted w_k: the
+# gradient of its sum is sum_k w_k (e_k + 1) in every channel.
+E_grad = 2 * G
+def moe_grad(x):
+    r = jax.lax.axis_index(axis)
+    ids, w = moe_routing(r, E_grad, jnp)
+    El = E_grad // G
+    def loss(x):
+        ex, sizes, h = jaxcomm.moe.dispatch(x, ids, num_experts=E_grad, axis_name=axis)
+        el = jnp.sum(jnp.arange(ex.shape[0])[:, None] >= jnp.cumsum(sizes)[None, :], axis=1)
+        e = (r * El + el).astype(jnp.float32)[:, None]
+        return jaxcomm.moe.combine(expert(e, ex), h, w).sum()
+    return jax.grad(loss)(x)
+def moe_grad_expected(X, g, r):
+    ids, w = moe_routing(r, E_grad)
+    return np.repeat((w * (ids + 1)).sum(1, keepdims=True), X.shape[-1], axis=1).astype(np.float32)
+run_cases(axis, put_mesh, (axis,), global_data(put_mesh.devices.size, BLOCK),
+          {"moe grad": (moe_grad, moe_grad_expected, 1e-6)})
 """ + REPORT + 'print("ALL CHECKED", flush=True)\n'
 
 #: What check_all prints per mesh and axis (check_ops.py), and the MoE layouts run there.
@@ -155,7 +176,7 @@ def test_two_processes_one_gpu_each_smoke() -> None:
     _assert_clean(reports)
     assert reports[0]["uuids"] != reports[1]["uuids"]
     for p, r in reports.items():
-        assert sorted(r["checked"]) == sorted(f"x {c}" for c in CASES + ["moe packed", "put"]), r["checked"]
+        assert sorted(r["checked"]) == sorted(f"x {c}" for c in CASES + ["moe packed", "put", "moe grad"]), r["checked"]
         routes = _routes(r)
         assert routes["ppermute"] == {IPC} and routes["moe_transport"] == {IPC}, routes
         assert routes["put_start"] == {IPC}, routes
@@ -175,14 +196,14 @@ def test_distinct_gpus(n: int, local: int) -> None:
     for r in reports.values():
         routes = _routes(r)
         if local == 1:
-            assert sorted(r["checked"]) == sorted(f"x {c}" for c in CASES + ["moe packed", "moe padded", "put"])
+            assert sorted(r["checked"]) == sorted(f"x {c}" for c in CASES + ["moe packed", "moe padded", "put", "moe grad"])
             assert routes["ppermute"] == {IPC} and routes["moe_transport"] == {IPC}, routes
             assert routes["put_start"] == {IPC}, routes
             for op in NCCL_OPS:
                 assert routes[op] == {NCCL}, (op, routes)
         else:
             want = {f"{t} {c}" for t, moe in {"p": ["moe packed"], "l": [], "pl": ["moe padded"]}.items()
-                    for c in CASES + moe} | {"p put"}
+                    for c in CASES + moe} | {"p put", "p moe grad"}
             assert sorted(r["checked"]) == sorted(want)
             # ppermute: over "p" (one rank per process) IPC, over "l" the peers in the
             # process, over both NCCL.
