@@ -212,27 +212,7 @@ NB_MODULE(_jaxcomm, m) {
   // The dumper thread (automatic dumps) and the SIGUSR1 handler start with the module.
   jaxcomm::Registry::Get().recorder().StartDumper();
 
-  m.def("trace_json", [](const std::string& reason) {
-    std::string json;
-    {
-      nb::gil_scoped_release release;
-      json = jaxcomm::Registry::Get().recorder().DumpJson(reason);
-    }
-    return json;
-  }, nb::arg("reason"), "This process's flight recorder as a JSON document (see docs/tracing.md).");
-
-  m.def("trace_dump", [](const std::string& path, const std::string& reason) {
-    std::string error;
-    {
-      nb::gil_scoped_release release;
-      error = jaxcomm::Registry::Get().recorder().DumpToFile(path, reason);
-    }
-    if (!error.empty()) throw std::runtime_error("jaxcomm: flight recorder dump: " + error);
-  }, nb::arg("path"), nb::arg("reason"), "Writes the flight recorder's JSON to `path` atomically.");
-
-  m.def("trace_file_in", [](const std::string& dir) {
-    return jaxcomm::Registry::Get().recorder().FileIn(dir);
-  }, "This process's dump file name in `dir` (jaxcomm-trace-p<index>-<pid>.json).");
+  jaxcomm::BindTraceDumps(m, jaxcomm::Registry::Get().recorder());
 
   m.def("trace_dir", [] { return jaxcomm::Registry::Get().recorder().dump_dir(); },
         "JAXCOMM_TRACE_DIR as read at start ('' when unset).");
@@ -245,9 +225,6 @@ NB_MODULE(_jaxcomm, m) {
 
   m.def("trace_set_enabled", [](bool on) { jaxcomm::Registry::Get().recorder().set_enabled(on); },
         "Turns recording on or off (no effect when JAXCOMM_TRACE_ENTRIES=0).");
-
-  m.def("trace_auto_dumps", [] { return jaxcomm::Registry::Get().recorder().auto_dumps(); },
-        "How many automatic dumps (errors, SIGUSR1) the dumper thread wrote.");
 
   m.def("trace_stats", [] { return jaxcomm::TraceStatsRows(jaxcomm::Registry::Get().recorder()); },
         "Cumulative per-(instruction, group) counters of this process's rounds.");

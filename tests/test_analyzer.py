@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import pytest
 
 from jaxcomm.trace import __main__ as trace_cli
-from jaxcomm.trace import analyzer
+from jaxcomm.trace import analyzer, ringfile
 
 PROCESS_OF = {0: 0, 1: 0, 2: 1, 3: 1}
 PIDS = {0: 1000, 1: 1001}
@@ -278,6 +278,37 @@ def test_dumps_of_another_format_version_are_refused(tmp_path):
     path.write_text(json.dumps(dict(doc, version=2)))
     with pytest.raises(ValueError, match="dump format version 2 is not one of"):
         analyzer.analyze(d)
+
+
+def test_two_recorders_of_one_process_are_both_read(tmp_path):
+    # Under the CUDA emulation a process has two recorders (the host backend's and the
+    # emulated CUDA calls', "recorder": "cuda-emu"), dumped side by side under one pid:
+    # both are its records (before, the loader kept only the more complete one). Here the
+    # host recorder holds a clean all_reduce; the emulated one a ppermute that rank 2
+    # never reached at execution 2.
+    host = write_dumps(tmp_path / "d", done_calls(range(1, 4)))
+    emu = tmp_path / "emu"
+    ppermute = dict(op="ppermute", instruction="00000000000000b2")
+    late = timed_out([2]).replace("all_reduce", "ppermute")
+    write_dumps(emu, done_calls([1], start=0.5, **ppermute) + [
+        entry(p, 2, at=1.0, state="failed", error=late, **ppermute) for p in (0, 1, 3)])
+    for path in emu.glob("*.json"):
+        doc = json.loads(path.read_text())
+        (host / path.name.replace(".json", "-cuda-emu.json")).write_text(json.dumps(dict(doc, recorder="cuda-emu")))
+    dumps = analyzer.load(host)
+    assert [(d["process_index"], d.get("recorder", "")) for d in dumps] == [
+        (0, ""), (0, "cuda-emu"), (1, ""), (1, "cuda-emu")]
+    report = analyzer.analyze(host)
+    assert report.calls == 5, report.text()
+    f = top(report)
+    assert (f.kind, f.op, f.execution, f.culprits, f.waiting) == ("hang", "ppermute", 2, [2], [0, 1, 3])
+    # Rank 2's last call, of both recorders: its ppermute of execution 1 (after the all_reduces).
+    assert "rank 2: its last call was ppermute" in report.text(), report.text()
+
+
+def test_ring_file_names_their_recorder():
+    assert ringfile.recorder_tag("/t/jaxcomm-ring-p3-4711.bin") == ""
+    assert ringfile.recorder_tag("/t/jaxcomm-ring-p3-4711-cuda-emu.bin") == "cuda-emu"
 
 
 # ---------------------------------------------------------------------------------- CLI

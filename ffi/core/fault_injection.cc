@@ -111,8 +111,7 @@ FaultInjector::FaultInjector(const char* spec) {
   faults_ = std::move(faults);
 }
 
-std::optional<xla::ffi::Future> FaultInjector::Apply(const CallContext& call, int64_t process,
-                                                     std::chrono::milliseconds timeout) {
+std::optional<std::string> FaultInjector::Fire(const CallContext& call, int64_t process) {
   const Fault* fire = nullptr;
   int64_t count = 0;
   {
@@ -149,24 +148,39 @@ std::optional<xla::ffi::Future> FaultInjector::Apply(const CallContext& call, in
       std::fprintf(stderr, "%s: exiting with code %d\n", what.c_str(), fire->exit_code);
       std::fflush(stderr);
       _exit(fire->exit_code);
-    case Action::kHang: {
+    case Action::kHang:
       std::fprintf(stderr, "%s: this rank does not join the call\n", what.c_str());
-      xla::ffi::Promise promise;
-      xla::ffi::Future future(promise);
-      // The rank's own call fails after its peers' deadline, so that their errors (which
-      // name this rank) come first, and this device's program ends instead of hanging.
-      Registry::Get().watchdog().Schedule(
-          Clock::now() + timeout + std::chrono::seconds(1), [promise, what]() mutable {
-            // Never continue a rank's program on the watchdog thread.
-            Registry::Get().pool().Post([promise, what]() mutable {
-              promise.SetError(xla::ffi::Error(xla::ffi::ErrorCode::kAborted,
-                                               what + ": injected hang (never joined the call)"));
-            });
-          });
-      return future;
-    }
+      return what;
   }
   return std::nullopt;
+}
+
+std::optional<xla::ffi::Future> FaultInjector::Apply(const CallContext& call, int64_t process,
+                                                     std::chrono::milliseconds timeout) {
+  std::optional<std::string> hang = Fire(call, process);
+  if (!hang) return std::nullopt;
+  xla::ffi::Promise promise;
+  xla::ffi::Future future(promise);
+  // The rank's own call fails after its peers' deadline, so that their errors (which
+  // name this rank) come first, and this device's program ends instead of hanging.
+  Registry::Get().watchdog().Schedule(
+      Clock::now() + timeout + std::chrono::seconds(1), [promise, what = *hang]() mutable {
+        // Never continue a rank's program on the watchdog thread.
+        Registry::Get().pool().Post([promise, what]() mutable {
+          promise.SetError(xla::ffi::Error(xla::ffi::ErrorCode::kAborted,
+                                           what + ": injected hang (never joined the call)"));
+        });
+      });
+  return future;
+}
+
+std::optional<xla::ffi::Error> FaultInjector::ApplyBlocking(const CallContext& call, int64_t process,
+                                                            std::chrono::milliseconds timeout) {
+  std::optional<std::string> hang = Fire(call, process);
+  if (!hang) return std::nullopt;
+  // As Apply's future: the peers' errors, which name this rank, come first.
+  std::this_thread::sleep_for(timeout + std::chrono::seconds(1));
+  return xla::ffi::Error(xla::ffi::ErrorCode::kAborted, *hang + ": injected hang (never joined the call)");
 }
 
 }  // namespace jaxcomm

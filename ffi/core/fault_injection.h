@@ -49,6 +49,11 @@ class FaultInjector {
   // instead of joining.
   std::optional<xla::ffi::Future> Apply(const CallContext& call, int64_t process,
                                         std::chrono::milliseconds timeout);
+  // The same at the same point of a handler that returns its status instead of a future
+  // (the CUDA backend's, which only enqueue): a hang blocks the calling thread until one
+  // second after its peers' deadline and returns the error its call then fails with.
+  std::optional<xla::ffi::Error> ApplyBlocking(const CallContext& call, int64_t process,
+                                               std::chrono::milliseconds timeout);
 
  private:
   enum class Action { kHang, kExit, kDelay };
@@ -63,6 +68,9 @@ class FaultInjector {
     std::string text;  // as written, for messages
   };
   static std::string Parse(const std::string& one, Fault* f);
+  // Finds the fault that selects this call and carries out a delay or an exit; for a hang,
+  // returns what fired (for its messages), else nullopt.
+  std::optional<std::string> Fire(const CallContext& call, int64_t process);
 
   std::string error_;
   std::vector<Fault> faults_;

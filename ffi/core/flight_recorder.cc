@@ -168,6 +168,11 @@ FlightRecorder::FlightRecorder(size_t entries_per_rank, std::string dump_dir)
       enabled_(entries_per_rank > 0),
       file_(dump_dir_, entries_per_rank) {}
 
+void FlightRecorder::set_tag(const std::string& tag) {
+  tag_ = tag;
+  file_.set_tag(tag);
+}
+
 FlightRecorder::~FlightRecorder() {
   if (dumper_.joinable()) {
     const char c = 'q';
@@ -426,6 +431,10 @@ std::string FlightRecorder::DumpJson(const std::string& reason) const {
   std::ostringstream out;
   out << "{\"format\":\"jaxcomm-trace\",\"version\":1,\"reason\":";
   JsonString(out, reason);
+  if (!tag_.empty()) {
+    out << ",\"recorder\":";
+    JsonString(out, tag_);
+  }
   out << ",\"process_index\":" << Registry::Get().process_index() << ",\"pid\":" << getpid()
       << ",\"host\":";
   JsonString(out, HostName());
@@ -504,7 +513,7 @@ std::string FlightRecorder::FileIn(const std::string& dir) const {
   std::string d = dir.empty() ? "." : dir;
   if (d.back() != '/') d += '/';
   return d + "jaxcomm-trace-p" + std::to_string(Registry::Get().process_index()) + "-" +
-         std::to_string(getpid()) + ".json";
+         std::to_string(getpid()) + (tag_.empty() ? "" : "-" + tag_) + ".json";
 }
 
 std::string FlightRecorder::DumpToFile(const std::string& path, const std::string& reason) const {
@@ -585,9 +594,9 @@ void FlightRecorder::RequestDump(char reason) {
   (void)ignored;
 }
 
-void FlightRecorder::StartDumper() {
+void FlightRecorder::StartDumper(bool handle_signal) {
   if (entries_ == 0) return;  // recorder off: no thread, SIGUSR1 keeps its default
-  std::call_once(dumper_once_, [this] {
+  std::call_once(dumper_once_, [this, handle_signal] {
     int fds[2];
     if (pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) return;
     wake_read_ = fds[0];
@@ -598,7 +607,7 @@ void FlightRecorder::StartDumper() {
     });
     // Only where nobody else handles SIGUSR1: a program's own handler stays in charge.
     struct sigaction old {};
-    if (this == &Registry::Get().recorder() && sigaction(SIGUSR1, nullptr, &old) == 0 &&
+    if (handle_signal && this == &Registry::Get().recorder() && sigaction(SIGUSR1, nullptr, &old) == 0 &&
         old.sa_handler == SIG_DFL) {
       struct sigaction sa {};
       sa.sa_handler = OnSignal;

@@ -70,6 +70,13 @@ class FlightRecorder {
   void set_enabled(bool on) { enabled_.store(on && entries_ > 0, std::memory_order_relaxed); }
   size_t entries_per_rank() const { return entries_; }
   const std::string& dump_dir() const { return dump_dir_; }
+  // Names this recorder apart from another of the same process: the CUDA emulation's
+  // module (_jaxcomm_emu) has its own copy of core/ beside _jaxcomm's, so its dump is
+  // jaxcomm-trace-p<I>-<pid>-<tag>.json, its rings jaxcomm-ring-p<I>-<pid>-<tag>.bin, and
+  // its dumps say "recorder": tag (the analyzer reads both as records of one process).
+  // Call before the first recorded call.
+  void set_tag(const std::string& tag);
+  const std::string& tag() const { return tag_; }
 
   // The site of (table, instruction, group), or null when not described yet. Lock-free.
   const TraceSite* FindSite(const void* table, uint64_t instruction, int64_t group_index) const;
@@ -121,9 +128,10 @@ class FlightRecorder {
   void ResetStats();
 
   // Starts the dumper thread and installs the SIGUSR1 handler (unless the signal already
-  // has one). Dumps go to dump_dir(), else the current directory. Nothing when the
-  // recorder is off (JAXCOMM_TRACE_ENTRIES=0).
-  void StartDumper();
+  // has one, or `handle_signal` is false: a second recorder of the process leaves the
+  // signal to the first). Dumps go to dump_dir(), else the current directory. Nothing
+  // when the recorder is off (JAXCOMM_TRACE_ENTRIES=0).
+  void StartDumper(bool handle_signal = true);
   // The recorder's own CPU cost of one round of `ranks` ranks (every hook, as the
   // rendezvous calls them), in nanoseconds, measured on a private recorder: the part of
   // the overhead that does not drown in a shared machine's noise.
@@ -153,6 +161,7 @@ class FlightRecorder {
 
   const size_t entries_;
   const std::string dump_dir_;
+  std::string tag_;  // set_tag: "" for the process's first recorder
   std::atomic<bool> enabled_;
 
   std::array<std::atomic<Ring*>, kMaxRings> ring_slots_{};

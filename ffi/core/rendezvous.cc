@@ -9,6 +9,7 @@
 
 #include "core/cpu_affinity.h"
 #include "core/cross_process.h"
+#include "core/deadline_message.h"
 #include "core/registry.h"
 #include "core/round.h"
 
@@ -268,8 +269,7 @@ CallResult RoundTable::Arrive(const CollectiveCall& call, WorkFn work_fn) {
       refused = failed->second.mismatch
                     ? "the other ranks of this call already failed it: they waited in it while "
                       "other ranks waited in another collective (MISMATCH); this rank arrived too late"
-                    : "the other ranks of this call already gave up on it (timed out); this rank "
-                      "arrived too late";
+                    : std::string(kArrivedTooLate);
     } else {
       std::shared_ptr<Round>& round = rounds_[key];
       if (!round) {
@@ -797,16 +797,8 @@ void RoundTable::Expire(const Key& key, const std::weak_ptr<Round>& expected) {
   for (size_t r = 0; r < round->promises.size(); ++r) {
     if (!round->promises[r]) missing.push_back(static_cast<int>(r));
   }
-  std::ostringstream msg;
-  msg << "timed out after " << round->timeout.count() / 1000.0
-      << " s (timeout_s / JAXCOMM_TIMEOUT_S) waiting for ranks [";
-  for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << missing[i];
-  msg << "] (partitions [";
-  for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << group[missing[i]];
-  msg << "]), which never arrived at this call; " << round->arrived << " of " << group.size()
-      << " ranks did. Ranks that skip a collective (e.g. under a lax.cond whose predicate "
-         "differs by rank) or run different programs cause this.";
-  RecordError(*round, msg.str());
+  const std::string msg = NeverArrivedMessage(round->timeout, missing, group, static_cast<size_t>(round->arrived));
+  RecordError(*round, msg);
   // No rank's continuation belongs on the watchdog thread.
   CompleteAll(*round, -1, ffi::ErrorCode::kDeadlineExceeded);
 }

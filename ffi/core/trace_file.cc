@@ -115,13 +115,19 @@ std::string TraceFile::path() const {
   return path_;
 }
 
+void TraceFile::set_tag(const std::string& tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tag_ = tag;
+}
+
 bool TraceFile::OpenFile(int64_t process) {
   tried_ = true;
   std::error_code ignored;
   std::filesystem::create_directories(dir_, ignored);
   std::string dir = dir_;
   if (dir.back() != '/') dir += '/';
-  const std::string path = dir + "jaxcomm-ring-p" + std::to_string(process) + "-" + std::to_string(getpid()) + ".bin";
+  const std::string path = dir + "jaxcomm-ring-p" + std::to_string(process) + "-" + std::to_string(getpid()) +
+                           (tag_.empty() ? "" : "-" + tag_) + ".bin";
   // Only this user: the records name call sites and hosts.
   const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) {

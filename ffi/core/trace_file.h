@@ -78,6 +78,10 @@ class TraceFile {
   void Heartbeat(int64_t process);
   // The file's path ("" without one).
   std::string path() const;
+  // A second recorder of one process (the CUDA emulation's module has its own copy of
+  // core/) names its file jaxcomm-ring-p<process>-<pid>-<tag>.bin, apart from the first's.
+  // Before the file is created (the first recorded call).
+  void set_tag(const std::string& tag);
 
   struct Header;  // trace_file.cc
 
@@ -92,6 +96,7 @@ class TraceFile {
   bool tried_ = false;
   int fd_ = -1;
   std::string path_;
+  std::string tag_;  // set_tag
   // The header, directory, sites and errors (null without a file): set once.
   std::atomic<char*> base_{nullptr};
   std::vector<std::pair<void*, size_t>> mappings_;  // rings, file-backed or anonymous

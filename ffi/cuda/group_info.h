@@ -29,6 +29,9 @@ struct GroupInfo {
   const TraceSite* site = nullptr;          // flight recorder description (null: off)
   // Per rank: how many executions its handler enqueued (ranks of other processes: 0).
   std::unique_ptr<std::atomic<int64_t>[]> enqueued;
+  // The latest execution whose NCCL call the completion watcher aborted at its deadline
+  // (0: none): the peers' remote errors, and a rank that comes later, belong to it.
+  mutable std::atomic<int64_t> deadline_aborted{0};
 
   CallContext Context(int rank, int64_t partition, int64_t execution) const {
     CallContext c;
@@ -42,16 +45,16 @@ struct GroupInfo {
     c.execution = execution;
     return c;
   }
-  // "ranks [1 3] (partitions [5 7])" of this process that have not enqueued `execution`.
-  std::string LocalRanksBehind(int64_t execution) const {
-    std::string ranks, partitions;
+  // The ranks of this process that have not enqueued `execution`.
+  std::vector<int> LocalRanksBehind(int64_t execution) const {
+    std::vector<int> behind;
     for (int r : local_ranks) {
-      if (enqueued[r].load(std::memory_order_relaxed) >= execution) continue;
-      ranks += (ranks.empty() ? "" : " ") + std::to_string(r);
-      partitions += (partitions.empty() ? "" : " ") + std::to_string(group[r]);
+      if (enqueued[r].load(std::memory_order_relaxed) < execution) behind.push_back(r);
     }
-    return ranks.empty() ? "" : "ranks [" + ranks + "] (partitions [" + partitions + "])";
+    return behind;
   }
+  // Whether every rank of the group runs in this process.
+  bool AllLocal() const { return local_ranks.size() == group.size(); }
 };
 
 }  // namespace jaxcomm::cuda

@@ -20,7 +20,9 @@
 #include <vector>
 
 #include "core/call_attrs.h"
+#include "core/deadline_message.h"
 #include "core/env.h"
+#include "core/fault_injection.h"
 #include "core/moe_modes.h"
 #include "core/registry.h"
 #include "cuda/backend.h"
@@ -49,6 +51,16 @@ ffi::Error Begin(CudaState* st, XlaContext& xla, Call* c) {
     return ffi::Error::Internal(c->ctx.Describe() + ": the initialize stage did not run for this device");
   }
   c->size = static_cast<int>(st->group(c->where.group_index).size());
+  // Injected faults (JAXCOMM_FAULT, core/fault_injection.h) where the host backend applies
+  // them (cpu/launch.cc): before the call's flight recorder entry and before it meets its
+  // peers. A delayed rank joins late; a hung one never does (its handler returns the
+  // fault's error one second after its peers' deadline: a CUDA handler returns no future).
+  Registry& registry = Registry::Get();
+  if (registry.faults().any()) {
+    if (auto hung = registry.faults().ApplyBlocking(c->ctx, registry.process_index(), st->timeout())) {
+      return std::move(*hung);
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -126,13 +138,44 @@ ffi::Error Watched(Call& c, const ffi::AnyBuffer& x, F&& f) {
                           c.slot.execution, c.st->timeout(), c.run_id,
                           static_cast<uint8_t>(x.element_type()), static_cast<int64_t>(x.element_count()),
                           static_cast<int64_t>(x.size_bytes()), c.stream);
-  ffi::Error e = f();
+  // A NCCL call whose peers this process's watcher already aborted at its deadline: this
+  // rank came too late (a rank later than the deadline), in the host backend's words. Its
+  // NCCL call would wait for peers that gave up.
+  ffi::Error e = c.slot.comm != nullptr && watcher.TimedOut(c.slot.info.get(), c.slot.execution)
+                     ? ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                                  c.ctx.Describe() + ": " + std::string(kArrivedTooLate))
+                     : f();
   if (e.failure()) {
-    watcher.Abandon(std::move(w), e.message());
+    // Recorded as the host backend records its rounds' errors: without the call's
+    // description, which the entry holds. Deadlines (a peer never came, or this rank came
+    // too late) dump, as on the host.
+    std::string recorded = e.message();
+    if (const std::string prefix = c.ctx.Describe() + ": "; recorded.rfind(prefix, 0) == 0) {
+      recorded.erase(0, prefix.size());
+    }
+    const auto code = e.errc();
+    watcher.Abandon(std::move(w), recorded,
+                    code == ffi::ErrorCode::kDeadlineExceeded || code == ffi::ErrorCode::kFailedPrecondition);
     return e;
   }
   c.slot.info->enqueued[c.where.rank].store(c.slot.execution, std::memory_order_relaxed);
   watcher.End(std::move(w), c.stream);
+#ifdef JAXCOMM_CUDA_EMULATION
+  // XLA:CPU reads a call's results as soon as its handler returns (the emulation's seam
+  // drains the stream then, cuda_emu/seam/xla_context_emu.cc), so here the call's own
+  // outcome is known before the handler returns: a NCCL call that the watcher aborted
+  // (at its deadline: a rank never came) fails with the watcher's error, as the host
+  // backend's call would. On a GPU the handler returned long before the deadline; the
+  // program learns of it at the communicator's next call ("was aborted earlier: ..."),
+  // from the log and from the flight recorder's dump.
+  if (c.slot.comm != nullptr) {
+    cudaStreamSynchronize(c.stream);
+    if (std::string failure = c.slot.comm->failure(); !failure.empty()) {
+      const bool deadline = watcher.TimedOut(c.slot.info.get(), c.slot.execution);
+      return ffi::Error(deadline ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kInternal, failure);
+    }
+  }
+#endif
   return e;
 }
 

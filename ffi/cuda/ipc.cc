@@ -109,7 +109,8 @@ std::string IpcRegistry::ImportEvent(const cudaIpcEventHandle_t& h, int device, 
   return "";
 }
 
-ProcessPeerRoute::ProcessPeerRoute(uint64_t key, int rank, std::vector<int64_t> processes, int device,
+ProcessPeerRoute::ProcessPeerRoute(uint64_t key, int rank, std::vector<int64_t> processes,
+                                   const std::vector<int64_t>& partitions, int device,
                                    std::unique_ptr<DeviceEvents> events)
     : rank_(rank), processes_(std::move(processes)), device_(device), events_(std::move(events)) {
   std::vector<int64_t> peers;
@@ -117,7 +118,8 @@ ProcessPeerRoute::ProcessPeerRoute(uint64_t key, int rank, std::vector<int64_t> 
   for (size_t r = 0; r < processes_.size(); ++r) {
     if (static_cast<int>(r) == rank_) continue;
     peers.push_back(processes_[r]);
-    desc.push_back("rank " + std::to_string(r));
+    // As the host backend's rounds name a process's ranks in the transport's messages.
+    desc.push_back(RankList({static_cast<int>(r)}, partitions));
   }
   records_ = MakePlan(Mix(key, 0x6970637265630000ull), peers, sizeof(IpcRecord), desc);  // "ipcrec"
   finished_ = MakePlan(Mix(key, 0x6970636669000000ull), peers, 1, desc);              // "ipcfi"
@@ -159,7 +161,12 @@ ffi::ErrorOr<std::vector<PeerInfo>> ProcessPeerRoute::Exchange(const PeerCallKey
   bool timed_out = false;
   const std::string error = ExchangeRecords(records_, key.execution, Bytes(&record, sizeof(record)),
                                             std::chrono::steady_clock::now() + timeout, &theirs, &timed_out);
-  if (!error.empty()) return ffi::Unexpected(Failed(ctx, "meeting the peers at this call", error, timed_out));
+  if (!error.empty()) {
+    // Meeting the peers is the host backend's cross-process exchange: at its deadline, its
+    // words as the host backend's rounds give them (which processes never came).
+    if (timed_out) return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, ctx.Describe() + ": " + error));
+    return ffi::Unexpected(Failed(ctx, "meeting the peers at this call", error, timed_out));
+  }
   std::vector<PeerInfo> all(size);
   all[rank] = mine;
   for (size_t i = 0; i < theirs.size(); ++i) {

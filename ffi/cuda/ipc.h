@@ -63,10 +63,11 @@ class IpcRegistry {
 // One device's rank in a group of the process-peers route.
 class ProcessPeerRoute : public PeerRendezvous {
  public:
-  // `processes[r]`: the process of rank r; `key`: the (instruction, group) key shared by
-  // every process (core/call_attrs.h's InstructionKey mixed with the group index).
-  ProcessPeerRoute(uint64_t key, int rank, std::vector<int64_t> processes, int device,
-                   std::unique_ptr<DeviceEvents> events);
+  // `processes[r]`: the process of rank r, `partitions[r]` its partition; `key`: the
+  // (instruction, group) key shared by every process (core/call_attrs.h's InstructionKey
+  // mixed with the group index).
+  ProcessPeerRoute(uint64_t key, int rank, std::vector<int64_t> processes, const std::vector<int64_t>& partitions,
+                   int device, std::unique_ptr<DeviceEvents> events);
   // Exports this rank's events; "" or why not.
   std::string Init();
   cudaEvent_t ready() const override { return events_->ready(); }

@@ -3,6 +3,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/deadline_message.h"
 #include "cuda/device_guard.h"
 
 namespace jaxcomm::cuda {
@@ -47,23 +48,40 @@ std::string EnablePeerAccess(int device, const std::vector<int>& peers) {
   return "";
 }
 
-ffi::Error LocalPeers::Wait(std::unique_lock<std::mutex>& lock, const PeerCallKey& key, bool phase2,
+ffi::Error LocalPeers::Wait(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Round>& round, bool phase2,
                             std::chrono::milliseconds timeout, const CallContext& ctx) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto round = rounds_.at(key);
   const int size = static_cast<int>(round->infos.size());
-  auto all = [&] { return (phase2 ? round->n_finished : round->n_published) == size; };
-  if (cv_.wait_until(lock, deadline, all)) return ffi::Error::Success();
+  if (!phase2) {
+    auto over = [&] { return round->n_published == size || !round->expired.empty(); };
+    if (!cv_.wait_until(lock, round->deadline, over)) {
+      // The first rank to see the deadline pass says which ranks never came, for all.
+      std::vector<int> missing;
+      for (int r = 0; r < size; ++r) {
+        if (!round->published[r]) missing.push_back(r);
+      }
+      static const std::vector<int64_t> kNoGroup;
+      round->expired = NeverArrivedMessage(timeout, missing, ctx.group != nullptr ? *ctx.group : kNoGroup,
+                                           static_cast<size_t>(round->n_published));
+      cv_.notify_all();
+    }
+    if (round->expired.empty()) return ffi::Error::Success();
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, ctx.Describe() + ": " + round->expired);
+  }
+  // Phase 2: every rank arrived; one that does not finish enqueueing its reads in time
+  // is stuck in its handler (rare: phase 2 is joined even when the reads fail).
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  if (cv_.wait_until(lock, deadline, [&] { return round->n_finished == size; })) return ffi::Error::Success();
   std::ostringstream msg;
   msg << ctx.Describe() << ": timed out after " << timeout.count() / 1000.0
       << " s (timeout_s / JAXCOMM_TIMEOUT_S) waiting for ranks [";
   bool first = true;
   for (int r = 0; r < size; ++r) {
-    if (phase2 ? round->finished[r] : round->published[r]) continue;
-    msg << (first ? "" : " ") << r;
+    if (round->finished[r]) continue;
+    msg << (first ? "" : ", ") << r;
     first = false;
   }
-  msg << "] to " << (phase2 ? "finish enqueueing their reads" : "arrive at this call");
+  msg << "], which arrived at this call, to finish enqueueing their reads; " << round->n_finished << " of "
+      << size << " ranks did";
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg.str());
 }
 
@@ -79,10 +97,16 @@ ffi::ErrorOr<std::vector<PeerInfo>> LocalPeers::Exchange(const PeerCallKey& key,
   std::unique_lock<std::mutex> lock(mu_);
   auto& slot = rounds_[key];
   if (!slot) {
-    slot = std::make_shared<Round>(size);
+    slot = std::make_shared<Round>(size, std::chrono::steady_clock::now() + timeout);
     slot->n_left = size;
   }
   std::shared_ptr<Round> round = slot;
+  if (!round->expired.empty()) {
+    // The others gave up on this call already: the host backend's words for it.
+    Leave(key);
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                                      ctx.Describe() + ": " + std::string(kArrivedTooLate)));
+  }
   if (round->published[rank]) {
     return ffi::Unexpected(ffi::Error::Internal(ctx.Describe() + ": rank joined the same call twice"));
   }
@@ -90,7 +114,7 @@ ffi::ErrorOr<std::vector<PeerInfo>> LocalPeers::Exchange(const PeerCallKey& key,
   round->published[rank] = true;
   ++round->n_published;
   cv_.notify_all();
-  ffi::Error e = Wait(lock, key, false, timeout, ctx);
+  ffi::Error e = Wait(lock, round, false, timeout, ctx);
   if (e.failure()) {
     Leave(key);
     return ffi::Unexpected(e);
@@ -107,7 +131,7 @@ ffi::Error LocalPeers::Finish(const PeerCallKey& key, int rank, std::chrono::mil
   round->finished[rank] = true;
   ++round->n_finished;
   cv_.notify_all();
-  ffi::Error e = Wait(lock, key, true, timeout, ctx);
+  ffi::Error e = Wait(lock, round, true, timeout, ctx);
   Leave(key);
   return e;
 }

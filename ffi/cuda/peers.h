@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -99,13 +100,19 @@ class LocalPeers {
                     const CallContext& ctx);
 
  private:
+  // One call. Phase 1 has one deadline for all its ranks, from the first arrival, as a
+  // round of the host backend (core/rendezvous.cc): when it passes, every rank waiting
+  // fails with the same message, and a rank that comes later is told it arrived too late.
   struct Round {
-    explicit Round(int size) : infos(size), published(size, false), finished(size, false) {}
+    Round(int size, std::chrono::steady_clock::time_point deadline)
+        : infos(size), published(size, false), finished(size, false), deadline(deadline) {}
     std::vector<PeerInfo> infos;
     std::vector<bool> published, finished;
     int n_published = 0, n_finished = 0, n_left = 0;
+    std::chrono::steady_clock::time_point deadline;  // phase 1's
+    std::string expired;  // phase 1's deadline passed: why (core/deadline_message.h)
   };
-  ffi::Error Wait(std::unique_lock<std::mutex>& lock, const PeerCallKey& key, bool phase2,
+  ffi::Error Wait(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Round>& round, bool phase2,
                   std::chrono::milliseconds timeout, const CallContext& ctx);
   void Leave(const PeerCallKey& key);
 

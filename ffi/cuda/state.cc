@@ -197,7 +197,7 @@ ffi::Error CudaState::Initialize(int64_t ordinal) {
       auto events = std::make_unique<DeviceEvents>();
       std::string why = events->Create(device, /*interprocess=*/true);
       auto route = std::make_shared<ProcessPeerRoute>(Mix(instruction_key_, static_cast<uint64_t>(g)), p.rank,
-                                                      std::move(processes), device, std::move(events));
+                                                      std::move(processes), members, device, std::move(events));
       if (why.empty()) why = route->Init();
       if (!why.empty()) return ffi::Error::Internal(ctx.Describe() + ": " + why);
       slot.peers = std::move(route);

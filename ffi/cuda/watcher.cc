@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "core/deadline_message.h"
 #include "core/registry.h"
 #include "core/rendezvous.h"
 #include "core/thread_name.h"
@@ -16,9 +17,14 @@ namespace {
 // entry's start and end times are this coarse; NCCL deadlines are seconds.
 constexpr auto kPollPeriod = std::chrono::microseconds(100);
 
+// One rank's entry as FlightRecorder::Finish takes it. Its operand is marked present:
+// Finish reads a rank without buffers as left out of a fault-tolerant call (every CUDA
+// call's dump said rank 0 was, and the analyzer called that a dead process).
 std::vector<Peer> Traced(uint64_t handle) {
+  static const char kPresent = 0;
   std::vector<Peer> one(1);
   one[0].trace = handle;
+  one[0].in = &kPresent;
   return one;
 }
 
@@ -110,9 +116,10 @@ void CompletionWatcher::End(Watch w, cudaStream_t stream) {
   cv_.notify_one();
 }
 
-void CompletionWatcher::Abandon(Watch w, const std::string& error) {
+void CompletionWatcher::Abandon(Watch w, const std::string& error, bool dump) {
   Give(w.device, w.start);
-  if (w.trace != 0) Registry::Get().recorder().Fail(w.trace, w.execution, error);
+  // A failed round counts in jaxcomm.stats() as the host backend's do (calls, failed).
+  if (w.trace != 0) Registry::Get().recorder().Finish(Traced(w.trace), error, dump, CountsTheRound(w));
 }
 
 size_t CompletionWatcher::pending() {
@@ -138,31 +145,50 @@ bool CompletionWatcher::Check(Watch& w, Clock::time_point now) {
     }
   }
   const cudaError_t e = QueryEvent(w.end);
-  if (e == cudaSuccess) {
-    Finish(w, "");
-    return true;
-  }
-  if (e != cudaErrorNotReady) {
+  if (e != cudaSuccess && e != cudaErrorNotReady) {
     Finish(w, std::string("the device failed in this call: ") + cudaGetErrorString(e));
     return true;
   }
-  if (w.comm == nullptr) return false;
+  const bool ended = e == cudaSuccess;
+  if (w.comm == nullptr) {
+    if (ended) Finish(w, "");
+    return ended;
+  }
   const ncclResult_t async = w.comm->AsyncError();
-  const bool failed = async != ncclSuccess && async != ncclInProgress;
-  const bool late = w.started != Clock::time_point{} && now - w.started > w.timeout;
+  bool failed = async != ncclSuccess && async != ncclInProgress;
+  bool late = !ended && w.started != Clock::time_point{} && now - w.started > w.timeout;
+  // This watcher aborted a peer's communicator of this call at the deadline, and NCCL
+  // failed this rank's wait with a remote error (its kernel then ended: the stream moved
+  // on): the same deadline, not a second fault, and not a success.
+  if (failed && TimedOut(w.info.get(), w.execution)) {
+    failed = false;
+    late = true;
+  } else if (ended && !failed) {
+    Finish(w, "");
+    return true;
+  }
+  // (Ended with the communicator in error: NCCL let the stream move on past a failed
+  // call, e.g. a rank later than its peers, whose wait a peer's abort ended. The error may
+  // be a later call's already, if the watcher polled after that one ran: both then fail.)
   if (!failed && !late) return false;
   const CallContext ctx = w.info->Context(w.rank, w.partition, w.execution);
-  std::ostringstream msg;
-  msg << ctx.Describe() << ": ";
+  std::ostringstream msg;  // recorded as the host backend records errors: without ctx
+  const std::vector<int> behind = w.info->LocalRanksBehind(w.execution);
   if (failed) {
     msg << "NCCL reported an error while the call ran on the device: "
         << w.comm->api().Describe(async, nullptr);
+  } else if (!behind.empty() && w.info->AllLocal()) {
+    // Every rank lives here: who never came is known, in the host backend's words.
+    msg << NeverArrivedMessage(w.timeout, behind, w.info->group, w.info->group.size() - behind.size());
   } else {
     msg << "timed out after " << w.timeout.count() / 1000.0
         << " s (timeout_s / JAXCOMM_TIMEOUT_S) running on the device: ";
-    const std::string behind = w.info->LocalRanksBehind(w.execution);
     if (!behind.empty()) {
-      msg << behind << " of this process never enqueued this call; ";
+      msg << "ranks [";
+      for (size_t i = 0; i < behind.size(); ++i) msg << (i ? ", " : "") << behind[i];
+      msg << "] (partitions [";
+      for (size_t i = 0; i < behind.size(); ++i) msg << (i ? ", " : "") << w.info->group[behind[i]];
+      msg << "]) of this process never enqueued this call; ";
     }
     msg << "the ranks of other processes that did not arrive are not known here (NCCL does not "
            "say; python -m jaxcomm.trace analyze on every process's dump names them). Ranks that "
@@ -171,11 +197,23 @@ bool CompletionWatcher::Check(Watch& w, Clock::time_point now) {
   }
   msg << " The NCCL communicator of group " << w.comm->key()
       << " was aborted: this call's result is undefined, and every later call on it fails.";
+  if (!failed) MarkTimedOut(w.info.get(), w.execution);
+  const std::string error = ctx.Describe() + ": " + msg.str();
   // A call holding the communicator right now has its own deadline: try again later.
-  if (!w.comm->TryAbort(msg.str())) return false;
-  std::fprintf(stderr, "jaxcomm: %s\n", msg.str().c_str());
+  if (!w.comm->TryAbort(error)) return false;
+  std::fprintf(stderr, "jaxcomm: %s\n", error.c_str());
   Finish(w, msg.str());
   return true;
+}
+
+void CompletionWatcher::MarkTimedOut(const GroupInfo* info, int64_t execution) {
+  int64_t seen = info->deadline_aborted.load(std::memory_order_relaxed);
+  while (seen < execution && !info->deadline_aborted.compare_exchange_weak(seen, execution)) {
+  }
+}
+
+bool CompletionWatcher::TimedOut(const GroupInfo* info, int64_t execution) {
+  return info->deadline_aborted.load() == execution;
 }
 
 void CompletionWatcher::Loop() {

@@ -59,11 +59,16 @@ class CompletionWatcher {
               int64_t run_id, uint8_t dtype, int64_t elements, int64_t bytes, cudaStream_t stream);
   // After enqueueing it: an end event, and the call joins the watched ones.
   void End(Watch w, cudaStream_t stream);
-  // The call failed on the host (nothing, or part of it, was enqueued).
-  void Abandon(Watch w, const std::string& error);
+  // The call failed on the host (nothing, or part of it, was enqueued). `dump`: a
+  // deadline or its consequence, dumped as the host backend dumps its timeouts.
+  void Abandon(Watch w, const std::string& error, bool dump = false);
 
   // Calls watched right now (tests).
   size_t pending();
+  // Whether the watcher aborted the NCCL call of `info`'s group at `execution` at its
+  // deadline (GroupInfo::deadline_aborted): a rank that comes now is too late, and the
+  // emulation's handlers report it as the call's own error (handlers.cc).
+  static bool TimedOut(const GroupInfo* info, int64_t execution);
 
  private:
   cudaEvent_t Take(int device);
@@ -72,6 +77,7 @@ class CompletionWatcher {
   // One pass over the watched calls; true when `w` is finished with.
   bool Check(Watch& w, Clock::time_point now);
   void Finish(const Watch& w, const std::string& error);
+  static void MarkTimedOut(const GroupInfo* info, int64_t execution);
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -139,7 +139,12 @@ NB_MODULE(_jaxcomm_emu, m) {
   }, nb::arg("bytes"), nb::arg("alignment") = jaxcomm::cuda::kScratchAlignment,
      "Allocates and frees scratch through the emulated XLA seam: (XLA's refusal or '', address).");
 
-  // The same as _jaxcomm's (ffi/module.cc), over this module's flight recorder.
+  // The same as _jaxcomm's (ffi/module.cc), over this module's flight recorder: its files
+  // are named apart from _jaxcomm's in one directory (FlightRecorder::set_tag), its dumper
+  // thread dumps on a timeout (JAXCOMM_TRACE_DIR), and SIGUSR1 stays _jaxcomm's.
+  jaxcomm::Registry::Get().recorder().set_tag("cuda-emu");
+  jaxcomm::Registry::Get().recorder().StartDumper(/*handle_signal=*/false);
+  jaxcomm::BindTraceDumps(m, jaxcomm::Registry::Get().recorder());
   m.def("trace_stats", [] { return jaxcomm::TraceStatsRows(jaxcomm::Registry::Get().recorder()); },
         "Cumulative per-(instruction, group) counters of the emulated CUDA calls.");
   m.def("trace_reset_stats", [] { jaxcomm::Registry::Get().recorder().ResetStats(); },

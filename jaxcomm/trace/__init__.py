@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 from typing import Any
 
 from jaxcomm import _jaxcomm
@@ -73,7 +74,9 @@ def dump(path: str | os.PathLike[str] | None = None, reason: str = "manual") -> 
     Args:
       path: a directory (the file is named ``jaxcomm-trace-p<index>-<pid>.json`` so that
         every process of a job can dump into one directory), or a file name ending in
-        ``.json``. Default: JAXCOMM_TRACE_DIR, else the current directory.
+        ``.json``. Default: JAXCOMM_TRACE_DIR, else the current directory. Into a
+        directory, a process under the CUDA emulation (JAXCOMM_EMULATE_CUDA=1) also writes
+        the emulated CUDA calls' recorder, ``jaxcomm-trace-p<index>-<pid>-cuda-emu.json``.
       reason: recorded in the file (``"manual"``, ``"exit"``, ...).
 
     Example (8 CPU devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``)::
@@ -93,12 +96,27 @@ def dump(path: str | os.PathLike[str] | None = None, reason: str = "manual") -> 
         'clean'
     """
     target = os.fspath(path) if path is not None else None
+    directory = None
     if target is None or not target.endswith(".json"):
         if target is not None:
             os.makedirs(target, exist_ok=True)
+        directory = target if target is not None else (_jaxcomm.trace_dir() or ".")
         target = dump_path(target)
     _jaxcomm.trace_dump(target, reason)
+    emulated = _emulated_recorder()
+    if directory is not None and emulated is not None:
+        emulated.trace_dump(emulated.trace_file_in(directory), reason)
     return target
+
+
+def _emulated_recorder() -> Any:
+    """The CUDA emulation's module (JAXCOMM_EMULATE_CUDA=1), when it is loaded and
+    recorded calls: its own flight recorder holds the emulated CUDA calls, dumped beside
+    _jaxcomm's as ``jaxcomm-trace-p<index>-<pid>-cuda-emu.json``; else None."""
+    emu = sys.modules.get("jaxcomm._jaxcomm_emu")
+    if emu is None or not emu.trace_stats():
+        return None
+    return emu
 
 
 def enabled() -> bool:
@@ -124,11 +142,14 @@ def analyze(directory: str | os.PathLike[str], **kwargs: Any) -> Any:
 
 def _dump_at_exit() -> None:
     # A process that recorded no call (the launcher, a tool importing jaxcomm) leaves no
-    # dump: an empty one would look like one more process of the job.
-    if not _jaxcomm.trace_stats():  # no call site described: nothing was recorded
-        return
+    # dump: an empty one would look like one more process of the job. Each recorder (the
+    # host backend's, the CUDA emulation's) dumps if it recorded something.
     try:
-        dump(_jaxcomm.trace_dir(), reason="exit")
+        if _jaxcomm.trace_stats():  # a call site described: something was recorded
+            _jaxcomm.trace_dump(dump_path(_jaxcomm.trace_dir()), "exit")
+        emulated = _emulated_recorder()
+        if emulated is not None:
+            emulated.trace_dump(emulated.trace_file_in(_jaxcomm.trace_dir()), "exit")
     except Exception as e:  # noqa: BLE001 - never turn an exit into a traceback
         print(f"jaxcomm: flight recorder dump at exit failed: {e}")
 

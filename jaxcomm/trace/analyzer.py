@@ -143,8 +143,10 @@ def load(directory: str | os.PathLike[str],
          pids: Iterable[int] | None = None) -> list[dict[str, Any]]:
     """Each process's records in ``directory``: the most complete of its JSON dumps and
     its ring file (most calls recorded; then the latest; then the JSON, whose error texts
-    are never cut). ``pids``: only the records of these processes (one job's, in a
-    directory that holds several)."""
+    are never cut), per recorder of the process (a process under the CUDA emulation has
+    two: the host backend's and the emulated CUDA backend's, ``"recorder": "cuda-emu"``).
+    ``pids``: only the records of these processes (one job's, in a directory that holds
+    several)."""
     wanted = None if pids is None else set(pids)
     found: dict[tuple[int, int], dict[str, Any]] = {}
     paths = sorted(glob.glob(os.path.join(os.fspath(directory), "*.json")))
@@ -168,10 +170,10 @@ def load(directory: str | os.PathLike[str],
         d["path"] = path
         if wanted is not None and d["pid"] not in wanted:
             continue
-        key = (d["process_index"], d["pid"])
+        key = (d["process_index"], d["pid"], d.get("recorder", ""))
         if key not in found or _completeness(d) > _completeness(found[key]):
             found[key] = d
-    return sorted(found.values(), key=lambda d: (d["process_index"], d["pid"]))
+    return sorted(found.values(), key=lambda d: (d["process_index"], d["pid"], d.get("recorder", "")))
 
 
 def _completeness(d: dict[str, Any]) -> tuple[int, int, int]:
@@ -186,7 +188,7 @@ def merge(dumps: Iterable[dict[str, Any]]) -> tuple[dict[tuple[str, int, int], C
     for d in dumps:
         for e in d["entries"]:
             e = dict(e, process=d["process_index"], pid=d["pid"], host=d["host"],
-                     dumped_at_us=d["dumped_at_us"])
+                     dumped_at_us=d["dumped_at_us"], recorder=d.get("recorder", ""))
             by_rank[e["partition"]].append(e)
             key = (e["instruction"], e["group_index"], e["execution"])
             c = calls.get(key)
@@ -194,7 +196,11 @@ def merge(dumps: Iterable[dict[str, Any]]) -> tuple[dict[tuple[str, int, int], C
                 c = calls[key] = Call(key, e["op"], e["call_site"], e["axis"], tuple(e["group"]), {})
             c.entries[e["partition"]] = e
     for entries in by_rank.values():
-        entries.sort(key=lambda e: e["seq"])
+        # A rank's calls in the order it made them: each recorder numbers its own.
+        if len({e["recorder"] for e in entries}) > 1:
+            entries.sort(key=lambda e: (e["enqueue_us"], e["recorder"], e["seq"]))
+        else:
+            entries.sort(key=lambda e: e["seq"])
     return calls, by_rank
 
 
@@ -481,14 +487,30 @@ def analyze(directory: str | os.PathLike[str], *, straggler_ms: float = 250.0,
         # Ranks that came after their peers had already given up (a straggler slower than
         # the deadline): they are the cause, not the ranks that timed out.
         late = sorted(r for r, e in c.entries.items() if e.get("error") and _LATE in e["error"])
+        if not late:
+            # Ranks of other processes are not told they came too late (their own process
+            # did not see the others give up: the CUDA IPC and NCCL routes fail them later,
+            # naming the peer that gave up): the ones that arrived after a peer had timed
+            # out are.
+            gave_up = [e["end_us"] for e in c.entries.values()
+                       if e.get("error") and "timed out" in e["error"] and e.get("end_us")]
+            after = sorted(r for r, e in c.entries.items() if gave_up and e["enqueue_us"] > min(gave_up))
+            late = after if len(after) < len(c.entries) else []
         if late and not c.missing:
             on_time = [r for r in c.entries if r not in late]
             first = min(c.entries[r]["enqueue_us"] for r in on_time) if on_time else start
             by = max(c.entries[r]["enqueue_us"] for r in late) - first
+            # Across processes, the late processes first (as the other findings name them).
+            late_processes = sorted({c.entries[r]["process"] for r in late})
+            spans = len({e["process"] for e in c.entries.values()}) > 1
+            named = (f"process{'es' if len(late_processes) > 1 else ''} "
+                     f"{', '.join(map(str, late_processes))} (ranks {_ranks(late)})" if spans
+                     else f"ranks {_ranks(late)}")
             findings.append(Finding(
-                "hang", f"ranks {_ranks(late)} arrived at {c.where()} {by / 1e6:.2f} s after "
+                "hang", f"{named} arrived at {c.where()} {by / 1e6:.2f} s after "
                 f"the first rank, after ranks {_ranks(on_time)} had timed out waiting for them",
-                culprits=late, **dict(base, waiting=sorted(on_time)), details=errors[:3]))
+                culprits=late, **dict(base, waiting=sorted(on_time)), details=errors[:3],
+                processes=late_processes if spans else []))
             explained.add(c.key)
             continue
         missing = c.missing

@@ -1,4 +1,5 @@
-"""Reads the flight recorder's file-backed rings (``jaxcomm-ring-p<I>-<pid>.bin``).
+"""Reads the flight recorder's file-backed rings (``jaxcomm-ring-p<I>-<pid>.bin``; a second
+recorder of the process, the CUDA emulation's, writes ``jaxcomm-ring-p<I>-<pid>-<tag>.bin``).
 
 With ``JAXCOMM_TRACE_DIR`` set, each process keeps its rings in a shared mapping of that
 file (ffi/core/trace_file.h), which the kernel keeps however the process ends: SIGKILL,
@@ -38,6 +39,15 @@ def is_ring_file(path: str) -> bool:
     """Whether ``path`` is named like a flight recorder ring file."""
     name = os.path.basename(path)
     return name.startswith("jaxcomm-ring-p") and name.endswith(".bin")
+
+
+def recorder_tag(path: str | os.PathLike[str]) -> str:
+    """The recorder a ring file belongs to: ``""`` for the process's own
+    (``jaxcomm-ring-p<I>-<pid>.bin``), else the tag of a second recorder of the same process
+    (``jaxcomm-ring-p<I>-<pid>-<tag>.bin``: ``cuda-emu``, the CUDA emulation's module)."""
+    stem = os.path.basename(os.fspath(path))[len("jaxcomm-ring-p"):-len(".bin")]
+    parts = stem.split("-", 2)
+    return parts[2] if len(parts) == 3 else ""
 
 
 def read(path: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -84,7 +94,11 @@ def read(path: str | os.PathLike[str]) -> dict[str, Any] | None:
                 left_out=[r for r in range(64) if left_out >> r & 1],
                 state=_STATES[state], error=errors.get((partition, seq)),
                 enqueue_us=enq, start_us=start or None, end_us=end or None))
-    return {"format": "jaxcomm-trace", "version": 1, "reason": "ring file",
+    doc = {"format": "jaxcomm-trace", "version": 1, "reason": "ring file"}
+    tag = recorder_tag(path)
+    if tag:
+        doc["recorder"] = tag
+    return {**doc,
             "process_index": process, "pid": pid,
             "host": host.split(b"\0", 1)[0].decode("utf-8", "replace"),
             "dumped_at_us": heartbeat, "entries_per_rank": entries_per_ring, "enabled": True,
