@@ -130,6 +130,11 @@ NB_MODULE(_jaxcomm, m) {
 
   m.def("transport_linked", [](int64_t process) { return World().Linked(process); },
         "Whether peer `process` is linked.");
+  // The emulated CUDA backend (_jaxcomm_emu, its own copy of core/) meets its peers over
+  // these links too: it borrows the World (ffi/cuda_emu/module.cc, emu_borrow_cross_process).
+  m.def("cross_process_capsule", [] {
+    return nb::capsule(static_cast<jaxcomm::CrossProcess*>(&World()), "jaxcomm.CrossProcess");
+  }, "This process's host transports (jaxcomm::CrossProcess*, never destroyed), for _jaxcomm_emu.");
   m.def("memory_report", [] {
     const auto h = World().held();
     nb::dict d;

@@ -19,11 +19,14 @@ Every function here is safe to call without a GPU (and is tested so on CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import importlib.util
 import json
 import logging
 import os
+from types import ModuleType
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -41,6 +44,35 @@ _NCCL_UNREDUCIBLE = frozenset(np.dtype(d) for d in (np.int16, np.uint16, np.comp
 
 _KV_UNIQUE_ID = "jaxcomm/nccl_unique_id/"
 _KV_PROCESS = "jaxcomm/cuda/process/{}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Flavor:
+    """Which build of the CUDA backend a process's setup serves: the extension module whose
+    C++ registry takes the processes' devices, routes and NCCL ids, and the jax backend
+    whose devices are its GPUs.
+
+    :data:`GPU` is the real one (``_jaxcomm`` built with nvcc, jax's ``gpu`` devices);
+    the emulation (jaxcomm/_src/backends/cuda_emulated.py) runs the same setup on
+    ``_jaxcomm_emu`` and XLA:CPU's devices, XLA:CPU's device k being emulated GPU k.
+    """
+
+    #: Attribute of the ``jaxcomm`` package: ``_jaxcomm`` or ``_jaxcomm_emu``.
+    module_name: str
+    #: The jax backend whose local devices are this flavor's GPUs.
+    jax_backend: str
+    #: Prefix of this flavor's keys in the key-value store (a process may run both).
+    kv_prefix: str
+
+    @property
+    def module(self) -> ModuleType:
+        if self.module_name == "_jaxcomm":
+            return _jaxcomm  # the module global (tests replace it)
+        return importlib.import_module(f"jaxcomm.{self.module_name}")
+
+
+GPU = Flavor("_jaxcomm", "gpu", "")
+EMULATED = Flavor("_jaxcomm_emu", "cpu", "emu/")
 
 #: ffi/cuda/routes.cc's RouteName of the routes Python acts on.
 ROUTE_NCCL = "nccl"
@@ -133,7 +165,7 @@ def one_rank_nccl() -> bool:
     return config.cuda_one_rank_nccl()
 
 
-def serves(op: str, group_size: int | None) -> bool:
+def serves(op: str, group_size: int | None, flavor: Flavor = GPU) -> bool:
     """Whether the CUDA handler of ``op`` serves a group of ``group_size`` ranks.
 
     ragged_all_to_all: one-rank groups only (larger ones lower to its pure-JAX form). The
@@ -146,7 +178,8 @@ def serves(op: str, group_size: int | None) -> bool:
     if op == "ragged_all_to_all":
         return False
     if op == "moe_transport":
-        return jax.process_count() == 1 or _one_gpu_per_process_on_one_host()
+        return jax.process_count() == 1 or (_one_gpu_per_process_on_one_host() if flavor is GPU
+                                            else _one_gpu_per_process_on_one_host(flavor))
     return True
 
 
@@ -211,59 +244,74 @@ def _host_identity() -> str:
     return bootstrap.host_identity()
 
 
+def _local_ordinal(d: Any) -> int:
+    """A local device's ordinal in its runtime: XLA:GPU's local_hardware_id; XLA:CPU's
+    devices have none, and are numbered by their index among the process's devices."""
+    if d.local_hardware_id is not None:
+        return int(d.local_hardware_id)
+    if d.platform == "cpu":
+        return jax.local_devices(backend="cpu").index(d)
+    return int(d.id)
+
+
 @functools.cache
-def _publish_self() -> dict[str, Any]:
+def _publish_self(flavor: Flavor = GPU) -> dict[str, Any]:
     """Publishes this process's host and GPUs in the key-value store, once."""
     devices = []
-    for d in jax.local_devices(backend="gpu"):
-        ordinal = d.local_hardware_id if d.local_hardware_id is not None else d.id
-        devices.append(dict(id=int(d.id), ordinal=int(ordinal),
-                            uuid=str(_jaxcomm.cuda_device_uuid(int(ordinal)))))
+    for d in jax.local_devices(backend=flavor.jax_backend):
+        ordinal = _local_ordinal(d)
+        devices.append(dict(id=int(d.id), ordinal=ordinal,
+                            uuid=str(flavor.module.cuda_device_uuid(ordinal))))
     info = dict(host=_host_identity(), devices=devices)
     me = jax.process_index()
-    _kv_client().key_value_set(_KV_PROCESS.format(me), json.dumps(info), allow_overwrite=True)
-    _set_process_info(me, info)
+    _kv_client().key_value_set(flavor.kv_prefix + _KV_PROCESS.format(me), json.dumps(info),
+                               allow_overwrite=True)
+    _set_process_info(me, info, flavor)
     return info
 
 
-_processes: dict[int, dict[str, Any]] = {}
+#: What each process published, per flavor: {flavor: {process: info}}.
+_processes: dict[Flavor, dict[int, dict[str, Any]]] = {}
 
 
-def _set_process_info(process: int, info: dict[str, Any]) -> None:
+def _set_process_info(process: int, info: dict[str, Any], flavor: Flavor = GPU) -> None:
     """Caches ``info`` and hands it to the C++ route decision."""
-    _processes[process] = info
+    _processes.setdefault(flavor, {})[process] = info
     uuids = [""] * (1 + max((d["ordinal"] for d in info["devices"]), default=-1))
     for d in info["devices"]:
         uuids[d["ordinal"]] = d["uuid"]
-    _jaxcomm.cuda_set_process_info(process, info["host"], uuids)
+    flavor.module.cuda_set_process_info(process, info["host"], uuids)
 
 
-def process_info(processes: Iterable[int], timeout_ms: int) -> dict[int, dict[str, Any]]:
+def process_info(processes: Iterable[int], timeout_ms: int,
+                 flavor: Flavor = GPU) -> dict[int, dict[str, Any]]:
     """What each of ``processes`` published: {process: {host, devices: [{id, ordinal, uuid}]}}.
 
     Blocks until each has published (it lowers the same program), at most ``timeout_ms``.
     """
-    mine = _publish_self()
+    mine = _publish_self(flavor)
     me = jax.process_index()
     out = {me: mine}
+    known = _processes.setdefault(flavor, {})
     for p in sorted(set(processes) - {me}):
-        if p not in _processes:
+        if p not in known:
             try:
-                raw = _kv_client().blocking_key_value_get(_KV_PROCESS.format(p), int(timeout_ms))
+                raw = _kv_client().blocking_key_value_get(flavor.kv_prefix + _KV_PROCESS.format(p),
+                                                          int(timeout_ms))
             except Exception as e:  # the coordination service reports a timeout as an error
                 raise RuntimeError(
                     f"jaxcomm: process {me} waited {timeout_ms / 1000:g} s for process {p} to "
                     f"publish its GPUs (does it run the same program?): {e}") from e
-            _set_process_info(p, json.loads(raw))
-        out[p] = _processes[p]
+            _set_process_info(p, json.loads(raw), flavor)
+        out[p] = known[p]
     return out
 
 
 @functools.cache
-def _one_gpu_per_process_on_one_host() -> bool:
+def _one_gpu_per_process_on_one_host(flavor: Flavor = GPU) -> bool:
     """Whether every process of the job runs on this host with one GPU (where the MoE
     transport's own kernels reach every peer through CUDA IPC)."""
-    infos = process_info(range(jax.process_count()), config.timeout_ms())
+    infos = process_info(range(jax.process_count()), config.timeout_ms(), flavor)
     hosts = {info["host"] for info in infos.values()}
     return len(hosts) == 1 and all(len(info["devices"]) == 1 for info in infos.values())
 
@@ -295,23 +343,31 @@ def route(op: str, group: Sequence[int], pd: np.ndarray, infos: dict[int, dict[s
         info = infos.get(process, {})
         uuid = next((d["uuid"] for d in info.get("devices", ()) if d["ordinal"] == ordinal), "")
         members.append((process, ordinal, info.get("host", ""), uuid))
+    # The decision is host logic (ffi/cuda/routes.cc), bound in _jaxcomm in every build;
+    # both builds' handlers take the same (their own copy of it).
     return tuple(_jaxcomm.cuda_route(op, members, jax.process_index(), one_rank_nccl()))
 
 
 def prepare_lowering(op: str, replica_groups: Sequence[Sequence[int]], axis_context: Any,
-                     timeout_ms: int) -> np.ndarray:
+                     timeout_ms: int, flavor: Flavor = GPU) -> np.ndarray:
     """Readies this process's groups of a CUDA custom call; returns its partition_devices.
 
     Runs when a program is lowered, on every process in the same order. In one process,
     nothing is needed. Across processes: each group spanning processes gets, per its route,
     its NCCL unique id (made by the process holding rank 0, published in the key-value
     store) or this process's host links to the group's other processes (CUDA IPC).
+    ``flavor`` names the build whose registry takes them (:data:`GPU`, :data:`EMULATED`).
     """
     if jax.process_count() == 1:
         return partition_devices(axis_context)
     from jaxcomm._src import bootstrap, groups as groups_mod
     peers = groups_mod.peer_processes(axis_context, tuple(tuple(g) for g in replica_groups))
-    infos = process_info(peers, timeout_ms)
+    # Every process of the mesh, not only this one's peers: the program then names every
+    # partition's device alike wherever it was lowered (an executable compiled by one
+    # process and loaded by the others, as jax's compilation cache does, finds its device).
+    mesh_processes = {int(d.process_index) for d in np.asarray(axis_context.mesh.devices).reshape(-1)}
+    extra = {} if flavor is GPU else dict(flavor=flavor)
+    infos = process_info(set(peers) | mesh_processes, timeout_ms, **extra)
     pd = partition_devices(axis_context, infos)
     table = pd.reshape(-1, 2)
     me = jax.process_index()
@@ -321,32 +377,35 @@ def prepare_lowering(op: str, replica_groups: Sequence[Sequence[int]], axis_cont
             continue
         name, error = route(op, group, pd, infos)
         if error:
-            raise RuntimeError(f"jaxcomm.{op} on CUDA: {error}")
+            raise RuntimeError(f"jaxcomm.{op} on {'emulated ' if flavor is not GPU else ''}CUDA: {error}")
         if name == ROUTE_IPC:
             bootstrap.ensure_linked(procs)
         elif name == ROUTE_NCCL:
-            _exchange_unique_id(group, pd, timeout_ms)
+            _exchange_unique_id(group, pd, timeout_ms, **extra)
     return pd
 
 
+#: Groups (their key, with the flavor's prefix) whose NCCL id this process has.
 _exchanged: set[str] = set()
 
 
-def _exchange_unique_id(group: Sequence[int], pd: np.ndarray, timeout_ms: int) -> None:
+def _exchange_unique_id(group: Sequence[int], pd: np.ndarray, timeout_ms: int,
+                        flavor: Flavor = GPU) -> None:
     """Gives the C++ registry the NCCL unique id of a group spanning processes: the
     process holding its rank 0 makes it and publishes it; the others wait for it."""
     key = group_key(group, pd)
-    if key in _exchanged:
+    if flavor.kv_prefix + key in _exchanged:
         return
     table = np.asarray(pd, dtype=np.int64).reshape(-1, 2)
     client = _kv_client()
+    kv_key = flavor.kv_prefix + _KV_UNIQUE_ID + key
     if int(table[group[0], 0]) == jax.process_index():
-        uid = _jaxcomm.cuda_nccl_unique_id()
-        client.key_value_set_bytes(_KV_UNIQUE_ID + key, uid)
+        uid = flavor.module.cuda_nccl_unique_id()
+        client.key_value_set_bytes(kv_key, uid)
     else:
-        uid = client.blocking_key_value_get_bytes(_KV_UNIQUE_ID + key, int(timeout_ms))
-    _jaxcomm.cuda_set_unique_id(key, bytes(uid))
-    _exchanged.add(key)
+        uid = client.blocking_key_value_get_bytes(kv_key, int(timeout_ms))
+    flavor.module.cuda_set_unique_id(key, bytes(uid))
+    _exchanged.add(flavor.kv_prefix + key)
 
 
 def communicators() -> list[dict[str, Any]]:

@@ -40,8 +40,9 @@ HOST_ONLY: dict[str, str] = {
     "test_moe_inference.py::test_split_send_returns_before_its_peers_arrive": (
         "injects a hang with JAXCOMM_FAULT, which the host backend's handlers read"),
     "test_moe_inference.py::test_split_low_latency_fp8_across_processes": (
-        "several processes: the emulation serves one process (XLA:CPU's buffers are not "
-        "emulated device memory, so the CUDA IPC route has nothing to export)"),
+        "its job's processes share emulated GPUs 0 and 1 (run_script sets no "
+        "CUDA_VISIBLE_DEVICES), where NCCL refuses two ranks on a GPU; "
+        "test_emulated_multiprocess.py runs this job with a GPU per rank"),
 }
 
 #: Where the CUDA backend's answer differs from the host backend's (and jax.lax's): a

@@ -6,7 +6,9 @@ with the host C++ compiler alone (no CUDA toolkit): streams asynchronous and in 
 events across streams and processes, the last-error rules (cudaGetLastError clears,
 cudaPeekAtLastError does not, an event poll's cudaErrorNotReady stays), sticky errors,
 poisoned fresh memory, launch and pitch limits, the legacy stream's implicit ordering,
-peer access refused to the device itself, CUDA IPC between two processes, and the strict
+peer access refused to the device itself, CUDA IPC between two processes (and handles that
+name one block or event for good, descriptors being reused), the devices a
+process sees under CUDA_VISIBLE_DEVICES (count, and each one's physical identity), and the strict
 checks (a wait on an event never recorded, freeing memory queued work uses, a host read on
 the legacy stream racing a non-blocking stream's queued work, an IPC mapping used after it
 was closed). The SIMT cases (tests/emulation/cpp/simt_test.cu, rewritten by
@@ -34,7 +36,8 @@ INCLUDES = [f"-I{ROOT / 'ffi'}", f"-I{ROOT / 'ffi/cuda_emu/runtime/include'}",
 SIMT_CASES = ["launches", "warps", "barriers"]
 CASES = ["stream_order", "last_error", "sticky", "poison", "launch_limits", "events_across_streams",
          "legacy_stream", "peer_access", "strict_never_recorded", "strict_free_in_use",
-         "strict_host_read_unsynchronized", "ipc"]
+         "strict_host_read_unsynchronized", "ipc", "visible_devices",
+         "ipc_handles_unique"]
 
 
 def _compiler() -> str:
@@ -84,6 +87,33 @@ def test_cases_listed(runtime_test: Path, simt_test: Path) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_runtime(runtime_test: Path, case: str) -> None:
     _run_case(runtime_test, case)
+
+
+#: CUDA_VISIBLE_DEVICES (None: unset) -> what the process sees: cudaGetDeviceCount's error
+#: (0 success, 100 cudaErrorNoDevice), the count, and per ordinal the physical device, its
+#: PCI bus id and its UUID's last byte (both the physical device's, as on a GPU).
+VISIBLE = {
+    None: "0 8 [0,1,2,3,4,5,6,7] [0,1,2,3,4,5,6,7] [0,1,2,3,4,5,6,7]",
+    "3": "0 1 [3] [3] [3]",
+    "5,2": "0 2 [5,2] [5,2] [5,2]",
+    " 1 , 6 ": "0 2 [1,6] [1,6] [1,6]",
+    "0,1,9,2": "0 2 [0,1] [0,1] [0,1]",     # the list ends at an index out of range
+    "4,x,5": "0 1 [4] [4] [4]",             # ... at an entry that is not an index
+    "2,3,2,4": "0 2 [2,3] [2,3] [2,3]",     # ... at a repeat
+    "": "100 0 [] [] []",                   # set but empty: no device
+    "-1": "100 0 [] [] []",
+}
+
+
+@pytest.mark.parametrize("visible", list(VISIBLE), ids=lambda v: "unset" if v is None else repr(v))
+def test_cuda_visible_devices(runtime_test: Path, visible: str | None) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    r = subprocess.run([str(runtime_test), "visible_devices"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == VISIBLE[visible]
 
 
 @pytest.mark.parametrize("case", SIMT_CASES)

@@ -1,10 +1,22 @@
 // Emulated devices: their count, the per-thread current device, properties and limits
 // (an H100's), peer access (refused to the device itself, as a real GPU does), versions,
 // and the one driver entry point ffi/cuda/ looks up.
+//
+// The machine has kPhysicalDevices emulated GPUs; a process sees those CUDA_VISIBLE_DEVICES
+// names, as with CUDA: unset, all of them; else a comma-separated list of indices, ordinal
+// k being the k-th listed, and the list ends at its first entry that is not a valid index
+// (out of range, not a number, a repeat); set but empty (or starting with an invalid
+// entry), none (cudaGetDeviceCount: cudaErrorNoDevice). A device's identity (UUID, PCI bus
+// id, name) is its physical one, the same in every process that sees it: how the mock
+// NCCL and jaxcomm's routes tell processes sharing a GPU from processes on distinct GPUs.
+// (CUDA also takes UUIDs, "GPU-...", and MIG ids there; the emulation takes indices only.)
 #include <cuda.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <set>
+#include <string>
 
 #include "cuda_emu/runtime/emu.h"
 #include "cuda_emu/runtime/state.h"
@@ -19,12 +31,43 @@ bool ValidDevice(int d) { return d >= 0 && d < Runtime::Get().device_count; }
 int CurrentDevice() { return current_device; }
 int DeviceCount() { return Runtime::Get().device_count; }
 
+std::vector<int> VisibleDevices(const char* env, int physical) {
+  std::vector<int> out;
+  if (env == nullptr) {
+    for (int d = 0; d < physical; ++d) out.push_back(d);
+    return out;
+  }
+  std::set<int> seen;
+  const std::string list(env);
+  size_t start = 0;
+  while (start <= list.size()) {
+    size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    std::string item = list.substr(start, end - start);
+    const size_t b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
+    item = b == std::string::npos ? "" : item.substr(b, e - b + 1);
+    char* rest = nullptr;
+    const long d = item.empty() ? -1 : std::strtol(item.c_str(), &rest, 10);
+    if (item.empty() || *rest != '\0' || d < 0 || d >= physical || !seen.insert(static_cast<int>(d)).second) break;
+    out.push_back(static_cast<int>(d));
+    start = end + 1;
+  }
+  return out;
+}
+
+int PhysicalDevice(int ordinal) {
+  const Runtime& rt = Runtime::Get();
+  return ordinal >= 0 && ordinal < rt.device_count ? rt.visible[ordinal] : -1;
+}
+
 Runtime& Runtime::Get() {
   static Runtime* rt = new Runtime();  // never destroyed: workers may be parked at exit
   return *rt;
 }
 
-Runtime::Runtime() = default;
+Runtime::Runtime()
+    : visible(VisibleDevices(std::getenv("CUDA_VISIBLE_DEVICES"), kPhysicalDevices)),
+      device_count(static_cast<int>(visible.size())) {}
 
 void SetWaitDeadline(std::chrono::seconds limit) { Runtime::Get().timeout = limit; }
 
@@ -52,7 +95,7 @@ using namespace jaxcomm::cuda_emu;
 cudaError_t cudaGetDeviceCount(int* count) {
   if (count == nullptr) return Fail(cudaErrorInvalidValue);
   *count = Runtime::Get().device_count;
-  return cudaSuccess;
+  return *count == 0 ? Fail(cudaErrorNoDevice) : cudaSuccess;
 }
 
 cudaError_t cudaSetDevice(int device) {
@@ -73,11 +116,12 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   if (prop == nullptr) return Fail(cudaErrorInvalidValue);
   if (!ValidDevice(device)) return Fail(cudaErrorInvalidDevice);
   std::memset(prop, 0, sizeof(*prop));
-  std::snprintf(prop->name, sizeof(prop->name), "jaxcomm emulated GPU %d", device);
+  const int physical = PhysicalDevice(device);
+  std::snprintf(prop->name, sizeof(prop->name), "jaxcomm emulated GPU %d", physical);
   // The same device has the same UUID in every process (processes may share a GPU).
   const char tag[] = "jaxcomm-emu-gpu";
   std::memcpy(prop->uuid.bytes, tag, sizeof(tag) - 1);
-  prop->uuid.bytes[15] = static_cast<char>(device);
+  prop->uuid.bytes[15] = static_cast<char>(physical);
   prop->totalGlobalMem = size_t{80} << 30;
   prop->sharedMemPerBlock = kMaxSharedPerBlock;
   prop->warpSize = 32;
@@ -90,7 +134,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   prop->multiProcessorCount = 132;
   prop->major = 9;
   prop->minor = 0;
-  prop->pciBusID = device;
+  prop->pciBusID = physical;
   return cudaSuccess;
 }
 

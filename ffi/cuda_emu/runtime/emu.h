@@ -3,7 +3,8 @@
 // reports, injected faults). Nothing in ffi/cuda/ includes this header.
 //
 // The runtime itself (ffi/cuda_emu/runtime/*.cc) emulates, on the host:
-//  - devices (JAXCOMM_EMU_DEVICES, default 8) with a per-thread current device;
+//  - devices: 8 physical ones, of which CUDA_VISIBLE_DEVICES picks the process's, as
+//    with CUDA (devices.cc), with a per-thread current device;
 //  - device memory: cudaMalloc'd blocks are shared memory (so that IPC handles work
 //    between processes) poisoned with kPoison when allocated;
 //  - streams: each one a worker thread that runs its work in order, asynchronously to the
@@ -72,8 +73,12 @@ cudaStream_t XlaStream(int ordinal);
 // waits forever; the emulation then raises a sticky cudaErrorLaunchTimeout instead.
 void SetWaitDeadline(std::chrono::seconds limit);
 
-// The number of emulated devices (JAXCOMM_EMU_DEVICES, default 8).
+// The number of emulated devices this process sees (CUDA_VISIBLE_DEVICES).
 int DeviceCount();
+
+// The physical device (the same in every process) behind ordinal `ordinal` of this
+// process, or -1 for an invalid ordinal.
+int PhysicalDevice(int ordinal);
 
 // Whether [p, p + bytes) lies in one live cudaMalloc'd block (false for host memory and
 // for XLA:CPU's buffers, which the emulation treats as device memory it did not allocate).

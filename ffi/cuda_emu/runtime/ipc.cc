@@ -1,5 +1,5 @@
 // CUDA IPC between processes: a memory handle names the exporting process and the memfd
-// behind a cudaMalloc'd block (opened through /proc/<pid>/fd, so the processes must be
+// behind a cudaMalloc'd block (and a serial: descriptors are reused, handles never are) (opened through /proc/<pid>/fd, so the processes must be
 // able to see each other's descriptors, as same-user processes on one host can); an event
 // handle names the memfd holding an interprocess event's counters. Closing an IPC mapping
 // leaves its addresses reserved and inaccessible, so that a late use faults or, through
@@ -25,7 +25,8 @@ struct HandleBody {
   int32_t pid;
   int32_t fd;
   uint64_t size;
-  int32_t device;
+  int32_t device;  // physical
+  uint64_t serial;  // the block's or event's (state.h): descriptors are reused
 };
 static_assert(sizeof(HandleBody) <= CUDA_IPC_HANDLE_SIZE, "an IPC handle is 64 bytes");
 
@@ -95,7 +96,8 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr) {
   body.pid = getpid();
   body.fd = a->fd;
   body.size = a->size;
-  body.device = a->device;
+  body.device = PhysicalDevice(a->device);  // ordinals differ between processes
+  body.serial = a->serial;
   Write(handle, body);
   return cudaSuccess;
 }
@@ -114,7 +116,11 @@ cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned
   if (p == MAP_FAILED) return Fail(cudaErrorMemoryAllocation);
   Runtime& rt = Runtime::Get();
   std::lock_guard<std::mutex> lock(rt.mu);
-  rt.allocations[reinterpret_cast<uintptr_t>(p)] = Allocation{body.size, body.device, -1, true};
+  int device = -1;  // this process's ordinal of the exporter's GPU, if it sees it
+  for (size_t d = 0; d < rt.visible.size(); ++d) {
+    if (rt.visible[d] == body.device) device = static_cast<int>(d);
+  }
+  rt.allocations[reinterpret_cast<uintptr_t>(p)] = Allocation{body.size, device, -1, true};
   *ptr = p;
   return cudaSuccess;
 }
@@ -145,6 +151,7 @@ cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t* handle, cudaEvent_t even
   std::memcpy(body.magic, kEventMagic, sizeof(body.magic));
   body.pid = getpid();
   body.fd = ev->shm_fd;
+  body.serial = ev->serial;
   Write(handle, body);
   return cudaSuccess;
 }

@@ -131,6 +131,11 @@ cudaError_t Copy2D(void* dst, size_t dpitch, const void* src, size_t spitch, siz
 
 }  // namespace
 
+uint64_t NextSerial() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1);
+}
+
 const Allocation* FindAllocation(uintptr_t p, uintptr_t* base) {
   auto& table = Runtime::Get().allocations;
   auto it = table.upper_bound(p);
@@ -186,7 +191,7 @@ cudaError_t cudaMalloc(void** ptr, size_t size) {
   std::memset(static_cast<char*>(p) + size / 4 * 4, 0xBA, size % 4);
   Runtime& rt = Runtime::Get();
   std::lock_guard<std::mutex> lock(rt.mu);
-  rt.allocations[reinterpret_cast<uintptr_t>(p)] = Allocation{size, CurrentDevice(), fd, false};
+  rt.allocations[reinterpret_cast<uintptr_t>(p)] = Allocation{size, CurrentDevice(), fd, false, NextSerial()};
   *ptr = p;
   return cudaSuccess;
 }

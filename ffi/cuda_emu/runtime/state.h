@@ -89,6 +89,7 @@ struct Event {
   bool ever_recorded = false;               // in this process (strict: wait on never recorded)
   bool imported = false;                    // opened from another process's handle
   int shm_fd = -1;                          // interprocess events: the counters' memfd
+  uint64_t serial = 0;                      // interprocess events: names it in handles
   std::chrono::steady_clock::time_point recorded_at{};
   std::chrono::steady_clock::time_point completed_at{};  // set by the recording stream
   std::shared_ptr<std::atomic<int64_t>> completed_ns = std::make_shared<std::atomic<int64_t>>(0);
@@ -99,13 +100,19 @@ struct Allocation {
   int device = 0;
   int fd = -1;          // memfd backing the block (IPC export opens it through /proc)
   bool imported = false;  // mapped from another process's IPC handle
+  // Names the block in IPC handles: descriptors are reused once closed, and a handle of a
+  // freed block must not name a later one (a peer's cache of opened handles would map
+  // the old one again, as CUDA's handles, unique, never do).
+  uint64_t serial = 0;
 };
 
 class Runtime {
  public:
   static Runtime& Get();
 
-  int device_count = 8;
+  // Physical devices this process sees (CUDA_VISIBLE_DEVICES), by ordinal; their count.
+  const std::vector<int> visible;
+  const int device_count;
   std::atomic<bool> strict{true};
 
   std::mutex mu;
@@ -138,8 +145,15 @@ class Runtime {
   Runtime();
 };
 
+// The emulated machine's GPUs (CUDA_VISIBLE_DEVICES picks a process's among them).
+constexpr int kPhysicalDevices = 8;
+
 // The calling thread's current device.
 int CurrentDevice();
+
+// The physical devices that CUDA_VISIBLE_DEVICES (`env`, nullptr when unset) makes
+// visible, in ordinal order (devices.cc's rules).
+std::vector<int> VisibleDevices(const char* env, int physical);
 
 // Records `error` as the calling thread's last error and returns it (or the sticky
 // error, which takes precedence).
@@ -156,6 +170,9 @@ uint64_t Submit(Stream* s, Task task);
 // owned by the returned pointer's deleter), or another process's, opened from its handle.
 std::shared_ptr<EventCounters> SharedEventCounters(int* fd);
 std::shared_ptr<EventCounters> OpenSharedEventCounters(int pid, int fd);
+
+// A number never handed out before in this process (IPC handles' serials).
+uint64_t NextSerial();
 
 // Lookups into the allocation table (under Runtime::mu).
 const Allocation* FindAllocation(uintptr_t p, uintptr_t* base);

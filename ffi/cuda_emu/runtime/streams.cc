@@ -307,6 +307,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
     ev->counters = std::make_shared<EventCounters>();
   } else {
     ev->counters = SharedEventCounters(&ev->shm_fd);
+    ev->serial = NextSerial();
     if (!ev->counters) {
       delete ev;
       return Fail(cudaErrorMemoryAllocation);

@@ -2,7 +2,12 @@
 
 #include <array>
 #include <cstdlib>
+#include <cstring>
+#include <mutex>
 #include <utility>
+#include <vector>
+
+#include "cuda_emu/seam/staging.h"
 
 namespace jaxcomm::cuda_emu {
 namespace {
@@ -15,19 +20,73 @@ int CountOps() {
   return n;
 }
 
+// XLA:CPU's device ids of this process's devices, in local order (SetLocalDevices).
+std::mutex ids_mu;
+std::vector<int64_t> local_ids;
+XLA_FFI_DeviceOrdinal_Get* xla_ordinal = nullptr;
+
+// XLA:CPU's DeviceOrdinal is the device's id in the job (process 1 of a job of 2-device
+// processes: 2048, 2049); XLA:GPU's is the local ordinal, which the CUDA backend takes
+// as its CUDA device. The handlers' API table maps one to the other.
+XLA_FFI_Error* LocalDeviceOrdinal(XLA_FFI_DeviceOrdinal_Get_Args* args) {
+  if (XLA_FFI_Error* e = xla_ordinal(args)) return e;
+  std::lock_guard<std::mutex> lock(ids_mu);
+  for (size_t k = 0; k < local_ids.size(); ++k) {
+    if (local_ids[k] == args->device_ordinal) {
+      args->device_ordinal = static_cast<int32_t>(k);
+      break;
+    }
+  }
+  return nullptr;
+}
+
+// XLA's API table with DeviceOrdinal_Get mapped (one XLA in the process: one table).
+const XLA_FFI_Api* HandlerApi(const XLA_FFI_Api* api) {
+  static const XLA_FFI_Api* patched = [api] {
+    auto* copy = new XLA_FFI_Api(*api);  // the fields this build knows; never freed
+    xla_ordinal = api->XLA_FFI_DeviceOrdinal_Get;
+    copy->XLA_FFI_DeviceOrdinal_Get = &LocalDeviceOrdinal;
+    return copy;
+  }();
+  return patched;
+}
+
+// XLA's metadata query (the handler's API version and traits) rather than a call.
+bool MetadataQuery(const XLA_FFI_CallFrame* frame) {
+  for (const XLA_FFI_Extension_Base* e = frame->extension_start; e != nullptr; e = e->next) {
+    if (e->type == XLA_FFI_Extension_Metadata) return true;
+  }
+  return false;
+}
+
+seam::CallKind KindOf(const char* op) {
+  if (std::strcmp(op, "moe_transport_send") == 0 || std::strcmp(op, "put_start") == 0) {
+    return seam::CallKind::kSendHalf;
+  }
+  if (std::strcmp(op, "moe_recv") == 0 || std::strcmp(op, "put_done") == 0) return seam::CallKind::kReceiveHalf;
+  return seam::CallKind::kPlain;
+}
+
 // The initialize stage of op `i` on the call frame of its execute stage: the same
-// context (state, device), no arguments, results or attributes (it binds none).
+// context (state, device), no arguments, results or attributes (it binds none); then the
+// execute stage on the call's buffers staged in emulated device memory (staging.h).
 template <int I>
 XLA_FFI_Error* InitializeThenExecute(XLA_FFI_CallFrame* frame) {
   const cuda::Stages& s = cuda::AllStages()[I];
-  XLA_FFI_CallFrame init = *frame;
+  // XLA's metadata query and any stage but execute: the handler's alone.
+  if (MetadataQuery(frame) || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) {
+    return s.execute(frame);
+  }
+  XLA_FFI_CallFrame call = *frame;
+  call.api = HandlerApi(frame->api);
+  XLA_FFI_CallFrame init = call;
   init.stage = XLA_FFI_ExecutionStage_INITIALIZE;
   init.args.size = 0;
   init.rets.size = 0;
   init.attrs.size = 0;
   init.future = nullptr;
   if (XLA_FFI_Error* e = s.initialize(&init)) return e;
-  return s.execute(frame);
+  return seam::RunStaged(&call, KindOf(s.op), s.execute);
 }
 
 template <int... I>
@@ -35,7 +94,29 @@ constexpr std::array<XLA_FFI_Handler*, kMaxOps> Table(std::integer_sequence<int,
   return {&InitializeThenExecute<I>...};
 }
 
+// A kernel outside any group, on its buffers staged as the groups' are.
+template <int I>
+XLA_FFI_Error* StagedLocal(XLA_FFI_CallFrame* frame) {
+  const cuda::LocalTarget& t = cuda::LocalTargets()[I];
+  if (MetadataQuery(frame) || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) {
+    return t.execute(frame);
+  }
+  XLA_FFI_CallFrame call = *frame;
+  call.api = HandlerApi(frame->api);
+  return seam::RunStaged(&call, seam::CallKind::kPlain, t.execute);
+}
+
+template <int... I>
+constexpr std::array<XLA_FFI_Handler*, kMaxOps> LocalTable(std::integer_sequence<int, I...>) {
+  return {&StagedLocal<I>...};
+}
+
 }  // namespace
+
+void SetLocalDevices(std::vector<int64_t> xla_ids) {
+  std::lock_guard<std::mutex> lock(ids_mu);
+  local_ids = std::move(xla_ids);
+}
 
 const cuda::Stages* EmulatedStages() {
   static const auto stages = [] {
@@ -51,6 +132,20 @@ const cuda::Stages* EmulatedStages() {
     return out;
   }();
   return stages.data();
+}
+
+const cuda::LocalTarget* EmulatedLocalTargets() {
+  static const auto targets = [] {
+    constexpr auto wrappers = LocalTable(std::make_integer_sequence<int, kMaxOps>());
+    std::array<cuda::LocalTarget, kMaxOps + 1> out{};
+    int n = 0;
+    while (cuda::LocalTargets()[n].op != nullptr) ++n;
+    if (n > kMaxOps) std::abort();  // raise kMaxOps
+    for (int i = 0; i < n; ++i) out[i] = {cuda::LocalTargets()[i].op, wrappers[i]};
+    out[n] = {nullptr, nullptr};
+    return out;
+  }();
+  return targets.data();
 }
 
 }  // namespace jaxcomm::cuda_emu

@@ -24,9 +24,15 @@ class CudaBackend(Backend):
         return cuda_runtime.available()
 
     def fallback_reason(self, op: str, dtype: Any, group_size: int | None) -> str:
+        return self.reason(op, dtype, group_size)
+
+    @staticmethod
+    def reason(op: str, dtype: Any, group_size: int | None,
+               flavor: cuda_runtime.Flavor = cuda_runtime.GPU) -> str:
+        """fallback_reason of the CUDA backend's build ``flavor`` (the emulation's too)."""
         if op in _REDUCING and dtype is not None and not cuda_runtime.nccl_reducible(dtype):
             return f"NCCL cannot reduce {np.dtype(dtype).name}"
-        if not cuda_runtime.serves(op, group_size):
+        if not cuda_runtime.serves(op, group_size, flavor):
             return f"the CUDA handler does not serve groups of {group_size}"
         return ""
 

@@ -6,9 +6,16 @@ platform ``cpu`` in place of the host backend's: every op the CUDA backend has a
 for runs its code (routes, streams, events, kernels) under ``jax.jit`` on CPU. The ops
 it has no handler for (the host backend's own: the fused MoE dispatch, ft.all_reduce)
 keep the host handlers. ``jaxcomm.stats()`` prefixes these calls' algorithm with
-``cuda (emulated): ``. One process for now: the emulation's IPC between processes works
-(tests/emulation/test_cuda_emu_runtime.py), but XLA:CPU's buffers are not its device
-memory, so the CUDA IPC route has nothing to export.
+``cuda (emulated): ``.
+
+Jobs of several processes take the CUDA backend's routes between processes: the same
+setup as on GPUs (cuda_runtime.prepare_lowering with :data:`cuda_runtime.EMULATED`:
+devices published in the key-value store, NCCL ids exchanged for the mock NCCL, host
+links for the CUDA IPC route). XLA:CPU's device k of a process is its emulated GPU k,
+which ``CUDA_VISIBLE_DEVICES`` maps to a physical emulated GPU as CUDA does (so that
+processes can hold distinct GPUs, as NCCL requires of its ranks). The XLA seam stages
+every buffer of a call in emulated device memory (ffi/cuda_emu/seam/staging.h), so that
+the CUDA IPC route can export it.
 """
 
 from __future__ import annotations
@@ -54,17 +61,16 @@ class EmulatedCudaBackend(Backend):
     def fallback_reason(self, op: str, dtype: Any, group_size: int | None) -> str:
         if op.replace(".", "_") not in _cuda_ops():
             return cpu_backend.BACKEND.fallback_reason(op, dtype, group_size)
-        if jax.process_count() > 1:
-            return "the CUDA emulation runs one process (JAXCOMM_EMULATE_CUDA)"
-        return cuda_backend.BACKEND.fallback_reason(op, dtype, group_size)
+        return cuda_backend.CudaBackend.reason(op, dtype, group_size, cuda_runtime.EMULATED)
 
     def register(self) -> None:
         ensure_registered()
 
     def prepare_lowering(self, op: str, replica_groups: Sequence[Sequence[int]], axis_context: Any,
                          timeout_ms: int) -> np.ndarray:
-        # One process: XLA:CPU's device k is emulated GPU k.
-        return cuda_runtime.partition_devices(axis_context)
+        # XLA:CPU's device k (of this process) is emulated GPU k.
+        return cuda_runtime.prepare_lowering(op, replica_groups, axis_context, timeout_ms,
+                                             flavor=cuda_runtime.EMULATED)
 
 
 @functools.cache
@@ -85,10 +91,16 @@ def ensure_registered() -> None:
     for op, stages in cuda_targets.items():
         jax.ffi.register_ffi_target(runtime.target_name(op), stages, platform="cpu")
         runtime.mark_batch_partitionable(runtime.target_name(op))
-    for op, stages in emu.cuda_local_targets().items():
+    for op, stages in emu.emu_cuda_local_targets().items():
         jax.ffi.register_ffi_target(runtime.target_name(op), stages, platform="cpu")
     _jaxcomm.set_process_index(jax.process_index())
     emu.set_process_index(jax.process_index())
+    # XLA:CPU tells a handler its device's id in the job; the CUDA backend wants the local
+    # ordinal (its CUDA device), as XLA:GPU gives it.
+    emu.emu_set_local_devices([d.id for d in jax.local_devices(backend="cpu")])
+    # The CUDA IPC route meets its peers over the host backend's links (bootstrap.py links
+    # them into _jaxcomm's registry); this module's own registry borrows them.
+    emu.emu_borrow_cross_process(_jaxcomm.cross_process_capsule())
 
 
 def trace_stats() -> list[dict[str, Any]]:

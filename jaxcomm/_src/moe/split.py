@@ -67,7 +67,10 @@ def dispatch_send(spec: api.DispatchSpec, x: Any, expert_ids: Any, axis_name: An
     if api.in_shard_map(axis_name):
         R = impl.group_size(axis_name)
         api.check_inputs(spec, x, expert_ids, R, x.shape[0])
-        lay, view = api.make_layout(spec, x.shape[0], expert_ids.shape[1], R), None
+        # Groups the fused transports do not serve (the CUDA backend's across processes
+        # that are not one per GPU on one host) take the composed path, as the fused call.
+        lay, view = (api.make_layout(spec, x.shape[0], expert_ids.shape[1], R) if impl.use_fused(x.dtype, R)
+                     else None), None
     elif impl.use_fused(x.dtype):
         lay, view = api.global_layout(spec, x, expert_ids, axis_name)
     else:

@@ -220,6 +220,28 @@ void PeerAccess() {
   cudaGetLastError();
 }
 
+// What this process sees under its CUDA_VISIBLE_DEVICES (the Python test sets it and
+// checks the line): "<cudaGetDeviceCount's error> <count> <physical,...> <pci,...>
+// <uuid byte 15,...>", then the first invalid ordinal refused.
+void VisibleDevices() {
+  int count = -1;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  cudaGetLastError();
+  std::string physical, pci, uuid;
+  for (int d = 0; d < count; ++d) {
+    cudaDeviceProp prop;
+    OK(cudaGetDeviceProperties(&prop, d));
+    const std::string sep = d ? "," : "";
+    physical += sep + std::to_string(emu::PhysicalDevice(d));
+    pci += sep + std::to_string(prop.pciBusID);
+    uuid += sep + std::to_string(static_cast<int>(prop.uuid.bytes[15]));
+  }
+  std::printf("%d %d [%s] [%s] [%s]\n", static_cast<int>(e), count, physical.c_str(), pci.c_str(), uuid.c_str());
+  EXPECT_EQ(cudaSetDevice(count), cudaErrorInvalidDevice);
+  cudaGetLastError();
+  EXPECT_EQ(emu::PhysicalDevice(count), -1);
+}
+
 void StrictNeverRecorded() {
   cudaStream_t s;
   cudaEvent_t ev;
@@ -291,6 +313,32 @@ void StrictHostReadUnsynchronized() {
 
 // Two processes: the child exports a block and an interprocess event; the parent opens
 // both, sees the child's data, waits on its event, then uses the mapping after closing it.
+// A handle names one block or event for good: a block or event made after another was
+// freed (reusing its descriptor) has a handle of its own, and the same block always the
+// same handle (peers cache what they opened by handle).
+void IpcHandlesUnique() {
+  void* p = nullptr;
+  cudaIpcMemHandle_t first, again, later;
+  OK(cudaMalloc(&p, 4096));
+  OK(cudaIpcGetMemHandle(&first, p));
+  OK(cudaIpcGetMemHandle(&again, p));
+  EXPECT_EQ(std::memcmp(&first, &again, sizeof(first)), 0);
+  OK(cudaFree(p));
+  OK(cudaMalloc(&p, 4096));
+  OK(cudaIpcGetMemHandle(&later, p));
+  EXPECT_EQ(std::memcmp(&first, &later, sizeof(first)) != 0, true);
+  OK(cudaFree(p));
+  cudaEvent_t ev;
+  cudaIpcEventHandle_t e1, e2;
+  OK(cudaEventCreateWithFlags(&ev, cudaEventInterprocess | cudaEventDisableTiming));
+  OK(cudaIpcGetEventHandle(&e1, ev));
+  OK(cudaEventDestroy(ev));
+  OK(cudaEventCreateWithFlags(&ev, cudaEventInterprocess | cudaEventDisableTiming));
+  OK(cudaIpcGetEventHandle(&e2, ev));
+  EXPECT_EQ(std::memcmp(&e1, &e2, sizeof(e1)) != 0, true);
+  OK(cudaEventDestroy(ev));
+}
+
 void Ipc() {
   int to_parent[2], to_child[2];
   if (pipe(to_parent) != 0 || pipe(to_child) != 0) std::exit(1);
@@ -372,6 +420,7 @@ int main(int argc, char** argv) {
       {"legacy_stream", LegacyStream},     {"peer_access", PeerAccess},
       {"strict_never_recorded", StrictNeverRecorded}, {"strict_free_in_use", StrictFreeInUse},
       {"strict_host_read_unsynchronized", StrictHostReadUnsynchronized}, {"ipc", Ipc},
+      {"visible_devices", VisibleDevices}, {"ipc_handles_unique", IpcHandlesUnique},
   };
   if (argc == 2 && std::string(argv[1]) == "--list") {
     for (auto& [name, f] : cases) std::printf("%s\n", name.c_str());
