@@ -40,6 +40,9 @@ import pytest
 from jaxcomm.trace import __main__ as trace_cli
 from jaxcomm.trace import analyzer
 
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))  # test_fault_matrix's helpers
+
 FULL = os.environ.get("JAXCOMM_TEST_EMULATED_FULL") == "1"
 N = 8
 #: The faulty loop's deadline, seconds.
@@ -262,3 +265,138 @@ def test_emulated_fault_matrix(tmp_path):
                 late = _late_error(res["trace"], op, rank)
                 assert late == ("the other ranks of this call already gave up on it (timed out); this rank "
                             "arrived too late"), late
+
+
+# ------------------------------------------------------------------ across processes
+#
+# Two processes of one emulated GPU each (CUDA_VISIBLE_DEVICES set per process, as a
+# launcher does on a GPU machine), launched as test_fault_matrix.py launches its jobs, one
+# fault in process 0 or 1: ppermute takes the CUDA IPC route (its peers meet through the
+# host backend's cross-process exchange), all_reduce the mock NCCL across processes. The
+# verdict must name the faulty process first, and no process may be left running.
+
+MP_DEADLINE_S = 3
+MP_ACTIONS = {"hang": "hang", "exit": "exit", "delay": f"delay:{MP_DEADLINE_S + 5}"}
+#: Op -> its route between two processes of one GPU each.
+MP_ROUTES = {"ppermute": "cuda ipc across processes", "all_reduce": "nccl"}
+
+MP_SCRIPT = textwrap.dedent(f"""
+    import os, sys
+    # One emulated GPU per process, picked before anything loads the emulated runtime.
+    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["JAXCOMM_PROCESS_ID"]
+    import numpy as np
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxcomm
+
+    jaxcomm.init()
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("x",))
+    smap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def barrier(v):
+        return jaxcomm.all_reduce(v, "x", timeout_s=120)
+
+    def faulty_ppermute(v):
+        return jaxcomm.ppermute(v, "x", perm, timeout_s={MP_DEADLINE_S})
+
+    def faulty_all_reduce(v):
+        return jaxcomm.all_reduce(v, "x", timeout_s={MP_DEADLINE_S})
+
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones((1, 4), np.float32))
+    step = smap(globals()["faulty_" + sys.argv[1]]).lower(x).compile()  # compiled before the barrier
+    jax.block_until_ready(smap(barrier)(x))
+    try:
+        for i in range(4):
+            jax.block_until_ready(step(x))
+    except Exception as e:
+        print("RAN-ERROR " + str(e).replace("\\n", " "), flush=True)
+        raise
+    print("RAN-OK", flush=True)
+""")
+
+
+def _mp_job(tmp_path: Path, op: str, kind: str, faulty: int, emulated: bool = True):
+    """Runs one 2-process job; returns the launch result and its trace directory."""
+    from jaxcomm import launch
+
+    work = tmp_path / f"mp-{op}-{kind}-{faulty}-{'emulated' if emulated else 'host'}"
+    work.mkdir()
+    (work / "script.py").write_text(MP_SCRIPT)
+    trace_dir = work / "trace"
+    env = dict(os.environ, JAXCOMM_EMULATE_CUDA="1" if emulated else "0", JAX_PLATFORMS="cpu",
+               JAXCOMM_TRACE_DIR=str(trace_dir),
+               JAXCOMM_FAULT=f"process={faulty},op={op},site=(faulty_{op}),call=2,action={MP_ACTIONS[kind]}")
+    env.pop("XLA_FLAGS", None)  # the launcher gives each process its one device
+    res = launch.launch([str(work / "script.py"), op], 2, env=env, capture=True, timeout_s=150,
+                        grace_s=5, cwd=str(work))
+    return res, trace_dir
+
+
+def _check_mp(res, trace_dir: Path, op: str, kind: str, faulty: int, emulated: bool = True) -> str | None:
+    """The fault matrix's checks (test_fault_matrix.py) on one job; returns the waiting
+    process's error (None where it has none: the faulty process exited)."""
+    from test_fault_matrix import _job_processes
+
+    cell = f"{op} {kind} at process {faulty} ({'emulated' if emulated else 'host'})"
+    assert _job_processes(res.job_id) == [], f"{cell}: processes left running"
+    assert res.returncode != 0 and all(c is not None for c in res.returncodes), f"{cell}: {res.format()}"
+    report = analyzer.analyze(trace_dir)
+    named = re.findall(r"process (\d+)", report.verdict)
+    assert named and int(named[0]) == faulty, f"{cell}: {report.text()}\n{res.format()}"
+    top = report.findings[0]
+    assert top.processes == [faulty], f"{cell}: {report.text()}"
+    # A process that exits is "dead" where its peers saw it go (the host transport, which
+    # the IPC route meets through); the mock NCCL does not notice a peer process die: its
+    # peers time out, and the process "never arrived".
+    dead = kind == "exit" and MP_ROUTES.get(op) != "nccl"
+    assert top.kind == ("dead" if dead else "hang"), f"{cell}: {report.text()}"
+    assert top.op == op and f"(faulty_{op})" in top.call_site, report.text()
+    assert report.processes == [0, 1], f"{cell}: {report.text()}"
+    assert res.verdict == report.verdict, cell
+    if emulated:
+        rings = sorted(glob.glob(str(trace_dir / "jaxcomm-ring-p*-cuda-emu.bin")))
+        assert len(rings) == 2, os.listdir(trace_dir)
+        routes = {e["algorithm"] for d in analyzer.load(trace_dir) for e in d["entries"] if e["op"] == op}
+        assert routes == {MP_ROUTES[op]}, routes
+    waiting = 1 - faulty
+    errors = [ln.split("RAN-ERROR ", 1)[1] for ln in res.output(waiting).splitlines() if "RAN-ERROR " in ln]
+    return errors[0] if errors else None
+
+
+def _host_words(error: str) -> str:
+    """A cross-process error with its process ids as ``PID``."""
+    return re.sub(r"pid \d+", "pid PID", error)
+
+
+def test_two_processes_hang_names_the_faulty_process(tmp_path):
+    """A hung rank on the CUDA IPC route (against the host backend's same job: the same
+    error, word for word) and on NCCL across processes."""
+    cells = [("ppermute", "hang", 1, True), ("ppermute", "hang", 1, False), ("all_reduce", "hang", 0, True)]
+    with concurrent.futures.ThreadPoolExecutor(len(cells)) as pool:
+        done = list(pool.map(lambda c: _mp_job(tmp_path, *c), cells))
+    errors = {c: _check_mp(res, trace, *c) for c, (res, trace) in zip(cells, done)}
+    ipc, host = errors[cells[0]], errors[cells[1]]
+    assert ipc is not None and _host_words(ipc) == _host_words(host), (ipc, host)
+    assert ipc.startswith("DEADLINE_EXCEEDED: jaxcomm.ppermute over axis 'x' (group 0 = partitions [0 1]), "
+                          "rank 0 (partition 0), call site "), ipc
+    assert _host_words(ipc).endswith(
+        "execution #2: timed out (timeout_s / JAXCOMM_TIMEOUT_S) waiting for process 1 (host vm "
+        "(127.0.0.1), pid PID) with ranks [1] (partitions [1]), which did not arrive at this call"), ipc
+    nccl = errors[cells[2]]
+    # NCCL does not say which ranks of other processes are missing: the analyzer does.
+    assert nccl is not None and f"timed out after {MP_DEADLINE_S} s (timeout_s / JAXCOMM_TIMEOUT_S) running on " \
+        "the device: the ranks of other processes that did not arrive are not known here" in nccl, nccl
+    assert _NCCL_ABORTED.search(nccl), nccl
+
+
+@pytest.mark.skipif(not FULL, reason="the full matrix runs with JAXCOMM_TEST_EMULATED_FULL=1")
+@pytest.mark.parametrize("op", sorted(MP_ROUTES))
+def test_two_process_fault_matrix(tmp_path, op):
+    """Every fault kind at either process, on one route."""
+    cells = [(op, kind, faulty) for kind in sorted(MP_ACTIONS) for faulty in (0, 1)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        done = list(pool.map(lambda c: _mp_job(tmp_path, *c), cells))
+    for c, (res, trace) in zip(cells, done):
+        _check_mp(res, trace, *c)
