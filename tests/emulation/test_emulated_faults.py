@@ -355,6 +355,8 @@ def _check_mp(res, trace_dir: Path, op: str, kind: str, faulty: int, emulated: b
     assert top.op == op and f"(faulty_{op})" in top.call_site, report.text()
     assert report.processes == [0, 1], f"{cell}: {report.text()}"
     assert res.verdict == report.verdict, cell
+    if MP_ROUTES[op] != "nccl":  # the launcher's summary leads back there too (NCCL's errors name no process)
+        assert res.cause == [faulty], f"{cell}: {res.cause}\n{res.format()}"
     if emulated:
         rings = sorted(glob.glob(str(trace_dir / "jaxcomm-ring-p*-cuda-emu.bin")))
         assert len(rings) == 2, os.listdir(trace_dir)
