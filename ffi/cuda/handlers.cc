@@ -16,6 +16,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -159,17 +160,23 @@ ffi::Error Watched(Call& c, const ffi::AnyBuffer& x, F&& f) {
     return e;
   }
   c.slot.info->enqueued[c.where.rank].store(c.slot.execution, std::memory_order_relaxed);
+  [[maybe_unused]] const std::shared_ptr<std::atomic<bool>> finished = w.finished;
   watcher.End(std::move(w), c.stream);
 #ifdef JAXCOMM_CUDA_EMULATION
   // XLA:CPU reads a call's results as soon as its handler returns (the emulation's seam
   // drains the stream then, cuda_emu/seam/xla_context_emu.cc), so here the call's own
   // outcome is known before the handler returns: a NCCL call that the watcher aborted
-  // (at its deadline: a rank never came) fails with the watcher's error, as the host
-  // backend's call would. On a GPU the handler returned long before the deadline; the
-  // program learns of it at the communicator's next call ("was aborted earlier: ..."),
-  // from the log and from the flight recorder's dump.
+  // (at its deadline: a rank never came; or at NCCL's error) fails with the watcher's
+  // error, as the host backend's call would. On a GPU the handler returned long before
+  // the deadline; the program learns of it at the communicator's next call ("was aborted
+  // earlier: ..."), from the log and from the flight recorder's dump.
   if (c.slot.comm != nullptr) {
     cudaStreamSynchronize(c.stream);
+    // The watcher's verdict on the call: it polls every 100 us.
+    const auto until = Clock::now() + c.st->timeout();
+    while (finished && !finished->load(std::memory_order_acquire) && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
     if (std::string failure = c.slot.comm->failure(); !failure.empty()) {
       const bool deadline = watcher.TimedOut(c.slot.info.get(), c.slot.execution);
       return ffi::Error(deadline ? ffi::ErrorCode::kDeadlineExceeded : ffi::ErrorCode::kInternal, failure);

@@ -80,6 +80,7 @@ Watch CompletionWatcher::Begin(std::shared_ptr<const GroupInfo> info, std::share
   w.partition = partition;
   w.execution = execution;
   w.timeout = timeout;
+  if (w.comm != nullptr) w.finished = std::make_shared<std::atomic<bool>>(false);
   FlightRecorder& rec = Registry::Get().recorder();
   if (rec.enabled() && w.info->site != nullptr) {
     w.trace = rec.Enqueue(partition, w.info->site, rank, run_id, dtype, elements, bytes);
@@ -98,14 +99,14 @@ Watch CompletionWatcher::Begin(std::shared_ptr<const GroupInfo> info, std::share
 void CompletionWatcher::End(Watch w, cudaStream_t stream) {
   if (w.start == nullptr) {
     // Not recorded and no deadline to keep (or no event to keep it with): done here.
-    if (w.trace != 0) Registry::Get().recorder().Finish(Traced(w.trace), "", false, CountsTheRound(w));
+    Finish(w, "");
     return;
   }
   w.end = Take(w.device);
   if (w.end == nullptr || cudaEventRecord(w.end, stream) != cudaSuccess) {
     Give(w.device, w.end);
     Give(w.device, w.start);
-    if (w.trace != 0) Registry::Get().recorder().Finish(Traced(w.trace), "", false, CountsTheRound(w));
+    Finish(w, "");
     return;
   }
   std::call_once(started_, [this] { thread_ = std::thread([this] { Loop(); }); });
@@ -131,6 +132,7 @@ void CompletionWatcher::Finish(const Watch& w, const std::string& error) {
   if (w.trace != 0) {
     Registry::Get().recorder().Finish(Traced(w.trace), error, /*dump=*/!error.empty(), CountsTheRound(w));
   }
+  if (w.finished) w.finished->store(true, std::memory_order_release);
 }
 
 bool CompletionWatcher::Check(Watch& w, Clock::time_point now) {
@@ -176,7 +178,7 @@ bool CompletionWatcher::Check(Watch& w, Clock::time_point now) {
   const std::vector<int> behind = w.info->LocalRanksBehind(w.execution);
   if (failed) {
     msg << "NCCL reported an error while the call ran on the device: "
-        << w.comm->api().Describe(async, nullptr);
+        << w.comm->api().Describe(async, nullptr) << ".";
   } else if (!behind.empty() && w.info->AllLocal()) {
     // Every rank lives here: who never came is known, in the host backend's words.
     msg << NeverArrivedMessage(w.timeout, behind, w.info->group, w.info->group.size() - behind.size());

@@ -13,6 +13,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -39,6 +40,9 @@ struct Watch {
   std::chrono::milliseconds timeout{0};
   uint64_t trace = 0;  // flight recorder handle (0: not recorded)
   cudaEvent_t start = nullptr, end = nullptr;
+  // NCCL calls: set once the watcher is done with the call (its error, if any, is then
+  // the communicator's failure()); the emulation's handlers wait for it (handlers.cc).
+  std::shared_ptr<std::atomic<bool>> finished;
   // Set by the watcher thread.
   Clock::time_point started{};
 };

@@ -362,9 +362,15 @@ def _check_mp(res, trace_dir: Path, op: str, kind: str, faulty: int, emulated: b
         assert len(rings) == 2, os.listdir(trace_dir)
         routes = {e["algorithm"] for d in analyzer.load(trace_dir) for e in d["entries"] if e["op"] == op}
         assert routes == {MP_ROUTES[op]}, routes
-    waiting = 1 - faulty
-    errors = [ln.split("RAN-ERROR ", 1)[1] for ln in res.output(waiting).splitlines() if "RAN-ERROR " in ln]
-    return errors[0] if errors else None
+    def error_of(p: int) -> str | None:
+        errors = [ln.split("RAN-ERROR ", 1)[1] for ln in res.output(p).splitlines() if "RAN-ERROR " in ln]
+        return errors[0] if errors else None
+
+    if kind == "delay" and emulated:
+        # The late process fails the same call (its peer gave up on it), not a later one.
+        late = error_of(faulty)
+        assert late is not None and ", execution #2: " in late, f"{cell}: {late}"
+    return error_of(1 - faulty)
 
 
 def _host_words(error: str) -> str:
