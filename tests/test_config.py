@@ -63,8 +63,12 @@ def test_every_python_reader_names_a_registered_variable():
 
 def test_every_cpp_reader_matches_the_registry():
     sources = _sources("ffi", (".cc", ".h", ".cu"))
+    # The emulated CUDA runtime reads CUDA's own CUDA_VISIBLE_DEVICES, as libcudart does
+    # when it starts (no jaxcomm variable): that one read only.
+    cuda_own = {os.path.join("ffi", "cuda_emu", "runtime", "devices.cc"): 'getenv("CUDA_VISIBLE_DEVICES")'}
     for path, text in sources.items():
         if path != os.path.join("ffi", "core", "env.cc"):
+            text = text.replace(cuda_own.get(path, "\0"), "", 1)
             assert "getenv(" not in text, f"{path} reads the environment outside core/env.cc"
     env_cc = sources[os.path.join("ffi", "core", "env.cc")]
     natives = {v.name for v in config.VARIABLES.values() if v.native}

@@ -362,8 +362,11 @@ XLA_FFI_Error* RunStaged(XLA_FFI_CallFrame* frame, CallKind kind,
   XLA_FFI_Error* result = handler(&staged);
 
   // The handler's XlaContext drained XLA's stream; again here, as the copies read it.
+  int previous = 0;
+  cudaGetDevice(&previous);
   cudaSetDevice(device);
   cudaStreamSynchronize(XlaStream(device));
+  cudaSetDevice(previous);
   for (int64_t i = 0; i < nrets; ++i) {
     if (!ret_staged[i] || ret_bytes[i] == 0) continue;
     // A send's data is still being written on jaxcomm's stream: its receive copies it back.
@@ -392,7 +395,9 @@ XLA_FFI_Error* RunStaged(XLA_FFI_CallFrame* frame, CallKind kind,
   } else {
     release();
   }
-  if (kind == CallKind::kReceiveHalf && !sends.empty()) staging.Unpin(device, sends);
+  // A failed receive may leave its send's movement running on jaxcomm's stream: its
+  // blocks stay (leaked) rather than be handed to another call while still written.
+  if (kind == CallKind::kReceiveHalf && result == nullptr && !sends.empty()) staging.Unpin(device, sends);
   staging.Record(count, in, out, std::move(seen));
   return result;
 }

@@ -21,7 +21,7 @@
 // blocks therefore stay "pinned" under their XLA:CPU addresses; the receive half, which
 // takes the send's results (aliased to its own) and every operand the send published,
 // finds them there (not copied in again: they are the live data), and frees them once it
-// ran. A send's first result (its data, still being written) is not copied back; its
+// ran (a failed receive leaves them: its send's movement may still write them). A send's first result (its data, still being written) is not copied back; its
 // others (the status written on XLA's stream) are.
 // Buffers of a sub-byte type (XLA:CPU may pack them) and tokens are passed through as
 // XLA:CPU's host memory, which the emulation treats as device memory it did not allocate.
