@@ -242,6 +242,62 @@ def test_emulated_faults_match_the_host_backend(tmp_path, capsys):
                         rf"waited for them and timed out", first), first
 
 
+SKIP_SCRIPT = textwrap.dedent(f"""
+    import json
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxcomm
+
+    mesh = jax.make_mesh(({N},), ("x",))
+    x = jax.device_put(jnp.arange({N * 4}.0).reshape({N}, 4), NamedSharding(mesh, P("x")))
+    perm = [(i, (i + 1) % {N}) for i in range({N})]
+    ops = {{"ppermute": lambda v: jaxcomm.ppermute(v, "x", perm, timeout_s={DEADLINE_S}),
+           "all_reduce": lambda v: jaxcomm.all_reduce(v, "x", timeout_s={DEADLINE_S})}}
+    out = {{}}
+    for op in ("ppermute", "all_reduce"):  # NCCL last: its deadline aborts the communicator
+        def skipping_(v, step, op=op):  # rank SKIP skips the collective at step 1
+            return jax.lax.cond((jax.lax.axis_index("x") == SKIP) & (step[0] == 1), lambda u: u, ops[op], v)
+        f = jax.jit(jax.shard_map(skipping_, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"),
+                                  check_vma=False))
+        out[op] = None
+        for i in range(3):
+            try:
+                jax.block_until_ready(f(x, jnp.array([i])))
+            except Exception as e:
+                out[op] = str(e)
+                break
+    print("CELLS " + json.dumps(out), flush=True)
+""")
+
+
+def test_a_rank_that_skips_the_call(tmp_path):
+    """No fault injected: a rank skips the collective under a lax.cond (the cause the
+    message names), on the peer route and on NCCL; the others fail with the host
+    backend's message, and the analyzer names the rank."""
+    skip = 3
+    trace_dir = tmp_path / "trace"
+    env = dict(os.environ, JAXCOMM_EMULATE_CUDA="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={N}", JAXCOMM_TRACE_DIR=str(trace_dir))
+    env.pop("JAXCOMM_FAULT", None)
+    r = subprocess.run([sys.executable, "-c", SKIP_SCRIPT.replace("SKIP", str(skip))], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("CELLS ")]
+    assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
+    errors = json.loads(line[0][len("CELLS "):])
+    report = analyzer.analyze(trace_dir)
+    for op in ("ppermute", "all_reduce"):
+        error = errors[op]
+        assert error is not None, op
+        m = re.search(r"rank (\d+) \(partition \1\), call site [^,]* in jit_skipping[^,]*, execution #2: ", error)
+        assert m and int(m.group(1)) != skip, error
+        text = _NCCL_ABORTED.sub("", error.strip()) if ROUTES[op] == "nccl" else error.strip()
+        want = _expected(op, "hang", skip)
+        assert text.endswith(want[want.index(", execution #2: "):]), error
+        mine = [f for f in report.findings if f.op == op]
+        assert len(mine) == 1 and (mine[0].kind, mine[0].culprits, mine[0].execution) == ("hang", [skip], 2), \
+            report.text()
+
+
 def _full_jobs() -> list[list[tuple[str, str, int]]]:
     """Every route, fault and position: one NCCL cell per job (its last), the peers cells
     shared out among them."""
