@@ -38,7 +38,8 @@ HOST_ONLY: dict[str, str] = {
     "test_moe_inference.py::test_split_phase_leaves_work_between_the_halves": (
         "inspects the host backend's fused dispatch (moe_dispatch) in the compiled program"),
     "test_moe_inference.py::test_split_send_returns_before_its_peers_arrive": (
-        "injects a hang with JAXCOMM_FAULT, which the host backend's handlers read"),
+        "injects its hang into moe_dispatch_send, the host backend's fused dispatch, which the "
+        "CUDA backend does not have (its deadlines: test_emulated_faults.py)"),
     "test_moe_inference.py::test_split_low_latency_fp8_across_processes": (
         "its job's processes share emulated GPUs 0 and 1 (run_script sets no "
         "CUDA_VISIBLE_DEVICES), where NCCL refuses two ranks on a GPU; "

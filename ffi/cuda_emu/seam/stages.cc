@@ -43,10 +43,10 @@ XLA_FFI_Error* LocalDeviceOrdinal(XLA_FFI_DeviceOrdinal_Get_Args* args) {
 // XLA's API table with DeviceOrdinal_Get mapped (one XLA in the process: one table).
 const XLA_FFI_Api* HandlerApi(const XLA_FFI_Api* api) {
   static const XLA_FFI_Api* patched = [api] {
-    auto* copy = new XLA_FFI_Api(*api);  // the fields this build knows; never freed
+    static XLA_FFI_Api copy = *api;  // the fields this build knows
     xla_ordinal = api->XLA_FFI_DeviceOrdinal_Get;
-    copy->XLA_FFI_DeviceOrdinal_Get = &LocalDeviceOrdinal;
-    return copy;
+    copy.XLA_FFI_DeviceOrdinal_Get = &LocalDeviceOrdinal;
+    return &copy;
   }();
   return patched;
 }
