@@ -22,6 +22,7 @@
 #include "cuda/peers.h"
 #include "cuda/process_exchange.h"
 #include "cuda/state.h"
+#include "cuda/target_bindings.h"
 #include "cuda/xla_context.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -98,28 +99,32 @@ const XLA_FFI_Api* FakeScratchApi() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcomm_cuda_ProbeExecute, ProbeExecute,
                               ffi::Ffi::Bind().Ctx<ffi::State<CudaState>>().RemainingArgs().RemainingRets());
 
-void RegisterCuda(nb::module_& m) {
-  m.def("cuda_targets", [] {
-    nb::dict targets;
-    for (const Stages* s = AllStages(); s->op != nullptr; ++s) {
-      nb::dict d;
-      d["instantiate"] = Capsule(s->instantiate);
-      d["initialize"] = Capsule(s->initialize);
-      d["execute"] = Capsule(s->execute);
-      targets[s->op] = d;
-    }
-    return targets;
-  }, "Maps op name -> {stage: handler capsule} for platform CUDA (registered without traits).");
+nb::dict StagesDict(const Stages* stages) {
+  nb::dict targets;
+  for (const Stages* s = stages; s->op != nullptr; ++s) {
+    nb::dict d;
+    if (s->instantiate != nullptr) d["instantiate"] = Capsule(s->instantiate);
+    if (s->initialize != nullptr) d["initialize"] = Capsule(s->initialize);
+    if (s->execute != nullptr) d["execute"] = Capsule(s->execute);
+    targets[s->op] = d;
+  }
+  return targets;
+}
 
-  m.def("cuda_local_targets", [] {
-    nb::dict targets;
-    for (const LocalTarget* t = LocalTargets(); t->op != nullptr; ++t) {
-      nb::dict d;
-      d["execute"] = Capsule(t->execute);
-      targets[t->op] = d;
-    }
-    return targets;
-  }, "Maps op name -> {'execute': capsule} of the CUDA kernels called outside any group "
+nb::dict LocalTargetsDict(const LocalTarget* targets) {
+  nb::dict out;
+  for (const LocalTarget* t = targets; t->op != nullptr; ++t) {
+    nb::dict d;
+    d["execute"] = Capsule(t->execute);
+    out[t->op] = d;
+  }
+  return out;
+}
+
+void RegisterCuda(nb::module_& m) {
+  m.def("cuda_targets", [] { return StagesDict(AllStages()); }, "Maps op name -> {stage: handler capsule} for platform CUDA (registered without traits).");
+
+  m.def("cuda_local_targets", [] { return LocalTargetsDict(LocalTargets()); }, "Maps op name -> {'execute': capsule} of the CUDA kernels called outside any group "
      "(no state; registered without traits).");
 
   m.def("cuda_state_type", [] {

@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "core/registry.h"
+#include "cuda/target_bindings.h"
 #include "cuda/xla_context.h"
 #include "cuda_emu/runtime/emu.h"
 #include "cuda_emu/seam/seam.h"
@@ -63,26 +64,11 @@ NB_MODULE(_jaxcomm_emu, m) {
   jaxcomm::cuda::RegisterCuda(m);
 
   // In place of bindings.cc's cuda_targets (which XLA:CPU would run without initialize).
-  m.def("emu_cuda_targets", [] {
-    nb::dict targets;
-    for (const jaxcomm::cuda::Stages* s = jaxcomm::cuda_emu::EmulatedStages(); s->op != nullptr; ++s) {
-      nb::dict d;
-      d["instantiate"] = nb::capsule(reinterpret_cast<void*>(s->instantiate));
-      d["execute"] = nb::capsule(reinterpret_cast<void*>(s->execute));
-      targets[s->op] = d;
-    }
-    return targets;
-  }, "Maps op name -> {stage: capsule} for XLA:CPU: each execute stage runs the op's "
+  m.def("emu_cuda_targets", [] { return jaxcomm::cuda::StagesDict(jaxcomm::cuda_emu::EmulatedStages()); }, "Maps op name -> {stage: capsule} for XLA:CPU: each execute stage runs the op's "
      "initialize stage first (XLA:CPU runs none).");
 
   m.def("emu_cuda_local_targets", [] {
-    nb::dict targets;
-    for (const jaxcomm::cuda::LocalTarget* t = jaxcomm::cuda_emu::EmulatedLocalTargets(); t->op != nullptr; ++t) {
-      nb::dict d;
-      d["execute"] = nb::capsule(reinterpret_cast<void*>(t->execute));
-      targets[t->op] = d;
-    }
-    return targets;
+    return jaxcomm::cuda::LocalTargetsDict(jaxcomm::cuda_emu::EmulatedLocalTargets());
   }, "Maps op name -> {'execute': capsule} of the kernels called outside any group, their "
      "buffers staged in emulated device memory as the groups' are.");
 

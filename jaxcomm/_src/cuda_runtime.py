@@ -178,8 +178,7 @@ def serves(op: str, group_size: int | None, flavor: Flavor = GPU) -> bool:
     if op == "ragged_all_to_all":
         return False
     if op == "moe_transport":
-        return jax.process_count() == 1 or (_one_gpu_per_process_on_one_host() if flavor is GPU
-                                            else _one_gpu_per_process_on_one_host(flavor))
+        return jax.process_count() == 1 or _one_gpu_per_process_on_one_host(flavor)
     return True
 
 
@@ -366,8 +365,7 @@ def prepare_lowering(op: str, replica_groups: Sequence[Sequence[int]], axis_cont
     # partition's device alike wherever it was lowered (an executable compiled by one
     # process and loaded by the others, as jax's compilation cache does, finds its device).
     mesh_processes = {int(d.process_index) for d in np.asarray(axis_context.mesh.devices).reshape(-1)}
-    extra = {} if flavor is GPU else dict(flavor=flavor)
-    infos = process_info(set(peers) | mesh_processes, timeout_ms, **extra)
+    infos = process_info(set(peers) | mesh_processes, timeout_ms, flavor)
     pd = partition_devices(axis_context, infos)
     table = pd.reshape(-1, 2)
     me = jax.process_index()
@@ -381,7 +379,7 @@ def prepare_lowering(op: str, replica_groups: Sequence[Sequence[int]], axis_cont
         if name == ROUTE_IPC:
             bootstrap.ensure_linked(procs)
         elif name == ROUTE_NCCL:
-            _exchange_unique_id(group, pd, timeout_ms, **extra)
+            _exchange_unique_id(group, pd, timeout_ms, flavor)
     return pd
 
 

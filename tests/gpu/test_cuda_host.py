@@ -311,11 +311,11 @@ def test_prepare_lowering_links_ipc_groups_and_exchanges_nccl_ids(monkeypatch):
              2: dict(host="other", devices=[dict(id=2, ordinal=0, uuid="g2")])}
     monkeypatch.setattr(cuda_runtime.jax, "process_count", lambda: 3)
     monkeypatch.setattr(cuda_runtime.jax, "process_index", lambda: 0)
-    monkeypatch.setattr(cuda_runtime, "process_info", lambda procs, t: infos)
+    monkeypatch.setattr(cuda_runtime, "process_info", lambda procs, t, flavor: infos)
     linked, exchanged = [], []
     from jaxcomm._src import bootstrap
     monkeypatch.setattr(bootstrap, "ensure_linked", lambda procs: linked.append(set(procs)))
-    monkeypatch.setattr(cuda_runtime, "_exchange_unique_id", lambda g, pd, t: exchanged.append(tuple(g)))
+    monkeypatch.setattr(cuda_runtime, "_exchange_unique_id", lambda g, pd, t, flavor: exchanged.append(tuple(g)))
     monkeypatch.setattr(cuda_runtime, "one_rank_nccl", lambda: False)
     pd = cuda_runtime.prepare_lowering("ppermute", ((0, 1), (2,)), ctx, 1000)
     assert pd.tolist() == [0, 0, 1, 0, 2, 0]
@@ -417,9 +417,9 @@ def test_use_xla_on_gpu_routes_what_cuda_lacks(monkeypatch):
     assert common.use_xla("ragged_all_to_all", np.float32, group_size=4)
     assert not common.use_xla("moe_transport", np.float32, group_size=2)  # peers, one process
     monkeypatch.setattr(cuda_runtime.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(cuda_runtime, "_one_gpu_per_process_on_one_host", lambda: True)
+    monkeypatch.setattr(cuda_runtime, "_one_gpu_per_process_on_one_host", lambda flavor: True)
     assert not common.use_xla("moe_transport", np.float32, group_size=2)  # CUDA IPC
-    monkeypatch.setattr(cuda_runtime, "_one_gpu_per_process_on_one_host", lambda: False)
+    monkeypatch.setattr(cuda_runtime, "_one_gpu_per_process_on_one_host", lambda flavor: False)
     assert common.use_xla("moe_transport", np.float32, group_size=2)      # composed transport
     monkeypatch.setattr(cuda_runtime, "available", lambda: False)
     assert common.use_xla("all_reduce", np.float32)

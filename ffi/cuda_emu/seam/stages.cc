@@ -67,26 +67,33 @@ seam::CallKind KindOf(const char* op) {
   return seam::CallKind::kPlain;
 }
 
-// The initialize stage of op `i` on the call frame of its execute stage: the same
-// context (state, device), no arguments, results or attributes (it binds none); then the
-// execute stage on the call's buffers staged in emulated device memory (staging.h).
+// One emulated call of an execute stage: XLA's metadata query and any stage but execute
+// go to the handler alone. An execute stage runs, with the device ordinal mapped, first
+// the op's initialize stage (if it has one) on the same context (state, device) with no
+// arguments, results or attributes (it binds none), then the execute stage on the call's
+// buffers staged in emulated device memory (staging.h).
+XLA_FFI_Error* RunEmulated(XLA_FFI_CallFrame* frame, XLA_FFI_Handler* initialize, XLA_FFI_Handler* execute,
+                           seam::CallKind kind) {
+  if (MetadataQuery(frame) || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return execute(frame);
+  XLA_FFI_CallFrame call = *frame;
+  call.api = HandlerApi(frame->api);
+  if (initialize != nullptr) {
+    XLA_FFI_CallFrame init = call;
+    init.stage = XLA_FFI_ExecutionStage_INITIALIZE;
+    init.args.size = 0;
+    init.rets.size = 0;
+    init.attrs.size = 0;
+    init.future = nullptr;
+    if (XLA_FFI_Error* e = initialize(&init)) return e;
+  }
+  return seam::RunStaged(&call, kind, execute);
+}
+
+// Op `I`'s emulated execute stage (its initialize stage first: XLA:CPU runs none).
 template <int I>
 XLA_FFI_Error* InitializeThenExecute(XLA_FFI_CallFrame* frame) {
   const cuda::Stages& s = cuda::AllStages()[I];
-  // XLA's metadata query and any stage but execute: the handler's alone.
-  if (MetadataQuery(frame) || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) {
-    return s.execute(frame);
-  }
-  XLA_FFI_CallFrame call = *frame;
-  call.api = HandlerApi(frame->api);
-  XLA_FFI_CallFrame init = call;
-  init.stage = XLA_FFI_ExecutionStage_INITIALIZE;
-  init.args.size = 0;
-  init.rets.size = 0;
-  init.attrs.size = 0;
-  init.future = nullptr;
-  if (XLA_FFI_Error* e = s.initialize(&init)) return e;
-  return seam::RunStaged(&call, KindOf(s.op), s.execute);
+  return RunEmulated(frame, s.initialize, s.execute, KindOf(s.op));
 }
 
 template <int... I>
@@ -97,13 +104,7 @@ constexpr std::array<XLA_FFI_Handler*, kMaxOps> Table(std::integer_sequence<int,
 // A kernel outside any group, on its buffers staged as the groups' are.
 template <int I>
 XLA_FFI_Error* StagedLocal(XLA_FFI_CallFrame* frame) {
-  const cuda::LocalTarget& t = cuda::LocalTargets()[I];
-  if (MetadataQuery(frame) || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) {
-    return t.execute(frame);
-  }
-  XLA_FFI_CallFrame call = *frame;
-  call.api = HandlerApi(frame->api);
-  return seam::RunStaged(&call, seam::CallKind::kPlain, t.execute);
+  return RunEmulated(frame, nullptr, cuda::LocalTargets()[I].execute, seam::CallKind::kPlain);
 }
 
 template <int... I>
